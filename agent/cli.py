@@ -1,0 +1,157 @@
+"""The `mmtrace` command line."""
+
+import json
+import sys
+from dataclasses import dataclass
+
+import click
+
+from .errors import MmtraceError
+
+
+@dataclass
+class Context:
+    """Shared by every command (click's context object)."""
+    verbose: bool = False
+
+
+def _read(path):
+    from .recording import RecordingError, read_recording
+    try:
+        rec = read_recording(path)
+    except RecordingError as exc:
+        raise MmtraceError(str(exc)) from None
+    for warning in rec.warnings:
+        click.echo(f"mmtrace: warning: {warning}", err=True)
+    return rec
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", is_flag=True, help="Log more on stderr.")
+@click.version_option(package_name="mmtrace")
+@click.pass_context
+def cli(ctx, verbose):
+    """eBPF tracing and anomaly detection for multimodal inference hosts.
+
+    \b
+    Start with:
+      sudo mmtrace doctor                 what works on this host
+      sudo mmtrace record -o incident.mmtr --duration 30
+      mmtrace report incident.mmtr        what happened
+      mmtrace export incident.mmtr --format chrome -o incident.json
+    """
+    ctx.obj = Context(verbose=verbose)
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def doctor(as_json):
+    """Check what tracing needs on this host, and how to fix what is missing.
+
+    Exit status 0 when tracing can run, 1 when it cannot.
+
+    \b
+    Example:
+      sudo mmtrace doctor
+      sudo mmtrace doctor --json | jq '.checks[] | select(.ok | not)'
+    """
+    from . import doctor as doctor_checks
+    results = doctor_checks.run_checks()
+    ready = doctor_checks.tracing_ready(results)
+    if as_json:
+        click.echo(json.dumps({"ready": ready, "checks": [r.as_dict() for r in results]},
+                              indent=2))
+    else:
+        click.echo(doctor_checks.format_text(results, ready))
+    sys.exit(0 if ready else 1)
+
+
+def _positive(ctx, param, value):
+    if value is not None and value <= 0:
+        raise click.BadParameter(f"must be a positive number of seconds, got {value}")
+    return value
+
+
+@cli.command()
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, writable=True),
+              help="Recording file to write.")
+@click.option("--duration", type=float, default=None, callback=_positive,
+              help="Seconds to record; default: until Ctrl-C or SIGTERM.")
+@click.option("--pid", "pids", type=click.IntRange(min=1), multiple=True,
+              help="Only these processes (all their threads); repeatable.")
+@click.option("--lib", "libs", type=click.Path(exists=True, dir_okay=False), multiple=True,
+              help="Also probe this library or executable; repeatable.")
+def record(output, duration, pids, libs):
+    """Record the CPU, GPU and NPU streams to a file for later analysis.
+
+    A progress line on stderr shows elapsed time, events and losses.
+    Ctrl-C or SIGTERM closes the file cleanly (exit 0). Needs root.
+
+    \b
+    Examples:
+      sudo mmtrace record -o incident.mmtr --duration 30
+      sudo mmtrace record -o server.mmtr --pid 4242 --pid 4243
+    """
+    import os
+    from . import record as recorder
+    for pid in pids:
+        if not os.path.exists(f"/proc/{pid}"):
+            raise MmtraceError(f"--pid {pid}: no such process")
+    result = recorder.record(output, duration, pids=pids, progress=recorder.Progress())
+    click.echo(f"wrote {output}: {result.events:,} events, {result.lost:,} lost, "
+               f"{result.duration_s:.1f} s", err=True)
+
+
+@cli.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def report(file, as_json):
+    """Summarise a recording: events, losses, run-queue delay, top ops, anomalies.
+
+    \b
+    Examples:
+      mmtrace report incident.mmtr
+      mmtrace report incident.mmtr --json | jq .runq.p99_us
+    """
+    from .report import format_text, summarize
+    summary = summarize(_read(file))
+    click.echo(json.dumps(summary, indent=2) if as_json else format_text(summary))
+
+
+@cli.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--format", "fmt", required=True,
+              type=click.Choice(["jsonl", "perfetto", "chrome"]),
+              help="jsonl: one event per line; chrome/perfetto: a trace for Perfetto UI.")
+@click.option("-o", "--output", required=True,
+              help="File to write, or - for standard output (jsonl only).")
+def export(file, fmt, output):
+    """Convert a recording to JSON Lines or a trace for Perfetto.
+
+    \b
+    Examples:
+      mmtrace export incident.mmtr --format jsonl -o - | head
+      mmtrace export incident.mmtr --format chrome -o incident.json
+    """
+    from mmtrace.exporters.chrome import write_chrome
+    from mmtrace.exporters.jsonl import write_jsonl
+    if output == "-" and fmt != "jsonl":
+        raise MmtraceError(f"-o - writes jsonl only; --format {fmt} needs a file")
+    rec = _read(file)
+    writer = write_jsonl if fmt == "jsonl" else write_chrome
+    if output == "-":
+        try:
+            writer(rec.events, sys.stdout)
+        except BrokenPipeError:
+            sys.stderr.close()  # reader went away (e.g. `| head`): not an error
+        return
+    try:
+        with open(output, "w") as out:
+            n = writer(rec.events, out)
+    except OSError as exc:
+        raise MmtraceError(f"cannot write {output}: {exc.strerror}") from None
+    click.echo(f"wrote {output}: {n:,} events", err=True)
+
+
+def main():
+    cli(prog_name="mmtrace")

@@ -1,0 +1,172 @@
+"""Compile and load the eBPF programs as one object, so that every stream
+shares the per-thread maps (the GPU/NPU probes read the scheduler's), and
+hand out batch readers for their ring buffers."""
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from mmtrace import bpf as bpf_sources
+from mmtrace.bpf import counters as bpf_counters
+from mmtrace.bpf import sched as sched_stream
+
+from .errors import MmtraceError
+from .layout import LayoutMismatch, check_layout
+from .privileges import can_load_bpf
+from .ringbuf import RingReader
+
+log = logging.getLogger(__name__)
+
+TRACEFS_EVENTS = (Path("/sys/kernel/debug/tracing/events"),
+                  Path("/sys/kernel/tracing/events"))
+
+
+@dataclass
+class StreamRing:
+    stream: str
+    reader: RingReader
+
+
+@dataclass
+class ProbeOptions:
+    pids: tuple[int, ...] = ()
+    runq_ringbuf_pages: int = 4096      # 16 MiB: ~300k runq records
+    max_threads: int = 65536
+    extra_cflags: tuple[str, ...] = ()
+
+
+def import_bcc():
+    try:
+        import bcc  # noqa: F401  (Debian's python3-bpfcc)
+    except ImportError as exc:
+        raise MmtraceError(
+            "the bcc Python module is not importable: install Debian's python3-bpfcc "
+            "and use a virtual environment made with --system-site-packages "
+            f"(scripts/setup does both); import said: {exc}") from None
+    return bcc
+
+
+def require_privileges():
+    if not can_load_bpf():
+        raise MmtraceError(
+            "loading eBPF needs root, or CAP_BPF with CAP_PERFMON; "
+            "run it with sudo (mmtrace doctor lists what else is missing)")
+
+
+def require_tracefs():
+    if not any((p / "sched" / "sched_switch").exists() for p in TRACEFS_EVENTS):
+        raise MmtraceError(
+            "tracefs is not mounted (no /sys/kernel/debug/tracing/events/sched): "
+            "mount -t tracefs nodev /sys/kernel/tracing; "
+            "mount -t debugfs nodev /sys/kernel/debug")
+
+
+@dataclass
+class LoadedProbes:
+    bpf: object
+    rings: list[StreamRing] = field(default_factory=list)
+
+    def read(self) -> dict[str, np.ndarray]:
+        """One batch from every ring; streams with nothing new are left out."""
+        out = {}
+        for ring in self.rings:
+            batch = ring.reader.read()
+            if len(batch):
+                out[ring.stream] = batch
+        return out
+
+    def counters(self) -> dict[str, int]:
+        return bpf_counters.read_counters(self.bpf["counters"])
+
+    def runq_hist(self) -> list[int]:
+        return sched_stream.hist_from_table(self.bpf[sched_stream.HIST_MAP])
+
+    def learn_threads(self, tid_to_tgid: dict[int, int]):
+        """Tell the kernel the process of threads it has not seen switch out."""
+        table = self.bpf["thread_tgid"]
+        for tid, tgid in tid_to_tgid.items():
+            table[table.Key(tid)] = table.Leaf(tgid)
+
+    def close(self):
+        for ring in self.rings:
+            ring.reader.close()
+        self.rings.clear()
+        if self.bpf is not None:
+            self.bpf.cleanup()
+            self.bpf = None
+
+
+def program_text(options: ProbeOptions) -> str:
+    parts = [bpf_sources.source("common.h"), bpf_sources.source(sched_stream.SOURCE)]
+    return "\n".join(parts)
+
+
+def cflags(options: ProbeOptions) -> list[str]:
+    flags = [
+        f"-DMMTRACE_MAX_THREADS={options.max_threads}",
+        f"-DMMTRACE_RUNQ_RINGBUF_PAGES={options.runq_ringbuf_pages}",
+        "-Wno-macro-redefined",
+    ]
+    return flags + list(options.extra_cflags)
+
+
+def threads_of(pid: int, proc_root: Path = Path("/proc")) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(proc_root / str(pid) / "task")]
+    except OSError:
+        return []
+
+
+def load(options: ProbeOptions = ProbeOptions()) -> LoadedProbes:
+    """Compile, load and attach the scheduler program; raise MmtraceError
+    with the reason when this host cannot."""
+    require_privileges()
+    require_tracefs()
+    bcc = import_bcc()
+    pages = options.runq_ringbuf_pages
+    if pages <= 0 or pages & (pages - 1):
+        raise MmtraceError(f"ring buffer pages must be a power of two, got {pages}")
+    try:
+        program = bcc.BPF(text=program_text(options), cflags=cflags(options))
+    except Exception as exc:  # bcc raises bare Exception on compile/attach failure
+        raise MmtraceError(
+            f"the eBPF programs did not load ({exc}); "
+            "run `mmtrace doctor` for kernel headers and tracefs") from None
+    probes = LoadedProbes(bpf=program)
+    try:
+        check_layout("runq_event", sched_stream.RUNQ_EVENT,
+                     program[sched_stream.LAYOUT_MAP].Leaf)
+        if len(program["counters"]) != len(bpf_counters.COUNTER_NAMES):
+            raise LayoutMismatch(
+                f"counters: expected {len(bpf_counters.COUNTER_NAMES)} entries, "
+                f"the compiled program has {len(program['counters'])}")
+        _set_scope(program, options.pids)
+        ring = program[sched_stream.RINGBUF]
+        size = pages * 4096 if ring.max_entries == 0 else ring.max_entries
+        probes.rings.append(StreamRing(
+            "cpu", RingReader(ring.map_fd, size, sched_stream.RUNQ_EVENT)))
+    except LayoutMismatch as exc:
+        probes.close()
+        raise MmtraceError(str(exc)) from None
+    except BaseException:
+        probes.close()
+        raise
+    return probes
+
+
+def _set_scope(program, pids):
+    settings = program["settings"]
+    leaf = settings.Leaf()
+    leaf.filter_pids = 1 if pids else 0
+    settings[settings.Key(0)] = leaf
+    if not pids:
+        return
+    scope = program["scope_tgids"]
+    threads = program["thread_tgid"]
+    for pid in pids:
+        scope[scope.Key(pid)] = scope.Leaf(1)
+        for tid in threads_of(pid):
+            threads[threads.Key(tid)] = threads.Leaf(pid)

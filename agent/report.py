@@ -1,0 +1,123 @@
+"""`mmtrace report`: a summary of one recording, as text or JSON."""
+
+import numpy as np
+
+from .recording import Recording
+
+
+def log2_buckets_us(delays_ns: np.ndarray) -> np.ndarray:
+    """runqlat's bucket index per value: 0 for 0–1 µs, k for [2^k, 2^(k+1)) µs."""
+    us = delays_ns // 1000
+    _, exponent = np.frexp(np.maximum(us, 1).astype(np.float64))
+    return np.where(us < 2, 0, exponent - 1).astype(np.int64)
+
+
+def log2_hist(delays_ns: np.ndarray) -> list[dict]:
+    if len(delays_ns) == 0:
+        return []
+    counts = np.bincount(log2_buckets_us(delays_ns))
+    return [{"low_us": 0 if k == 0 else 1 << k, "high_us": (1 << (k + 1)) - 1,
+             "count": int(c)} for k, c in enumerate(counts)]
+
+
+def runq_summary(runq: np.ndarray) -> dict:
+    delays = runq["delay_ns"] if len(runq) else np.empty(0, np.uint64)
+    out = {"count": int(len(delays)), "p50_us": None, "p99_us": None, "max_us": None,
+           "hist_log2_us": log2_hist(delays)}
+    if len(delays):
+        p50, p99 = np.percentile(delays, [50, 99])
+        out.update(p50_us=round(float(p50) / 1e3, 3), p99_us=round(float(p99) / 1e3, 3),
+                   max_us=round(float(delays.max()) / 1e3, 3))
+    return out
+
+
+def top_threads(runq: np.ndarray, limit: int = 10) -> list[dict]:
+    """Threads with the largest total run-queue delay."""
+    if len(runq) == 0:
+        return []
+    tids, inverse = np.unique(runq["tid"], return_inverse=True)
+    total = np.bincount(inverse, weights=runq["delay_ns"].astype(np.float64))
+    count = np.bincount(inverse)
+    order = np.argsort(total)[::-1][:limit]
+    first = np.zeros(len(tids), dtype=np.int64)
+    first[inverse[::-1]] = np.arange(len(runq))[::-1]
+    out = []
+    for i in order:
+        row = runq[first[i]]
+        out.append({"pid": int(row["pid"]), "tid": int(tids[i]),
+                    "comm": row["comm"].decode(errors="replace"),
+                    "count": int(count[i]), "total_ms": round(float(total[i]) / 1e6, 3)})
+    return out
+
+
+def duration_s(rec: Recording) -> float:
+    if rec.footer and "duration_s" in rec.footer:
+        return float(rec.footer["duration_s"])
+    stamps = [a["ts_ns"] for a in rec.events.values() if len(a)]
+    if not stamps:
+        return 0.0
+    lo = min(int(s.min()) for s in stamps)
+    hi = max(int(s.max()) for s in stamps)
+    return (hi - lo) / 1e9
+
+
+def lost_events(rec: Recording) -> int:
+    if rec.footer and "lost_events" in rec.footer:
+        return int(rec.footer["lost_events"])
+    return 0
+
+
+def summarize(rec: Recording) -> dict:
+    runq = rec.events.get("cpu.runq", np.empty(0))
+    return {
+        "file": str(rec.path),
+        "format_version": "%d.%d" % rec.version,
+        "complete": rec.complete,
+        "warnings": list(rec.warnings),
+        "duration_s": round(duration_s(rec), 6),
+        "events": {name: int(len(a)) for name, a in rec.events.items()},
+        "lost_events": lost_events(rec),
+        "kernel_counters": (rec.footer or {}).get("counters", {}),
+        "runq": runq_summary(runq),
+        "top_runq_threads": top_threads(runq),
+        "ops": [],
+        "anomalies": [],
+    }
+
+
+def format_text(summary: dict) -> str:
+    lines = [f"recording   {summary['file']} (format {summary['format_version']}"
+             f"{'' if summary['complete'] else ', cut short'})",
+             f"duration    {summary['duration_s']:.3f} s",
+             f"lost        {summary['lost_events']:,} events"]
+    for name, count in summary["events"].items():
+        lines.append(f"events      {name:<20} {count:>12,}")
+    runq = summary["runq"]
+    lines.append("")
+    if runq["count"]:
+        lines.append(f"run-queue delay: {runq['count']:,} wake-ups, p50 {runq['p50_us']} µs, "
+                     f"p99 {runq['p99_us']} µs, max {runq['max_us']} µs")
+        lines.extend(hist_lines(runq["hist_log2_us"]))
+    else:
+        lines.append("run-queue delay: no events")
+    if summary["top_runq_threads"]:
+        lines.append("")
+        lines.append(f"{'pid':>8} {'tid':>8} {'comm':<16} {'wake-ups':>9} {'total ms':>10}")
+        for t in summary["top_runq_threads"]:
+            lines.append(f"{t['pid']:>8} {t['tid']:>8} {t['comm']:<16} {t['count']:>9} "
+                         f"{t['total_ms']:>10.3f}")
+    lines.append("")
+    lines.append(f"anomalies: {len(summary['anomalies'])}")
+    for anomaly in summary["anomalies"]:
+        lines.append(f"  {anomaly}")
+    return "\n".join(lines)
+
+
+def hist_lines(buckets: list[dict], width: int = 40) -> list[str]:
+    """The histogram drawn as runqlat draws it."""
+    peak = max((b["count"] for b in buckets), default=0) or 1
+    out = [f"{'usecs':>19}{'':7}: count     distribution"]
+    for b in buckets:
+        stars = "*" * int(b["count"] * width / peak)
+        out.append(f"{b['low_us']:>10} -> {b['high_us']:<10}: {b['count']:<8} |{stars:<{width}}|")
+    return out

@@ -1,0 +1,67 @@
+/* Shared by every mmtrace eBPF program: event layouts, loss counters and
+ * the scope filter. The Python decoders beside each program describe the same
+ * layouts as numpy dtypes and check them against the compiled program at
+ * load time, so a change here that is not mirrored there fails loudly. */
+#include <uapi/linux/ptrace.h>
+
+#ifndef MMTRACE_MAX_THREADS
+#define MMTRACE_MAX_THREADS 65536
+#endif
+#ifndef MMTRACE_MAX_SCOPE
+#define MMTRACE_MAX_SCOPE 4096
+#endif
+
+/* Counters of everything the kernel side could not do. Indices are part of
+ * the layout: bpf/counters.py names them in the same order. */
+enum mmtrace_counter {
+    CNT_RINGBUF_FULL_CPU = 0,   /* runq event dropped: ring buffer full */
+    CNT_ENQUEUE_MAP_FULL,       /* wake-up not stored: map full */
+    CNT_THREAD_MAP_FULL,        /* thread -> process entry not stored */
+    CNT_NEGATIVE_DELTA,         /* switch-in earlier than its wake-up */
+    CNT_RUNQ_EVENTS,            /* runq events emitted (in scope) */
+    CNT_RINGBUF_FULL_DEV,       /* device event dropped: ring buffer full */
+    CNT_CALL_MAP_FULL,          /* call in flight not stored: map full */
+    CNT_USER_READ_FAILED,       /* user memory could not be read */
+    CNT_DEV_EVENTS,             /* device events emitted */
+    CNT_RETURN_WITHOUT_ENTRY,   /* uretprobe whose entry was not seen */
+    MMTRACE_N_COUNTERS
+};
+
+BPF_PERCPU_ARRAY(counters, u64, MMTRACE_N_COUNTERS);
+
+static __always_inline void count(u32 which)
+{
+    u64 *v = counters.lookup(&which);
+    if (v)
+        (*v)++;
+}
+
+struct settings {
+    u32 filter_pids;    /* 0: every process is in scope */
+    u32 reserved;
+};
+BPF_ARRAY(settings, struct settings, 1);
+
+/* Processes in scope when filter_pids is set; threads are mapped to their
+ * process through thread_tgid below. */
+BPF_HASH(scope_tgids, u32, u8, MMTRACE_MAX_SCOPE);
+
+/* thread id -> process id, learnt while a thread is current and at clone. */
+BPF_HASH(thread_tgid, u32, u32, MMTRACE_MAX_THREADS);
+
+static __always_inline int tgid_in_scope(u32 tgid)
+{
+    u32 zero = 0;
+    struct settings *s = settings.lookup(&zero);
+    if (!s || !s->filter_pids)
+        return 1;
+    return tgid && scope_tgids.lookup(&tgid) != 0;
+}
+
+/* The latest run-queue delay of a thread; GPU/NPU probes stamp it onto
+ * each submission of that thread. */
+struct last_runq {
+    u64 delay_ns;
+    u64 ts_ns;          /* when the thread got the CPU after that delay */
+};
+BPF_HASH(thread_last_runq, u32, struct last_runq, MMTRACE_MAX_THREADS);

@@ -1,0 +1,41 @@
+"""Names of the in-kernel loss and activity counters (common.h's enum)."""
+
+COUNTER_NAMES = (
+    "ringbuf_full_cpu",
+    "enqueue_map_full",
+    "thread_map_full",
+    "negative_delta",
+    "runq_events",
+    "ringbuf_full_dev",
+    "call_map_full",
+    "user_read_failed",
+    "dev_events",
+    "return_without_entry",
+)
+
+# Counters that mean an event or a fact was lost, not merely counted.
+LOSS_COUNTERS = (
+    "ringbuf_full_cpu",
+    "enqueue_map_full",
+    "thread_map_full",
+    "negative_delta",
+    "ringbuf_full_dev",
+    "call_map_full",
+    "user_read_failed",
+)
+
+
+def read_counters(table) -> dict[str, int]:
+    """Sum a per-CPU counter array; never clears it (other readers share it)."""
+    if len(table) != len(COUNTER_NAMES):
+        raise RuntimeError(
+            f"counters map: expected {len(COUNTER_NAMES)} entries, "
+            f"the compiled program has {len(table)}")
+    totals = {}
+    for index, name in enumerate(COUNTER_NAMES):
+        totals[name] = int(sum(table[table.Key(index)]))
+    return totals
+
+
+def total_lost(counters: dict[str, int]) -> int:
+    return sum(counters.get(name, 0) for name in LOSS_COUNTERS)

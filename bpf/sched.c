@@ -1,0 +1,135 @@
+/* CPU stream: run-queue delay per thread from the classic scheduler
+ * tracepoints. Arguments are read through each tracepoint's format, never
+ * through struct task_struct, so headers that do not match the running
+ * kernel cannot corrupt it. Decoded by bpf/sched.py. */
+
+#ifndef MMTRACE_RUNQ_RINGBUF_PAGES
+#define MMTRACE_RUNQ_RINGBUF_PAGES 4096
+#endif
+
+struct runq_event {
+    u64 ts_ns;          /* switch-in, CLOCK_MONOTONIC */
+    u64 delay_ns;       /* wake-up (or preemption) to switch-in */
+    u32 pid;            /* process; 0 when the kernel has not learnt it */
+    u32 tid;
+    u32 cpu;
+    u32 prev_tid;       /* the thread that gave up the CPU */
+    char comm[16];
+};
+
+/* Checked against the numpy dtype at load time; never written. */
+BPF_ARRAY(layout_runq_event, struct runq_event, 1);
+
+BPF_HASH(runq_enqueued, u32, u64, MMTRACE_MAX_THREADS);
+/* log2 histogram of delays in microseconds, runqlat's buckets. */
+BPF_PERCPU_ARRAY(runq_hist_log2_us, u64, 64);
+BPF_RINGBUF_OUTPUT(runq_events, MMTRACE_RUNQ_RINGBUF_PAGES);
+
+static __always_inline void runq_enqueue(u32 tid, u64 now)
+{
+    if (tid == 0)
+        return;
+    if (runq_enqueued.update(&tid, &now) != 0)
+        count(CNT_ENQUEUE_MAP_FULL);
+}
+
+TRACEPOINT_PROBE(sched, sched_wakeup)
+{
+    runq_enqueue(args->pid, bpf_ktime_get_ns());
+    return 0;
+}
+
+TRACEPOINT_PROBE(sched, sched_wakeup_new)
+{
+    runq_enqueue(args->pid, bpf_ktime_get_ns());
+    return 0;
+}
+
+/* New threads join their creator's process; new processes are their own. */
+TRACEPOINT_PROBE(task, task_newtask)
+{
+    u32 tid = args->pid;
+    u32 tgid = tid;
+    if (args->clone_flags & 0x00010000 /* CLONE_THREAD */)
+        tgid = bpf_get_current_pid_tgid() >> 32;
+    if (thread_tgid.update(&tid, &tgid) != 0)
+        count(CNT_THREAD_MAP_FULL);
+    return 0;
+}
+
+/* Freed tasks never run again: drop their entries so maps stay bounded. */
+TRACEPOINT_PROBE(sched, sched_process_free)
+{
+    u32 tid = args->pid;
+    runq_enqueued.delete(&tid);
+    thread_last_runq.delete(&tid);
+    thread_tgid.delete(&tid);
+    return 0;
+}
+
+TRACEPOINT_PROBE(sched, sched_switch)
+{
+    u64 now = bpf_ktime_get_ns();
+    u32 prev = args->prev_pid;
+
+    if (prev != 0) {
+        /* prev is still current: the one moment its process id is known. */
+        if (!thread_tgid.lookup(&prev)) {
+            u32 tgid = bpf_get_current_pid_tgid() >> 32;
+            if (thread_tgid.update(&prev, &tgid) != 0)
+                count(CNT_THREAD_MAP_FULL);
+        }
+        /* Preempted or yielding: still runnable, so it waits again. The
+         * TASK_REPORT_MAX bit (0x100, "R+") marks preemption. */
+        if ((args->prev_state & 0xff) == 0)
+            runq_enqueue(prev, now);
+    }
+
+    u32 next = args->next_pid;
+    if (next == 0)
+        return 0;
+    u64 *enq = runq_enqueued.lookup(&next);
+    if (!enq)
+        return 0;       /* woken before tracing began */
+    u64 start = *enq;
+    runq_enqueued.delete(&next);
+    if (now < start) {
+        count(CNT_NEGATIVE_DELTA);
+        return 0;
+    }
+    u64 delay = now - start;
+
+    u32 *tgidp = thread_tgid.lookup(&next);
+    u32 tgid = tgidp ? *tgidp : 0;
+    if (!tgid_in_scope(tgid))
+        return 0;
+
+    struct last_runq last = { .delay_ns = delay, .ts_ns = now };
+    thread_last_runq.update(&next, &last);
+
+    u32 slot = bpf_log2l(delay / 1000);
+    if (slot > 0)
+        slot--;         /* bpf_log2l(0) == bpf_log2l(1) == 1 */
+    if (slot > 63)
+        slot = 63;
+    u64 *bucket = runq_hist_log2_us.lookup(&slot);
+    if (bucket)
+        (*bucket)++;
+
+    struct runq_event *ev = runq_events.ringbuf_reserve(sizeof(*ev));
+    if (!ev) {
+        count(CNT_RINGBUF_FULL_CPU);
+        return 0;
+    }
+    ev->ts_ns = now;
+    ev->delay_ns = delay;
+    ev->pid = tgid;
+    ev->tid = next;
+    ev->cpu = bpf_get_smp_processor_id();
+    ev->prev_tid = prev;
+    bpf_probe_read_kernel(&ev->comm, sizeof(ev->comm), args->next_comm);
+    /* The consumer drains on a timer: no wake-up per event. */
+    runq_events.ringbuf_submit(ev, BPF_RB_NO_WAKEUP);
+    count(CNT_RUNQ_EVENTS);
+    return 0;
+}

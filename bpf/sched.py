@@ -1,0 +1,24 @@
+"""CPU stream: decoder for bpf/sched.c."""
+
+import numpy as np
+
+SOURCE = "sched.c"
+RINGBUF = "runq_events"
+LAYOUT_MAP = "layout_runq_event"
+HIST_MAP = "runq_hist_log2_us"
+
+# Mirrors struct runq_event; checked against the compiled layout at load time.
+RUNQ_EVENT = np.dtype([
+    ("ts_ns", "<u8"),
+    ("delay_ns", "<u8"),
+    ("pid", "<u4"),
+    ("tid", "<u4"),
+    ("cpu", "<u4"),
+    ("prev_tid", "<u4"),
+    ("comm", "S16"),
+])
+
+
+def hist_from_table(table) -> list[int]:
+    """The in-kernel log2 histogram (per-CPU sums), index k = [2^k, 2^(k+1)) µs."""
+    return [int(sum(table[table.Key(k)])) for k in range(len(table))]
