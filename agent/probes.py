@@ -158,15 +158,16 @@ def load(options: ProbeOptions = ProbeOptions()) -> LoadedProbes:
 
 
 def _set_scope(program, pids):
-    settings = program["settings"]
-    leaf = settings.Leaf()
-    leaf.filter_pids = 1 if pids else 0
-    settings[settings.Key(0)] = leaf
-    if not pids:
-        return
+    """Fill the scope, then mark it configured: the programs trace nothing
+    until then, so no event from outside the scope slips in at start."""
     scope = program["scope_tgids"]
     threads = program["thread_tgid"]
     for pid in pids:
         scope[scope.Key(pid)] = scope.Leaf(1)
         for tid in threads_of(pid):
             threads[threads.Key(tid)] = threads.Leaf(pid)
+    settings = program["settings"]
+    leaf = settings.Leaf()
+    leaf.filter_pids = 1 if pids else 0
+    leaf.configured = 1
+    settings[settings.Key(0)] = leaf

@@ -11,14 +11,12 @@ hands the space back to the kernel.
 """
 
 import mmap
-import struct
 
 import numpy as np
 
 BUSY_BIT = 1 << 31
 DISCARD_BIT = 1 << 30
 HEADER_SIZE = 8
-_POS = struct.Struct("<Q")
 
 
 class RingLayoutError(RuntimeError):
@@ -50,6 +48,12 @@ class RingReader:
                                    mmap.PROT_READ | mmap.PROT_WRITE, offset=0)
         self._producer = mmap.mmap(map_fd, page + 2 * size, mmap.MAP_SHARED,
                                    mmap.PROT_READ, offset=page)
+        # The positions are read and written as whole aligned 8-byte words
+        # through numpy views. struct.pack_into stores byte by byte, and the
+        # kernel reading a half-written consumer position in the middle of a
+        # carry sees it far behind and refuses new records as "full".
+        self._consumer_pos_word = np.frombuffer(self._consumer, "<u8", 1, 0)
+        self._producer_pos_word = np.frombuffer(self._producer, "<u8", 1, 0)
         self.records_read = 0
         self.batches = 0
 
@@ -57,10 +61,10 @@ class RingReader:
         return self._producer_pos() - self._consumer_pos()
 
     def _consumer_pos(self) -> int:
-        return _POS.unpack_from(self._consumer, 0)[0]
+        return int(self._consumer_pos_word[0])
 
     def _producer_pos(self) -> int:
-        return _POS.unpack_from(self._producer, 0)[0]
+        return int(self._producer_pos_word[0])
 
     def read(self, max_records: int | None = None) -> np.ndarray:
         """Take every committed record available now (a copy), oldest first."""
@@ -90,12 +94,13 @@ class RingReader:
         if discarded.any():
             batch = batch[~discarded]
         # Release the space only after the copy: the kernel may reuse it.
-        _POS.pack_into(self._consumer, 0, cons + ready * self.stride)
+        self._consumer_pos_word[0] = cons + ready * self.stride
         self.records_read += len(batch)
         self.batches += 1
         return batch
 
     def close(self):
+        del self._consumer_pos_word, self._producer_pos_word
         for m in (self._consumer, self._producer):
             try:
                 m.close()

@@ -17,7 +17,7 @@ enum mmtrace_counter {
     CNT_RINGBUF_FULL_CPU = 0,   /* runq event dropped: ring buffer full */
     CNT_ENQUEUE_MAP_FULL,       /* wake-up not stored: map full */
     CNT_THREAD_MAP_FULL,        /* thread -> process entry not stored */
-    CNT_NEGATIVE_DELTA,         /* switch-in earlier than its wake-up */
+    CNT_NEGATIVE_DELTA,         /* switch-in stamped before its wake-up: delay 0 */
     CNT_RUNQ_EVENTS,            /* runq events emitted (in scope) */
     CNT_RINGBUF_FULL_DEV,       /* device event dropped: ring buffer full */
     CNT_CALL_MAP_FULL,          /* call in flight not stored: map full */
@@ -37,8 +37,9 @@ static __always_inline void count(u32 which)
 }
 
 struct settings {
+    u32 configured;     /* 0 until userspace has set the scope: nothing is traced
+                         * in the moment between attaching and configuring */
     u32 filter_pids;    /* 0: every process is in scope */
-    u32 reserved;
 };
 BPF_ARRAY(settings, struct settings, 1);
 
@@ -53,7 +54,9 @@ static __always_inline int tgid_in_scope(u32 tgid)
 {
     u32 zero = 0;
     struct settings *s = settings.lookup(&zero);
-    if (!s || !s->filter_pids)
+    if (!s || !s->configured)
+        return 0;
+    if (!s->filter_pids)
         return 1;
     return tgid && scope_tgids.lookup(&tgid) != 0;
 }

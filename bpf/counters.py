@@ -18,7 +18,6 @@ LOSS_COUNTERS = (
     "ringbuf_full_cpu",
     "enqueue_map_full",
     "thread_map_full",
-    "negative_delta",
     "ringbuf_full_dev",
     "call_map_full",
     "user_read_failed",

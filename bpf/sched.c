@@ -93,11 +93,14 @@ TRACEPOINT_PROBE(sched, sched_switch)
         return 0;       /* woken before tracing began */
     u64 start = *enq;
     runq_enqueued.delete(&next);
-    if (now < start) {
+    /* The waker stamps the wake-up after the task is already runnable, so
+     * another CPU can switch it in a moment before that stamp: it waited
+     * no time at all. */
+    u64 delay = 0;
+    if (now >= start)
+        delay = now - start;
+    else
         count(CNT_NEGATIVE_DELTA);
-        return 0;
-    }
-    u64 delay = now - start;
 
     u32 *tgidp = thread_tgid.lookup(&next);
     u32 tgid = tgidp ? *tgidp : 0;

@@ -1,0 +1,31 @@
+"""Build the C workloads and stand-ins that tests and benchmarks run."""
+
+import hashlib
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOADS = ROOT / "tests" / "workloads"
+BUILD = ROOT / "tests" / "_build"
+
+
+def build(source: Path, *, shared: bool = False, flags=(), out_dir: Path = BUILD,
+          name: str | None = None) -> Path:
+    """Compile `source` (cached by content and flags); return the binary."""
+    source = Path(source)
+    flags = list(flags)
+    digest = hashlib.sha1(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:10]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = name or source.stem
+    out = out_dir / (f"lib{stem}-{digest}.so" if shared else f"{stem}-{digest}")
+    if not out.exists():
+        cmd = ["gcc", "-O2", "-g", "-pthread", "-o", str(out) + ".tmp", str(source)]
+        if shared:
+            cmd[1:1] = ["-shared", "-fPIC"]
+        subprocess.run(cmd + flags, check=True, capture_output=True, text=True)
+        Path(str(out) + ".tmp").rename(out)
+    return out
+
+
+def workload(name: str) -> Path:
+    return build(WORKLOADS / f"{name}.c")
