@@ -10,7 +10,10 @@ from pathlib import Path
 import numpy as np
 
 from mmtrace import bpf as bpf_sources
+from mmtrace.bpf import ascend as ascend_stream
 from mmtrace.bpf import counters as bpf_counters
+from mmtrace.bpf import cuda as cuda_stream
+from mmtrace.bpf import device as device_stream
 from mmtrace.bpf import sched as sched_stream
 
 from .errors import MmtraceError
@@ -36,6 +39,10 @@ class ProbeOptions:
     runq_ringbuf_pages: int = 4096      # 16 MiB: ~300k runq records
     max_threads: int = 65536
     extra_cflags: tuple[str, ...] = ()
+    device: bool = True                 # compile the GPU/NPU programs
+    dev_ringbuf_pages: int = 2048       # 8 MiB: ~40k device records
+    max_calls_in_flight: int = 16384
+    trace_launches: bool = True         # False: the adaptive mode, per-launch probes off
 
 
 def import_bcc():
@@ -68,6 +75,7 @@ def require_tracefs():
 class LoadedProbes:
     bpf: object
     rings: list[StreamRing] = field(default_factory=list)
+    device: object = None       # agent.device_probes.DeviceProbes: uprobes per library
 
     def read(self) -> dict[str, np.ndarray]:
         """One batch from every ring; streams with nothing new are left out."""
@@ -91,6 +99,9 @@ class LoadedProbes:
             table[table.Key(tid)] = table.Leaf(tgid)
 
     def close(self):
+        if self.device is not None:
+            self.device.close()
+            self.device = None
         for ring in self.rings:
             ring.reader.close()
         self.rings.clear()
@@ -100,7 +111,13 @@ class LoadedProbes:
 
 
 def program_text(options: ProbeOptions) -> str:
-    parts = [bpf_sources.source("common.h"), bpf_sources.source(sched_stream.SOURCE)]
+    """One compilation unit: the device programs read the scheduler's
+    per-thread maps, and sched.c forgets a freed thread's device calls."""
+    parts = [bpf_sources.source("common.h"), bpf_sources.source(device_stream.HEADER),
+             bpf_sources.source(sched_stream.SOURCE)]
+    if options.device:
+        parts += [bpf_sources.source(cuda_stream.SOURCE), bpf_sources.source(ascend_stream.SOURCE),
+                  device_stream.default_table().generated_programs()]
     return "\n".join(parts)
 
 
@@ -108,6 +125,9 @@ def cflags(options: ProbeOptions) -> list[str]:
     flags = [
         f"-DMMTRACE_MAX_THREADS={options.max_threads}",
         f"-DMMTRACE_RUNQ_RINGBUF_PAGES={options.runq_ringbuf_pages}",
+        f"-DMMTRACE_DEV_RINGBUF_PAGES={options.dev_ringbuf_pages}",
+        f"-DMMTRACE_MAX_CALLS={options.max_calls_in_flight}",
+        f"-DMMTRACE_CALL_SLOTS={device_stream.default_table().call_slots}",
         "-Wno-macro-redefined",
     ]
     return flags + list(options.extra_cflags)
@@ -121,14 +141,17 @@ def threads_of(pid: int, proc_root: Path = Path("/proc")) -> list[int]:
 
 
 def load(options: ProbeOptions = ProbeOptions()) -> LoadedProbes:
-    """Compile, load and attach the scheduler program; raise MmtraceError
-    with the reason when this host cannot."""
+    """Compile, load and attach the scheduler program, and ready the GPU/NPU
+    programs (attached per library through `probes.device`); raise
+    MmtraceError with the reason when this host cannot."""
     require_privileges()
     require_tracefs()
     bcc = import_bcc()
     pages = options.runq_ringbuf_pages
-    if pages <= 0 or pages & (pages - 1):
-        raise MmtraceError(f"ring buffer pages must be a power of two, got {pages}")
+    for what, value in (("ring buffer pages", pages),
+                        ("device ring buffer pages", options.dev_ringbuf_pages)):
+        if value <= 0 or value & (value - 1):
+            raise MmtraceError(f"{what} must be a power of two, got {value}")
     try:
         program = bcc.BPF(text=program_text(options), cflags=cflags(options))
     except Exception as exc:  # bcc raises bare Exception on compile/attach failure
@@ -148,6 +171,16 @@ def load(options: ProbeOptions = ProbeOptions()) -> LoadedProbes:
         size = pages * 4096 if ring.max_entries == 0 else ring.max_entries
         probes.rings.append(StreamRing(
             "cpu", RingReader(ring.map_fd, size, sched_stream.RUNQ_EVENT)))
+        check_layout("dev_event", device_stream.DEV_EVENT,
+                     program[device_stream.LAYOUT_MAP].Leaf)
+        dev_ring = program[device_stream.RINGBUF]
+        dev_size = (options.dev_ringbuf_pages * 4096 if dev_ring.max_entries == 0
+                    else dev_ring.max_entries)
+        probes.rings.append(StreamRing(
+            "dev", RingReader(dev_ring.map_fd, dev_size, device_stream.DEV_EVENT)))
+        if options.device:
+            from .device_probes import DeviceProbes
+            probes.device = DeviceProbes(program, launches=options.trace_launches)
     except LayoutMismatch as exc:
         probes.close()
         raise MmtraceError(str(exc)) from None

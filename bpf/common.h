@@ -24,6 +24,9 @@ enum mmtrace_counter {
     CNT_USER_READ_FAILED,       /* user memory could not be read */
     CNT_DEV_EVENTS,             /* device events emitted */
     CNT_RETURN_WITHOUT_ENTRY,   /* uretprobe whose entry was not seen */
+    CNT_CALL_ABANDONED,         /* thread freed inside a timed call: no event */
+    CNT_NAME_TRUNCATED,         /* op / kernel name longer than the event's field */
+    CNT_OP_SEQ_MAP_FULL,        /* submission without op_id: process map full */
     MMTRACE_N_COUNTERS
 };
 

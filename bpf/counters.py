@@ -11,6 +11,9 @@ COUNTER_NAMES = (
     "user_read_failed",
     "dev_events",
     "return_without_entry",
+    "call_abandoned",
+    "name_truncated",
+    "op_seq_map_full",
 )
 
 # Counters that mean an event or a fact was lost, not merely counted.
@@ -21,6 +24,8 @@ LOSS_COUNTERS = (
     "ringbuf_full_dev",
     "call_map_full",
     "user_read_failed",
+    "call_abandoned",
+    "op_seq_map_full",
 )
 
 

@@ -64,6 +64,7 @@ TRACEPOINT_PROBE(sched, sched_process_free)
     runq_enqueued.delete(&tid);
     thread_last_runq.delete(&tid);
     thread_tgid.delete(&tid);
+    device_forget_thread(tid);      /* bpf/device.h */
     return 0;
 }
 

@@ -1,0 +1,155 @@
+/* NPU stream: decoders for Ascend CANN calls (AscendCL runtime, aclop,
+ * aclmdl, and the aclnn operator API). Called by the generated on_<symbol>
+ * functions like the CUDA decoders; the table is bpf/ascend.py. Shared
+ * decoders (syncs, set-device, timed returns) live in device.h. */
+
+/* aclnnXxx(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor,
+ * aclrtStream stream): one program for every op; the op is the symbol,
+ * found from the probed address in userspace. */
+static __always_inline int aclnn_launch(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    if (!in_scope())
+        return 0;
+    struct dev_event *ev = dev_reserve();
+    if (!ev)
+        return 0;
+    dev_begin(ev, api, DEV_LAUNCH);
+    ev->probe_ip = PT_REGS_IP(ctx);
+    ev->handle = PT_REGS_PARM3(ctx);
+    ev->stream_handle = PT_REGS_PARM4(ctx);
+    dev_submit(ev);
+    return 0;
+}
+
+/* An aclop call: opType (const char *) first, the stream on the stack. */
+static __always_inline int aclop_launch(struct pt_regs *ctx, u16 api, u32 stack_slot)
+{
+    if (!in_scope())
+        return 0;
+    struct dev_event *ev = dev_reserve();
+    if (!ev)
+        return 0;
+    dev_begin(ev, api, DEV_LAUNCH);
+    read_name(ev, (const char *)PT_REGS_PARM1(ctx));
+    read_user(ev, &ev->stream_handle, sizeof(ev->stream_handle),
+              (void *)(PT_REGS_SP(ctx) + 8 * stack_slot));
+    dev_submit(ev);
+    return 0;
+}
+
+/* aclopExecuteV2(opType, numInputs, inputDesc, inputs, numOutputs,
+ * outputDesc, [stack] outputs, attr, stream) */
+static __always_inline int aclop_execute(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    return aclop_launch(ctx, api, 3);
+}
+
+/* aclopCompileAndExecute[V2](opType, numInputs, inputDesc, inputs,
+ * numOutputs, outputDesc, [stack] outputs, attr, engineType, compileFlag,
+ * opPath, stream) */
+static __always_inline int aclop_compile_execute(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    return aclop_launch(ctx, api, 6);
+}
+
+/* aclmdlExecuteAsync(uint32_t modelId, const aclmdlDataset *input,
+ * aclmdlDataset *output, aclrtStream stream) */
+static __always_inline int model_execute_async(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    if (!in_scope())
+        return 0;
+    struct dev_event *ev = dev_reserve();
+    if (!ev)
+        return 0;
+    dev_begin(ev, api, DEV_MODEL_EXEC);
+    ev->handle = (u32)PT_REGS_PARM1(ctx);
+    ev->stream_handle = PT_REGS_PARM4(ctx);
+    dev_submit(ev);
+    return 0;
+}
+
+/* aclmdlExecute(uint32_t modelId, input, output): blocks until done; timed. */
+static __always_inline int model_execute(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    if (!in_scope())
+        return 0;
+    struct dev_event *ev = call_begin();
+    if (!ev)
+        return 0;
+    dev_begin(ev, api, DEV_MODEL_EXEC);
+    ev->handle = (u32)PT_REGS_PARM1(ctx);
+    call_store(ev, slot);
+    return 0;
+}
+
+/* aclrtLaunchKernel(aclrtFuncHandle funcHandle, uint32_t blockDim, const
+ * void *argsData, size_t argsSize, aclrtStream stream) */
+static __always_inline int acl_launch_kernel(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    if (!in_scope())
+        return 0;
+    struct dev_event *ev = dev_reserve();
+    if (!ev)
+        return 0;
+    dev_begin(ev, api, DEV_LAUNCH);
+    ev->handle = PT_REGS_PARM1(ctx);
+    ev->grid[0] = (u32)PT_REGS_PARM2(ctx);
+    ev->grid[1] = 1;
+    ev->grid[2] = 1;
+    ev->stream_handle = PT_REGS_PARM5(ctx);
+    dev_submit(ev);
+    return 0;
+}
+
+/* aclrtLaunchKernelWithConfig(funcHandle, blockDim, aclrtStream stream,
+ * cfg, argsHandle, reserve) and aclrtLaunchKernelWithHostArgs(funcHandle,
+ * numBlocks, stream, cfg, hostArgs, argsSize, ...): the stream third. */
+static __always_inline int acl_launch_kernel_cfg(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    if (!in_scope())
+        return 0;
+    struct dev_event *ev = dev_reserve();
+    if (!ev)
+        return 0;
+    dev_begin(ev, api, DEV_LAUNCH);
+    ev->handle = PT_REGS_PARM1(ctx);
+    ev->grid[0] = (u32)PT_REGS_PARM2(ctx);
+    ev->grid[1] = 1;
+    ev->grid[2] = 1;
+    ev->stream_handle = PT_REGS_PARM3(ctx);
+    dev_submit(ev);
+    return 0;
+}
+
+/* aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t
+ * count, aclrtMemcpyKind kind, aclrtStream stream) */
+static __always_inline int acl_memcpy_async(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    if (!in_scope())
+        return 0;
+    struct dev_event *ev = dev_reserve();
+    if (!ev)
+        return 0;
+    dev_begin(ev, api, DEV_MEMCPY);
+    ev->bytes = PT_REGS_PARM4(ctx);
+    ev->direction = (u8)PT_REGS_PARM5(ctx);
+    ev->stream_handle = PT_REGS_PARM6(ctx);
+    dev_submit(ev);
+    return 0;
+}
+
+/* aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t count,
+ * aclrtMemcpyKind kind): blocks; timed. */
+static __always_inline int acl_memcpy(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    if (!in_scope())
+        return 0;
+    struct dev_event *ev = call_begin();
+    if (!ev)
+        return 0;
+    dev_begin(ev, api, DEV_MEMCPY);
+    ev->bytes = PT_REGS_PARM4(ctx);
+    ev->direction = (u8)PT_REGS_PARM5(ctx);
+    call_store(ev, slot);
+    return 0;
+}

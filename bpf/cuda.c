@@ -1,0 +1,247 @@
+/* GPU stream: decoders for the CUDA runtime and driver calls. Each takes
+ * (ctx, api, slot) and is called by a generated on_<symbol> / ret_<symbol>
+ * function (bpf/device.py); which symbol uses which decoder is the table in
+ * bpf/cuda.py. Argument locations: probe-abi.md, x86-64 System V. */
+
+#define STACK_ARG(ctx, k) ((void *)(PT_REGS_SP(ctx) + 8 * (k)))
+
+/* cudaLaunchConfig_t, CUDA 12 cuda_runtime_api.h: dim3 gridDim, dim3
+ * blockDim, size_t dynamicSmemBytes, cudaStream_t stream, ... */
+struct cuda_launch_config {
+    u32 grid[3];
+    u32 block[3];
+    u64 shared_mem;
+    u64 stream;
+};
+
+/* CUlaunchConfig, CUDA 12 cuda.h: gridDimX..blockDimZ, sharedMemBytes
+ * (unsigned int), CUstream hStream at 32, ... */
+struct cu_launch_config {
+    u32 grid[3];
+    u32 block[3];
+    u32 shared_mem;
+    u32 pad;
+    u64 stream;
+};
+
+/* cudaLaunchKernel / cudaLaunchCooperativeKernel (const void *func, dim3
+ * gridDim, dim3 blockDim, void **args, size_t sharedMem, cudaStream_t
+ * stream): a 12-byte dim3 by value takes two registers (x | y << 32, z). */
+static __always_inline int launch_runtime(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    if (!in_scope())
+        return 0;
+    struct dev_event *ev = dev_reserve();
+    if (!ev)
+        return 0;
+    dev_begin(ev, api, DEV_LAUNCH);
+    u64 grid_xy = PT_REGS_PARM2(ctx), block_xy = PT_REGS_PARM4(ctx);
+    ev->handle = PT_REGS_PARM1(ctx);
+    ev->grid[0] = (u32)grid_xy;
+    ev->grid[1] = grid_xy >> 32;
+    ev->grid[2] = (u32)PT_REGS_PARM3(ctx);
+    ev->block[0] = (u32)block_xy;
+    ev->block[1] = block_xy >> 32;
+    ev->block[2] = (u32)PT_REGS_PARM5(ctx);
+    u64 stack[2];
+    read_user(ev, stack, sizeof(stack), STACK_ARG(ctx, 1));
+    ev->shared_mem_bytes = stack[0];
+    ev->stream_handle = stack[1];
+    dev_submit(ev);
+    return 0;
+}
+
+/* cudaLaunchKernelExC(const cudaLaunchConfig_t *config, const void *func, void **args) */
+static __always_inline int launch_runtime_ex(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    if (!in_scope())
+        return 0;
+    struct dev_event *ev = dev_reserve();
+    if (!ev)
+        return 0;
+    dev_begin(ev, api, DEV_LAUNCH);
+    ev->handle = PT_REGS_PARM2(ctx);
+    struct cuda_launch_config cfg;
+    read_user(ev, &cfg, sizeof(cfg), (void *)PT_REGS_PARM1(ctx));
+    __builtin_memcpy(ev->grid, cfg.grid, sizeof(cfg.grid));
+    __builtin_memcpy(ev->block, cfg.block, sizeof(cfg.block));
+    ev->shared_mem_bytes = cfg.shared_mem;
+    ev->stream_handle = cfg.stream;
+    dev_submit(ev);
+    return 0;
+}
+
+/* cuLaunchKernel / cuLaunchCooperativeKernel (CUfunction f, unsigned gridX,
+ * gridY, gridZ, blockX, blockY, [stack] blockZ, sharedMemBytes, CUstream
+ * hStream, ...): 32-bit stack slots hold garbage in their upper halves. */
+static __always_inline int launch_driver(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    if (!in_scope())
+        return 0;
+    struct dev_event *ev = dev_reserve();
+    if (!ev)
+        return 0;
+    dev_begin(ev, api, DEV_LAUNCH);
+    ev->handle = PT_REGS_PARM1(ctx);
+    ev->grid[0] = (u32)PT_REGS_PARM2(ctx);
+    ev->grid[1] = (u32)PT_REGS_PARM3(ctx);
+    ev->grid[2] = (u32)PT_REGS_PARM4(ctx);
+    ev->block[0] = (u32)PT_REGS_PARM5(ctx);
+    ev->block[1] = (u32)PT_REGS_PARM6(ctx);
+    u64 stack[3];
+    read_user(ev, stack, sizeof(stack), STACK_ARG(ctx, 1));
+    ev->block[2] = (u32)stack[0];
+    ev->shared_mem_bytes = (u32)stack[1];
+    ev->stream_handle = stack[2];
+    dev_submit(ev);
+    return 0;
+}
+
+/* cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra) */
+static __always_inline int launch_driver_ex(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    if (!in_scope())
+        return 0;
+    struct dev_event *ev = dev_reserve();
+    if (!ev)
+        return 0;
+    dev_begin(ev, api, DEV_LAUNCH);
+    ev->handle = PT_REGS_PARM2(ctx);
+    struct cu_launch_config cfg;
+    read_user(ev, &cfg, sizeof(cfg), (void *)PT_REGS_PARM1(ctx));
+    __builtin_memcpy(ev->grid, cfg.grid, sizeof(cfg.grid));
+    __builtin_memcpy(ev->block, cfg.block, sizeof(cfg.block));
+    ev->shared_mem_bytes = cfg.shared_mem;
+    ev->stream_handle = cfg.stream;
+    dev_submit(ev);
+    return 0;
+}
+
+/* cudaGraphLaunch / cuGraphLaunch (graphExec, stream); also the shape of
+ * cudaEventRecord(event, stream). */
+static __always_inline int handle_and_stream(struct pt_regs *ctx, u16 api, u8 kind)
+{
+    if (!in_scope())
+        return 0;
+    struct dev_event *ev = dev_reserve();
+    if (!ev)
+        return 0;
+    dev_begin(ev, api, kind);
+    ev->handle = PT_REGS_PARM1(ctx);
+    ev->stream_handle = PT_REGS_PARM2(ctx);
+    dev_submit(ev);
+    return 0;
+}
+
+static __always_inline int graph_launch(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    return handle_and_stream(ctx, api, DEV_GRAPH_LAUNCH);
+}
+
+static __always_inline int event_record(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    return handle_and_stream(ctx, api, DEV_EVENT_RECORD);
+}
+
+/* cudaMemcpyAsync(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind, cudaStream_t stream) */
+static __always_inline int memcpy_runtime_async(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    if (!in_scope())
+        return 0;
+    struct dev_event *ev = dev_reserve();
+    if (!ev)
+        return 0;
+    dev_begin(ev, api, DEV_MEMCPY);
+    ev->bytes = PT_REGS_PARM3(ctx);
+    ev->direction = (u8)PT_REGS_PARM4(ctx);
+    ev->stream_handle = PT_REGS_PARM5(ctx);
+    dev_submit(ev);
+    return 0;
+}
+
+/* cuMemcpyHtoDAsync_v2 / cuMemcpyDtoHAsync_v2 / cuMemcpyAsync (dst, src,
+ * size_t ByteCount, CUstream hStream): the direction is the function's. */
+static __always_inline int memcpy_driver(struct pt_regs *ctx, u16 api, u8 direction)
+{
+    if (!in_scope())
+        return 0;
+    struct dev_event *ev = dev_reserve();
+    if (!ev)
+        return 0;
+    dev_begin(ev, api, DEV_MEMCPY);
+    ev->bytes = PT_REGS_PARM3(ctx);
+    ev->direction = direction;
+    ev->stream_handle = PT_REGS_PARM4(ctx);
+    dev_submit(ev);
+    return 0;
+}
+
+static __always_inline int memcpy_htod_async(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    return memcpy_driver(ctx, api, 1 /* cudaMemcpyHostToDevice */);
+}
+
+static __always_inline int memcpy_dtoh_async(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    return memcpy_driver(ctx, api, 2 /* cudaMemcpyDeviceToHost */);
+}
+
+static __always_inline int memcpy_driver_async(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    return memcpy_driver(ctx, api, 4 /* cudaMemcpyDefault: unified addressing */);
+}
+
+/* cudaMemcpy(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind): timed. */
+static __always_inline int memcpy_runtime(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    if (!in_scope())
+        return 0;
+    struct dev_event *ev = call_begin();
+    if (!ev)
+        return 0;
+    dev_begin(ev, api, DEV_MEMCPY);
+    ev->bytes = PT_REGS_PARM3(ctx);
+    ev->direction = (u8)PT_REGS_PARM4(ctx);
+    call_store(ev, slot);
+    return 0;
+}
+
+/* cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name):
+ * the name is read at entry, the handle it produced at return. */
+static __always_inline int get_function(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    if (!in_scope())
+        return 0;
+    struct dev_event *ev = call_begin();
+    if (!ev)
+        return 0;
+    dev_begin(ev, api, DEV_FUNCTION_NAME);
+    ev->handle = PT_REGS_PARM1(ctx);    /* the out-parameter until return */
+    read_name(ev, (const char *)PT_REGS_PARM3(ctx));
+    call_store(ev, slot);
+    return 0;
+}
+
+static __always_inline int get_function_return(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    if (!in_scope())
+        return 0;
+    u64 key;
+    struct dev_event *entry = call_lookup(&key, slot);
+    if (!entry)
+        return 0;
+    struct dev_event *ev = dev_reserve();
+    if (ev) {
+        __builtin_memcpy(ev, entry, sizeof(*ev));
+        ev->duration_ns = bpf_ktime_get_ns() - entry->ts_ns;
+        ev->ret = (s32)PT_REGS_RC(ctx);
+        ev->flags |= DEV_RETURNED;
+        u64 out = entry->handle;
+        ev->handle = 0;
+        if (ev->ret == 0)
+            read_user(ev, &ev->handle, sizeof(ev->handle), (void *)out);
+        dev_submit(ev);
+    }
+    calls_in_flight.delete(&key);
+    return 0;
+}

@@ -1,0 +1,316 @@
+/* GPU and NPU streams: the one event layout both share, calls in flight
+ * between a uprobe and its uretprobe, the per-process submission sequence
+ * and the per-thread device. Compiled after common.h and before sched.c (its
+ * sched_process_free forgets a freed thread's calls here); decoded by
+ * bpf/device.py. API ids (API_*) and call slots (SLOT_*) are generated from
+ * the tables in bpf/cuda.py and bpf/ascend.py. */
+
+#ifndef MMTRACE_DEV_RINGBUF_PAGES
+#define MMTRACE_DEV_RINGBUF_PAGES 2048
+#endif
+#ifndef MMTRACE_MAX_CALLS
+#define MMTRACE_MAX_CALLS 16384
+#endif
+#ifndef MMTRACE_MAX_PROCESSES
+#define MMTRACE_MAX_PROCESSES 32768
+#endif
+#ifndef MMTRACE_CALL_SLOTS
+#define MMTRACE_CALL_SLOTS 1
+#endif
+#define MMTRACE_NAME_LEN 64
+
+enum dev_kind {
+    DEV_LAUNCH = 1,
+    DEV_GRAPH_LAUNCH,
+    DEV_MEMCPY,
+    DEV_SYNC,
+    DEV_MODEL_EXEC,
+    DEV_EVENT_RECORD,   /* cudaEventRecord: where a later event sync points */
+    DEV_FUNCTION_NAME,  /* cuModuleGetFunction's result: handle -> name */
+};
+
+enum dev_flag {
+    DEV_RETURNED = 1,       /* duration_ns and ret are measured */
+    DEV_NAME_TRUNCATED = 2, /* name is a prefix of a longer string */
+    DEV_READ_FAILED = 4,    /* an argument in user memory could not be read */
+};
+
+#define DEV_NO_DIRECTION 0xff
+#define DEV_NO_DEVICE (-1)
+
+struct dev_event {
+    u64 ts_ns;              /* call entry, CLOCK_MONOTONIC */
+    u64 duration_ns;        /* entry to return, when DEV_RETURNED */
+    u64 sched_delay_ns;     /* the thread's latest run-queue delay before the call */
+    u64 op_id;              /* per-process submission sequence from 1; 0 = none */
+    u64 handle;             /* function / CUfunction / graph exec / event / op handle */
+    u64 stream_handle;
+    u64 bytes;
+    u64 shared_mem_bytes;
+    u64 probe_ip;           /* address probed: names aclnn ops in userspace */
+    u32 grid[3];
+    u32 block[3];
+    u32 pid;
+    u32 tid;
+    s32 device;             /* DEV_NO_DEVICE when the thread never set one */
+    s32 ret;                /* return code, when DEV_RETURNED */
+    u16 api;                /* API_* id */
+    u8 kind;                /* enum dev_kind */
+    u8 direction;           /* raw memcpy kind of the API; DEV_NO_DIRECTION */
+    u8 flags;               /* enum dev_flag */
+    u8 reserved[3];
+    char comm[16];
+    char name[MMTRACE_NAME_LEN];    /* opType, kernel name: NUL-terminated */
+};
+
+/* Checked against the numpy dtype at load time; never written. */
+BPF_ARRAY(layout_dev_event, struct dev_event, 1);
+
+BPF_RINGBUF_OUTPUT(dev_events, MMTRACE_DEV_RINGBUF_PAGES);
+
+/* A call between its uprobe and its uretprobe: the event built at entry.
+ * Keyed by thread and call slot, so that a runtime call and the driver call
+ * it makes (cudaStreamSynchronize -> cuStreamSynchronize) do not collide. */
+BPF_HASH(calls_in_flight, u64, struct dev_event, MMTRACE_MAX_CALLS);
+BPF_PERCPU_ARRAY(call_scratch, struct dev_event, 1);
+
+/* process -> last op_id handed out */
+BPF_HASH(op_seq, u32, u64, MMTRACE_MAX_PROCESSES);
+/* thread -> device set by cudaSetDevice / aclrtSetDevice */
+BPF_HASH(thread_device, u32, s32, MMTRACE_MAX_THREADS);
+
+static __always_inline u64 call_key(u32 tid, u32 slot)
+{
+    return ((u64)tid << 8) | slot;
+}
+
+static __always_inline u64 next_op_id(u32 tgid)
+{
+    u64 *seq = op_seq.lookup(&tgid);
+    if (!seq) {
+        u64 zero = 0;
+        op_seq.insert(&tgid, &zero);
+        seq = op_seq.lookup(&tgid);
+        if (!seq) {
+            count(CNT_OP_SEQ_MAP_FULL);
+            return 0;
+        }
+    }
+    return __sync_fetch_and_add(seq, 1) + 1;
+}
+
+/* Zero the event and fill what every event carries; callers have checked
+ * the scope already, so that out-of-scope calls cost one lookup. */
+static __always_inline void dev_begin(struct dev_event *ev, u16 api, u8 kind)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    u32 tid = (u32)id;
+    __builtin_memset(ev, 0, sizeof(*ev));
+    ev->ts_ns = bpf_ktime_get_ns();
+    ev->pid = tgid;
+    ev->tid = tid;
+    ev->api = api;
+    ev->kind = kind;
+    ev->direction = DEV_NO_DIRECTION;
+    ev->device = DEV_NO_DEVICE;
+    struct last_runq *last = thread_last_runq.lookup(&tid);
+    if (last)
+        ev->sched_delay_ns = last->delay_ns;
+    s32 *dev = thread_device.lookup(&tid);
+    if (dev)
+        ev->device = *dev;
+    bpf_get_current_comm(&ev->comm, sizeof(ev->comm));
+    if (kind == DEV_LAUNCH || kind == DEV_GRAPH_LAUNCH || kind == DEV_MEMCPY ||
+        kind == DEV_MODEL_EXEC)
+        ev->op_id = next_op_id(tgid);
+}
+
+static __always_inline int in_scope(void)
+{
+    return tgid_in_scope(bpf_get_current_pid_tgid() >> 32);
+}
+
+/* Read `size` bytes of user memory; on failure zero them and flag it. */
+static __always_inline void read_user(struct dev_event *ev, void *dst, u32 size,
+                                      const void *src)
+{
+    if (bpf_probe_read_user(dst, size, src) != 0) {
+        __builtin_memset(dst, 0, size);
+        ev->flags |= DEV_READ_FAILED;
+        count(CNT_USER_READ_FAILED);
+    }
+}
+
+/* The string at `src` into ev->name, truncation flagged and counted. */
+static __always_inline void read_name(struct dev_event *ev, const char *src)
+{
+    if (!src)
+        return;
+    long n = bpf_probe_read_user_str(ev->name, sizeof(ev->name), src);
+    if (n < 0) {
+        ev->name[0] = 0;
+        ev->flags |= DEV_READ_FAILED;
+        count(CNT_USER_READ_FAILED);
+        return;
+    }
+    if (n == sizeof(ev->name)) {
+        /* Filled to the brim: longer than the field unless its last
+         * character was the string's last. */
+        char next = 0;
+        bpf_probe_read_user(&next, 1, src + sizeof(ev->name) - 1);
+        if (next) {
+            ev->flags |= DEV_NAME_TRUNCATED;
+            count(CNT_NAME_TRUNCATED);
+        }
+    }
+}
+
+/* Entry-only probes build their event in the ring buffer itself. */
+static __always_inline struct dev_event *dev_reserve(void)
+{
+    struct dev_event *ev = dev_events.ringbuf_reserve(sizeof(struct dev_event));
+    if (!ev)
+        count(CNT_RINGBUF_FULL_DEV);
+    return ev;
+}
+
+static __always_inline void dev_submit(struct dev_event *ev)
+{
+    /* The consumer drains on a timer: no wake-up per event. */
+    dev_events.ringbuf_submit(ev, BPF_RB_NO_WAKEUP);
+    count(CNT_DEV_EVENTS);
+}
+
+/* The per-CPU scratch event for calls timed by a uretprobe. */
+static __always_inline struct dev_event *call_begin(void)
+{
+    u32 zero = 0;
+    return call_scratch.lookup(&zero);
+}
+
+static __always_inline void call_store(struct dev_event *ev, u32 slot)
+{
+    u64 key = call_key(ev->tid, slot);
+    if (calls_in_flight.update(&key, ev) != 0)
+        count(CNT_CALL_MAP_FULL);
+}
+
+/* The entry of this thread's call in `slot`, or NULL (counted) when the
+ * entry was not seen: attached mid-call, or dropped. */
+static __always_inline struct dev_event *call_lookup(u64 *key, u32 slot)
+{
+    *key = call_key((u32)bpf_get_current_pid_tgid(), slot);
+    struct dev_event *ev = calls_in_flight.lookup(key);
+    if (!ev)
+        count(CNT_RETURN_WITHOUT_ENTRY);
+    return ev;
+}
+
+/* Emit the stored call with its duration and return code, and forget it. */
+static __always_inline int call_emit(struct pt_regs *ctx, u32 slot)
+{
+    u64 key;
+    struct dev_event *entry = call_lookup(&key, slot);
+    if (!entry)
+        return 0;
+    struct dev_event *ev = dev_reserve();
+    if (ev) {
+        __builtin_memcpy(ev, entry, sizeof(*ev));
+        ev->duration_ns = bpf_ktime_get_ns() - entry->ts_ns;
+        ev->ret = (s32)PT_REGS_RC(ctx);
+        ev->flags |= DEV_RETURNED;
+        dev_submit(ev);
+    }
+    calls_in_flight.delete(&key);
+    return 0;
+}
+
+/* Decoders shared by the CUDA and Ascend programs; (ctx, api, slot) as
+ * every decoder. */
+
+/* Timed syncs: (stream), (event) or (void). */
+static __always_inline int sync_call(struct pt_regs *ctx, u16 api, u32 slot, int arg)
+{
+    if (!in_scope())
+        return 0;
+    struct dev_event *ev = call_begin();
+    if (!ev)
+        return 0;
+    dev_begin(ev, api, DEV_SYNC);
+    if (arg == 1)
+        ev->stream_handle = PT_REGS_PARM1(ctx);
+    else if (arg == 2)
+        ev->handle = PT_REGS_PARM1(ctx);
+    call_store(ev, slot);
+    return 0;
+}
+
+static __always_inline int sync_stream(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    return sync_call(ctx, api, slot, 1);
+}
+
+static __always_inline int sync_event(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    return sync_call(ctx, api, slot, 2);
+}
+
+static __always_inline int sync_device(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    return sync_call(ctx, api, slot, 0);
+}
+
+/* The return of every timed call that has nothing else to read. */
+static __always_inline int timed_return(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    if (!in_scope())
+        return 0;
+    return call_emit(ctx, slot);
+}
+
+/* cudaSetDevice(int device) / aclrtSetDevice(int32_t deviceId): the thread's
+ * device once the call has succeeded; no event. */
+static __always_inline int set_device(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    if (!in_scope())
+        return 0;
+    struct dev_event *ev = call_begin();
+    if (!ev)
+        return 0;
+    dev_begin(ev, api, 0);
+    ev->device = (s32)PT_REGS_PARM1(ctx);
+    call_store(ev, slot);
+    return 0;
+}
+
+static __always_inline int set_device_return(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    if (!in_scope())
+        return 0;
+    u64 key;
+    struct dev_event *entry = call_lookup(&key, slot);
+    if (!entry)
+        return 0;
+    if (PT_REGS_RC(ctx) == 0) {
+        u32 tid = entry->tid;
+        s32 device = entry->device;
+        if (thread_device.update(&tid, &device) != 0)
+            count(CNT_THREAD_MAP_FULL);
+    }
+    calls_in_flight.delete(&key);
+    return 0;
+}
+
+/* sched_process_free: a freed thread never returns from its calls. */
+static __always_inline void device_forget_thread(u32 tid)
+{
+    thread_device.delete(&tid);
+    op_seq.delete(&tid);    /* the process, when tid is its leader */
+#pragma unroll
+    for (u32 slot = 0; slot < MMTRACE_CALL_SLOTS; slot++) {
+        u64 key = call_key(tid, slot);
+        if (calls_in_flight.delete(&key) == 0)
+            count(CNT_CALL_ABANDONED);
+    }
+}

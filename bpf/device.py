@@ -1,0 +1,194 @@
+"""GPU and NPU streams: decoder for bpf/device.h, and the API table that
+bpf/cuda.py and bpf/ascend.py fill.
+
+The table is the one source of the API ids: the C side gets them as the
+arguments of small generated entry/return functions (one per probed symbol)
+that call the shape-specific decoders in cuda.c and ascend.c, so a symbol
+cannot be probed under the wrong id. A recording stores the table it was
+made with (`api_table_json`), so it decodes without this module's version.
+"""
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+HEADER = "device.h"
+RINGBUF = "dev_events"
+LAYOUT_MAP = "layout_dev_event"
+NAME_LEN = 64
+
+# Mirrors struct dev_event; checked against the compiled layout at load time.
+DEV_EVENT = np.dtype([
+    ("ts_ns", "<u8"),
+    ("duration_ns", "<u8"),
+    ("sched_delay_ns", "<u8"),
+    ("op_id", "<u8"),
+    ("handle", "<u8"),
+    ("stream_handle", "<u8"),
+    ("bytes", "<u8"),
+    ("shared_mem_bytes", "<u8"),
+    ("probe_ip", "<u8"),
+    ("grid", "<u4", (3,)),
+    ("block", "<u4", (3,)),
+    ("pid", "<u4"),
+    ("tid", "<u4"),
+    ("device", "<i4"),
+    ("ret", "<i4"),
+    ("api", "<u2"),
+    ("kind", "u1"),
+    ("direction", "u1"),
+    ("flags", "u1"),
+    ("reserved", "u1", (3,)),
+    ("comm", "S16"),
+    ("name", f"S{NAME_LEN}"),
+])
+
+# enum dev_kind
+KINDS = {1: "launch", 2: "graph_launch", 3: "memcpy", 4: "sync", 5: "model_exec",
+         6: "event_record", 7: "function_name"}
+KIND_IDS = {name: kid for kid, name in KINDS.items()}
+# Kinds the interface exports as jsonl events; the others feed alignment and names.
+EXPORTED_KINDS = ("launch", "graph_launch", "memcpy", "sync", "model_exec")
+SUBMISSION_KINDS = ("launch", "graph_launch", "memcpy", "model_exec")
+
+# enum dev_flag
+FLAG_RETURNED = 1
+FLAG_NAME_TRUNCATED = 2
+FLAG_READ_FAILED = 4
+
+NO_DIRECTION = 0xFF
+NO_DEVICE = -1
+
+# Optional jsonl fields an API fills; the rest are null for its events.
+HANDLE, STREAM, GRID, BLOCK, SHARED_MEM, BYTES, DIRECTION = (
+    "handle", "stream_handle", "grid", "block", "shared_mem_bytes", "bytes", "direction")
+LAUNCH_FIELDS = frozenset({HANDLE, STREAM, GRID, BLOCK, SHARED_MEM})
+MEMCPY_FIELDS = frozenset({STREAM, BYTES, DIRECTION})
+
+
+@dataclass(frozen=True)
+class Api:
+    """One probed symbol (or, for `pattern`, a family of symbols)."""
+    id: int
+    symbol: str                 # exported name; for a pattern, a label
+    stream: str                 # "gpu" | "npu"
+    kind: str                   # a KINDS value, or "set_device"
+    library: str                # family: "cudart", "cuda", "ascendcl", "opapi"
+    entry_impl: str             # decoder in cuda.c / ascend.c: impl(ctx, api, slot)
+    return_impl: str | None = None  # at the uretprobe, when the call is timed
+    fields: frozenset = frozenset()
+    per_launch: bool = False    # detached in the adaptive (cheap) mode
+    sync_scope: str | None = None   # "stream" | "device" | "event"
+    blocking: bool = False      # a submission that is complete when the call returns
+    pattern: str | None = None  # regex of the symbols this one program serves
+    exclude: str | None = None  # regex of pattern matches that are not probed
+
+    @property
+    def name(self) -> str:
+        """The spec's `api`: the symbol without _ptsz / _ptds / _v2 suffixes."""
+        return base_name(self.symbol)
+
+    @property
+    def entry_fn(self) -> str:
+        return f"on_{self.symbol}"
+
+    @property
+    def return_fn(self) -> str | None:
+        return f"ret_{self.symbol}" if self.return_impl else None
+
+    def matches(self, symbol: str) -> bool:
+        if self.pattern is None:
+            return symbol == self.symbol
+        if not re.fullmatch(self.pattern, symbol):
+            return False
+        return not (self.exclude and re.fullmatch(self.exclude, symbol))
+
+
+_SUFFIXES = re.compile(r"(_v2)?(_ptsz|_ptds)?$")
+
+
+def base_name(symbol: str) -> str:
+    return _SUFFIXES.sub("", symbol) or symbol
+
+
+@dataclass
+class ApiTable:
+    apis: list[Api]
+    by_id: dict[int, Api] = field(init=False)
+    slots: dict[int, int] = field(init=False)   # api id -> call slot (timed calls)
+
+    def __post_init__(self):
+        self.by_id = {}
+        for api in self.apis:
+            if api.id in self.by_id:
+                raise ValueError(f"API id {api.id}: both {self.by_id[api.id].symbol} "
+                                 f"and {api.symbol}")
+            if not 0 < api.id < 1 << 16:
+                raise ValueError(f"API id of {api.symbol} must fit u16 and not be 0, "
+                                 f"got {api.id}")
+            self.by_id[api.id] = api
+        timed = [api for api in self.apis if api.return_impl]
+        # One slot per timed symbol: nested timed calls on one thread never collide.
+        self.slots = {api.id: slot for slot, api in enumerate(timed)}
+        if len(self.slots) > 255:
+            raise ValueError(f"{len(self.slots)} timed APIs; the call key holds 255")
+
+    @property
+    def call_slots(self) -> int:
+        return max(1, len(self.slots))
+
+    def generated_programs(self) -> str:
+        """One entry (and return) function per API, calling its decoder."""
+        lines = ["/* Generated from the API tables in bpf/cuda.py and bpf/ascend.py. */"]
+        for api in self.apis:
+            slot = self.slots.get(api.id, 0)
+            lines.append(f"int {api.entry_fn}(struct pt_regs *ctx) "
+                         f"{{ return {api.entry_impl}(ctx, {api.id}, {slot}); }}")
+            if api.return_impl:
+                lines.append(f"int {api.return_fn}(struct pt_regs *ctx) "
+                             f"{{ return {api.return_impl}(ctx, {api.id}, {slot}); }}")
+        return "\n".join(lines) + "\n"
+
+    def to_json(self) -> list[dict]:
+        """What a recording keeps: enough to decode its events later."""
+        return [{"id": a.id, "symbol": a.symbol, "api": a.name, "stream": a.stream,
+                 "kind": a.kind, "library": a.library, "fields": sorted(a.fields),
+                 "per_launch": a.per_launch, "sync_scope": a.sync_scope,
+                 "blocking": a.blocking} for a in self.apis]
+
+
+@dataclass(frozen=True)
+class ApiInfo:
+    """An API as a recording describes it (see ApiTable.to_json)."""
+    id: int
+    symbol: str
+    api: str
+    stream: str
+    kind: str
+    library: str
+    fields: frozenset
+    sync_scope: str | None
+    blocking: bool
+    per_launch: bool
+
+    @classmethod
+    def from_json(cls, doc: dict) -> "ApiInfo":
+        return cls(int(doc["id"]), str(doc["symbol"]), str(doc["api"]), str(doc["stream"]),
+                   str(doc["kind"]), str(doc.get("library", "")),
+                   frozenset(doc.get("fields", ())), doc.get("sync_scope"),
+                   bool(doc.get("blocking", False)), bool(doc.get("per_launch", False)))
+
+
+def default_table() -> ApiTable:
+    from . import ascend, cuda
+    return ApiTable(list(cuda.APIS) + list(ascend.APIS))
+
+
+def default_infos() -> dict[int, ApiInfo]:
+    return {d["id"]: ApiInfo.from_json(d) for d in default_table().to_json()}
+
+
+def direction_names(stream: str) -> dict[int, str]:
+    from . import ascend, cuda
+    return cuda.DIRECTIONS if stream == "gpu" else ascend.DIRECTIONS
