@@ -1,0 +1,564 @@
+"""Find the files to attach uprobes to: every ELF file that defines a wanted
+symbol, whether running processes map it (/proc/PID/maps, opened through
+/proc/PID/root so files inside containers are found), it sits in the usual
+install paths or in the Python site-packages those processes use, or it
+was named with --lib. Runtimes linked statically into an executable or an
+extension module are found like libraries: by their symbol tables.
+
+Uprobes are per inode, so there is one target per (dev, inode): hard links,
+symlinks and the same file seen by many processes count once. A Discoverer
+keeps scanning while the agent runs and hands out each target once.
+"""
+
+import glob
+import os
+import re
+import shutil
+import site
+import stat
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from .doctor import Check
+from .symbols import (DELETED_SUFFIX, ElfError, ElfSymbols, FileKey, NotElfError,
+                      ProcessMaps, in_process_root, read_maps)
+
+Wanted = Callable[[str], bool]
+
+
+@dataclass(frozen=True)
+class LibraryTarget:
+    """One file to attach uprobes to."""
+    path: str                   # host path bcc can open (/proc/PID/root/... for containers)
+    dev: int
+    inode: int
+    symbols: frozenset[str]     # the wanted symbols this file defines
+    origin: str                 # "maps:<pid>", "site-packages", "system" or "--lib"
+
+
+# Where CUDA and CANN install their libraries. In the shared system library
+# folders only the runtime and driver are of interest; every library of a
+# CANN lib64 is looked at, because which one defines aclrt* varies by release.
+DEFAULT_SEARCH_GLOBS = (
+    "/usr/local/cuda*/lib64/libcudart.so*",
+    "/usr/local/cuda*/lib/libcudart.so*",
+    "/usr/local/cuda*/targets/*-linux/lib/libcudart.so*",
+    "/usr/lib/x86_64-linux-gnu/libcuda.so*",
+    "/usr/lib/x86_64-linux-gnu/libcudart.so*",
+    "/usr/lib/aarch64-linux-gnu/libcuda.so*",
+    "/usr/lib/aarch64-linux-gnu/libcudart.so*",
+    "/usr/lib64/libcuda.so*",
+    "/usr/lib64/libcudart.so*",
+    "/usr/lib/wsl/lib/libcuda.so*",
+    "/usr/local/Ascend/ascend-toolkit/latest/*-linux/lib64/*.so*",
+    "/usr/local/Ascend/ascend-toolkit/latest/lib64/*.so*",
+)
+# Environment variables CANN's set_env.sh exports, pointing at a toolkit.
+ASCEND_HOME_VARIABLES = ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH")
+LDCONFIG_NAMES = re.compile(r"^lib(cuda|cudart|ascendcl|acl_op_compiler|opapi)\.so(\.\d+)*$")
+# Libraries that pip wheels install inside site-packages.
+SITE_PACKAGES_GLOBS = ("nvidia/*/lib/*.so*", "torch/lib/*.so*", "torch_npu/lib/*.so*")
+
+_SITE_DIR = re.compile(r"^(/.*?/(?:site|dist)-packages)/")
+_PYTHON_EXECUTABLE = re.compile(r"^python3?(\.\d+)?$")
+_GONE = (FileNotFoundError, ProcessLookupError)
+
+
+def find_targets(wanted: Wanted, pids: Iterable[int] | None = None,
+                 extra_paths: Iterable[str | os.PathLike] = (),
+                 proc_root: Path = Path("/proc"),
+                 search_paths: Iterable[str] | None = None) -> list[LibraryTarget]:
+    """One scan: every file that defines at least one symbol `wanted` accepts.
+
+    `pids` limits the process scan (None: every process); `extra_paths` are
+    --lib paths (ValueError when one is missing or not ELF); `search_paths`
+    are glob patterns replacing the default install paths and ldconfig."""
+    return Discoverer(wanted, pids, extra_paths, proc_root,
+                      search_paths=search_paths).poll()
+
+
+class Discoverer:
+    """Keeps discovering while the agent runs: poll() returns only targets
+    not returned before (new processes, new files, a file replaced on disk).
+
+    `counters` counts, per reason and once per process or file (not once per
+    poll), what could not be looked at: unreadable_proc (a maps file that
+    cannot be read), vanished (a process or file gone while scanning),
+    missing_file (a mapped path that does not exist from the host),
+    unreadable_file, not_elf, elf_unreadable (truncated or corrupt ELF),
+    deleted_mapping (a mapped file deleted since; reached through map_files
+    where possible), maps_malformed_lines, lib_without_wanted_symbols (a
+    --lib file defining none of the wanted symbols); and examined (files
+    parsed), targets (returned so far)."""
+
+    def __init__(self, wanted: Wanted, pids: Iterable[int] | None = None,
+                 extra_paths: Iterable[str | os.PathLike] = (),
+                 proc_root: Path = Path("/proc"), interval_s: float = 2.0, *,
+                 search_paths: Iterable[str] | None = None, clock=time.monotonic):
+        self.wanted = wanted
+        self.pids = None if pids is None else tuple(int(p) for p in pids)
+        self.extra_paths = tuple(check_extra_path(p) for p in extra_paths)
+        self.proc_root = Path(proc_root)
+        self.interval_s = interval_s
+        self.search_paths = None if search_paths is None else tuple(map(str, search_paths))
+        self.clock = clock
+        self.counters: Counter[str] = Counter()
+        self._returned: dict[tuple[int, int], LibraryTarget] = {}
+        self._wanted_by_file: dict[FileKey, frozenset[str]] = {}
+        self._maps_seen: set[tuple[str, int]] = set()
+        self._interpreter_dirs: dict[int, set[str]] = {}
+        self._libs_without_symbols: set[str] = set()
+        self._noted: set[tuple] = set()
+        self._last_poll: float | None = None
+
+    @property
+    def targets(self) -> list[LibraryTarget]:
+        """Every target returned so far."""
+        return list(self._returned.values())
+
+    def poll_if_due(self) -> list[LibraryTarget]:
+        """poll() when interval_s has passed since the last one, else []."""
+        if self._last_poll is not None and self.clock() - self._last_poll < self.interval_s:
+            return []
+        return self.poll()
+
+    def poll(self) -> list[LibraryTarget]:
+        self._last_poll = self.clock()
+        new = [t for t in self._scan() if (t.dev, t.inode) not in self._returned]
+        for target in new:
+            self._returned[(target.dev, target.inode)] = target
+        self.counters["targets"] = len(self._returned)
+        return new
+
+    # ----- one scan, every source, first source of a file wins -------------
+
+    def _scan(self) -> list[LibraryTarget]:
+        found: dict[tuple[int, int], LibraryTarget] = {}
+        for path in self.extra_paths:
+            self._note(self._consider(found, path, "--lib"), path)
+            if self._defines_nothing(path):
+                # Named by the user yet defines nothing this program probes
+                # (another program's library, perhaps): say so once.
+                self._libs_without_symbols.add(path)
+        self.counters["lib_without_wanted_symbols"] = len(self._libs_without_symbols)
+        site_dirs: dict[str, str] = {}
+        for pid in self._process_ids():
+            self._scan_process(pid, found, site_dirs)
+        self._scan_site_packages(site_dirs, found)
+        for pattern in self._search_globs():
+            for path in sorted(glob.glob(pattern)):
+                self._note(self._consider(found, path, "system", plain_path=path), path)
+        return list(found.values())
+
+    def _note(self, reason: str | None, about, count: int = 1) -> None:
+        """Count a problem once per thing it is about, however many polls see it."""
+        if reason and count and (reason, about) not in self._noted:
+            self._noted.add((reason, about))
+            self.counters[reason] += count
+
+    def _defines_nothing(self, path: str) -> bool:
+        try:
+            return self._wanted_by_file.get(FileKey.of(os.stat(path))) == frozenset()
+        except OSError:
+            return False
+
+    def _process_ids(self) -> list[int]:
+        if self.pids is not None:
+            return list(self.pids)
+        try:
+            names = os.listdir(self.proc_root)
+        except OSError:
+            self._note("unreadable_proc", str(self.proc_root))
+            return []
+        pids = sorted(int(n) for n in names if n.isdigit())
+        for gone in set(self._interpreter_dirs) - set(pids):
+            del self._interpreter_dirs[gone]
+        return pids
+
+    def _scan_process(self, pid: int, found: dict, site_dirs: dict[str, str]) -> None:
+        try:
+            maps = read_maps(self.proc_root, pid)
+        except _GONE:
+            self._note("vanished", pid)
+            return
+        except OSError:
+            self._note("unreadable_proc", pid)
+            return
+        self._note("maps_malformed_lines", pid, maps.malformed_lines)
+        origin = f"maps:{pid}"
+        looked_at: set[tuple[str, int]] = set()
+        for i, path in enumerate(maps.paths):
+            if not maps.file_backed(i):
+                continue
+            key = (maps.devs[i], int(maps.inodes[i]))
+            if key in looked_at or key in self._maps_seen:
+                continue
+            looked_at.add(key)
+            if path.endswith(DELETED_SUFFIX):
+                # Replaced or removed since it was mapped: only map_files still
+                # reaches the inode the process runs.
+                self._note("deleted_mapping", key)
+                start, end = int(maps.starts[i]), int(maps.ends[i])
+                host = str(self.proc_root / str(pid) / "map_files" / f"{start:x}-{end:x}")
+                self._consider(found, host, origin)
+                self._maps_seen.add(key)     # map_files works now or never
+                continue
+            problem = self._consider(found, in_process_root(self.proc_root, pid, path),
+                                     origin, plain_path=path)
+            if problem:
+                # Not reachable now (the process may be exiting): look again
+                # next poll, count it once.
+                self._note(problem, key)
+            else:
+                self._maps_seen.add(key)
+        for container_dir in self._python_site_dirs(pid, maps):
+            site_dirs.setdefault(in_process_root(self.proc_root, pid, container_dir),
+                                 container_dir)
+
+    # ----- Python site-packages --------------------------------------------
+
+    def _python_site_dirs(self, pid: int, maps: ProcessMaps) -> set[str]:
+        """site-packages folders (as the process sees them) of a process: those
+        it maps extension modules from, its interpreter's, its venv's."""
+        dirs: set[str] = set()
+        prefixes: set[str] = set()
+        python = False
+        for path in set(maps.paths):
+            match = _SITE_DIR.match(path)
+            if match:
+                dirs.add(match.group(1))
+            base = os.path.basename(path)
+            if _PYTHON_EXECUTABLE.match(base):
+                python = True
+                prefixes.add(os.path.dirname(os.path.dirname(path)))
+            elif base.startswith("libpython3"):
+                python = True
+        if python:
+            # An interpreter's prefix and venv do not change: look them up once.
+            if pid not in self._interpreter_dirs:
+                found = self._venv_site_dirs(pid)
+                for prefix in prefixes:
+                    found |= self._prefix_site_dirs(pid, prefix)
+                self._interpreter_dirs[pid] = found
+            dirs |= self._interpreter_dirs[pid]
+        return dirs
+
+    def _prefix_site_dirs(self, pid: int, prefix: str) -> set[str]:
+        root = in_process_root(self.proc_root, pid, "/")
+        patterns = ("lib/python3*/site-packages", "lib/python3*/dist-packages",
+                    "lib64/python3*/site-packages", "local/lib/python3*/dist-packages",
+                    "lib/python3/dist-packages")
+        dirs = set()
+        for pattern in patterns:
+            for host in glob.glob(in_process_root(self.proc_root, pid,
+                                                  os.path.join(prefix, pattern))):
+                dirs.add("/" + os.path.relpath(host, root))
+        return dirs
+
+    def _venv_site_dirs(self, pid: int) -> set[str]:
+        """A venv is a folder with pyvenv.cfg, next to or above the executable
+        named in argv[0] (never resolved: venv/bin/python links out of the
+        venv), or the folder VIRTUAL_ENV names."""
+        proc = self.proc_root / str(pid)
+        roots = []
+        try:
+            argv0 = (proc / "cmdline").read_bytes().split(b"\0", 1)[0].decode(
+                "utf-8", "surrogateescape")
+            if "/" in argv0:
+                if not argv0.startswith("/"):
+                    argv0 = os.path.join(os.readlink(proc / "cwd"), argv0)
+                bindir = os.path.dirname(os.path.normpath(argv0))
+                roots += [bindir, os.path.dirname(bindir)]
+            for entry in (proc / "environ").read_bytes().split(b"\0"):
+                if entry.startswith(b"VIRTUAL_ENV="):
+                    roots.append(entry[len(b"VIRTUAL_ENV="):].decode("utf-8", "surrogateescape"))
+        except OSError:
+            pass
+        dirs = set()
+        for root in roots:
+            if os.path.isfile(in_process_root(self.proc_root, pid, root + "/pyvenv.cfg")):
+                dirs |= self._prefix_site_dirs(pid, root)
+        return dirs
+
+    def _scan_site_packages(self, site_dirs: dict[str, str], found: dict) -> None:
+        seen_dirs = set()
+        for host_dir, container_dir in sorted(site_dirs.items()):
+            try:
+                st = os.stat(host_dir)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) in seen_dirs:
+                continue
+            seen_dirs.add((st.st_dev, st.st_ino))
+            for pattern in SITE_PACKAGES_GLOBS:
+                for host in sorted(glob.glob(os.path.join(host_dir, pattern))):
+                    plain = container_dir + host[len(host_dir):]
+                    self._note(self._consider(found, host, "site-packages", plain_path=plain),
+                               host)
+
+    def _search_globs(self) -> list[str]:
+        if self.search_paths is not None:
+            return list(self.search_paths)
+        return default_search_globs() + ldconfig_libraries()
+
+    # ----- one file -------------------------------------------------------
+
+    def _consider(self, found: dict, host_path: str, origin: str,
+                  plain_path: str | None = None) -> str | None:
+        """Add `host_path` to `found` when it defines a wanted symbol. None
+        when the file is settled (looked at, or already found); the reason
+        when it cannot be reached now and is worth another look later."""
+        try:
+            st = os.stat(host_path)
+        except FileNotFoundError:
+            return "missing_file"
+        except OSError:
+            return "unreadable_file"
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        ident = (st.st_dev, st.st_ino)
+        if ident in found:
+            return None
+        symbols = self._wanted_symbols(host_path, st)
+        if isinstance(symbols, str):
+            return symbols
+        if symbols:
+            found[ident] = LibraryTarget(self._usable_path(host_path, plain_path, st),
+                                         st.st_dev, st.st_ino, symbols, origin)
+        return None
+
+    def _wanted_symbols(self, path: str, st: os.stat_result) -> frozenset[str] | str:
+        """The wanted symbols `path` defines, parsed once per file version;
+        a reason string when the file cannot be read now."""
+        key = FileKey.of(st)
+        cached = self._wanted_by_file.get(key)
+        if cached is not None:
+            return cached
+        try:
+            elf = ElfSymbols.read(path)
+        except NotElfError:
+            self.counters["not_elf"] += 1
+            result = frozenset()
+        except ElfError:
+            self.counters["elf_unreadable"] += 1
+            result = frozenset()
+        except _GONE:
+            return "vanished"
+        except OSError:
+            return "unreadable_file"
+        else:
+            self.counters["examined"] += 1
+            key = elf.key
+            result = frozenset(name for name in elf.defined_functions() if self.wanted(name))
+        self._wanted_by_file[key] = result
+        return result
+
+    @staticmethod
+    def _usable_path(host_path: str, plain_path: str | None, st: os.stat_result) -> str:
+        """The plain path, symlinks resolved, when it names the same file on
+        the host (no container in between), else the /proc/PID/root path."""
+        if plain_path:
+            try:
+                plain = os.stat(plain_path)
+            except OSError:
+                return host_path
+            if (plain.st_dev, plain.st_ino) == (st.st_dev, st.st_ino):
+                return os.path.realpath(plain_path)
+        return host_path
+
+
+def check_extra_path(path: str | os.PathLike) -> str:
+    """A --lib path made absolute; ValueError naming the path and the problem."""
+    path = os.path.abspath(os.fspath(path))
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise ValueError(f"--lib {path}: no such file; expected an ELF shared library "
+                         "or executable") from None
+    except OSError as exc:
+        raise ValueError(f"--lib {path}: cannot stat it ({exc.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"--lib {path}: not a regular file; expected an ELF shared library "
+                         "or executable")
+    try:
+        ElfSymbols.read(path)
+    except NotElfError as exc:
+        raise ValueError(f"--lib {path}: not an ELF file ({exc})") from None
+    except ElfError as exc:
+        raise ValueError(f"--lib {path}: unreadable ELF file ({exc})") from None
+    except OSError as exc:
+        raise ValueError(f"--lib {path}: cannot read it ({exc.strerror})") from None
+    return path
+
+
+def default_search_globs(environ=os.environ) -> list[str]:
+    globs = list(DEFAULT_SEARCH_GLOBS)
+    for var in ASCEND_HOME_VARIABLES:
+        home = environ.get(var)
+        if home:
+            globs += [f"{home}/lib64/*.so*", f"{home}/*-linux/lib64/*.so*"]
+    return globs
+
+
+_ldconfig_cache: dict[tuple, list[str]] = {}
+
+
+def ldconfig_libraries(cache_file: Path = Path("/etc/ld.so.cache")) -> list[str]:
+    """Paths of the CUDA / CANN libraries the dynamic linker's cache lists
+    (`ldconfig -p`), read again only when the cache file changes."""
+    try:
+        st = os.stat(cache_file)
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+    except OSError:
+        return []
+    if stamp in _ldconfig_cache:
+        return _ldconfig_cache[stamp]
+    ldconfig = shutil.which("ldconfig") or shutil.which("ldconfig", path="/sbin:/usr/sbin")
+    paths = []
+    if ldconfig:
+        try:
+            out = subprocess.run([ldconfig, "-p"], capture_output=True, text=True,
+                                 timeout=10, check=False).stdout
+        except (OSError, subprocess.SubprocessError):
+            out = ""
+        for line in out.splitlines():
+            name, sep, path = line.strip().partition(" => ")
+            if sep and LDCONFIG_NAMES.match(name.split(" ", 1)[0]):
+                paths.append(path.strip())
+    _ldconfig_cache.clear()
+    _ldconfig_cache[stamp] = paths
+    return paths
+
+
+# ----- mmtrace doctor --------------------------------------------------------
+
+def _installed_files(search_paths: Iterable[str] | None) -> list[str]:
+    """Existing files in the install paths, the ldconfig cache and this
+    interpreter's site-packages, one per inode."""
+    patterns = (list(search_paths) if search_paths is not None
+                else default_search_globs() + ldconfig_libraries())
+    if search_paths is None:
+        own_sites = set(site.getsitepackages()) | {p for p in sys.path
+                                                   if p.endswith(("site-packages",
+                                                                  "dist-packages"))}
+        patterns += [os.path.join(d, g) for d in sorted(own_sites) for g in SITE_PACKAGES_GLOBS]
+    seen, files = set(), []
+    for pattern in patterns:
+        for path in sorted(glob.glob(pattern)):
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                files.append(os.path.realpath(path))
+    return files
+
+
+def _named(files: list[str], prefix: str) -> list[str]:
+    return [f for f in files if re.match(re.escape(prefix) + r"\.so(\.\d+)*$",
+                                         os.path.basename(f))]
+
+
+def _defines(path: str, symbol: str) -> bool:
+    try:
+        return symbol in ElfSymbols.read(path).defined_dynamic_functions()
+    except (ElfError, OSError):
+        return False
+
+
+def check_cuda_runtime(files: list[str]) -> Check:
+    found = _named(files, "libcudart")
+    usable = [f for f in found if _defines(f, "cudaLaunchKernel")]
+    fix = ("install the CUDA runtime (pip install nvidia-cuda-runtime-cu12, or the CUDA "
+           "toolkit), or name it with --lib PATH; copies that processes load from elsewhere "
+           "are found while tracing, through /proc/PID/maps")
+    if usable:
+        return Check("cuda_runtime", True, False, "libcudart defining cudaLaunchKernel at "
+                     + ", ".join(usable))
+    if found:
+        return Check("cuda_runtime", False, False, "libcudart found at " + ", ".join(found)
+                     + " but none defines cudaLaunchKernel", fix)
+    return Check("cuda_runtime", False, False, "no libcudart in /usr/local/cuda*, the "
+                 "system library folders, the ldconfig cache or this interpreter's "
+                 "site-packages", fix)
+
+
+def check_cuda_driver(files: list[str], host) -> Check:
+    found = _named(files, "libcuda")
+    version_file = Path(host.proc) / "driver" / "nvidia" / "version"
+    try:
+        version = version_file.read_text().splitlines()[0].strip()
+    except (OSError, IndexError):
+        version = ""
+    if found:
+        detail = "libcuda at " + ", ".join(found) + (f"; {version}" if version else "")
+        return Check("cuda_driver", True, False, detail)
+    return Check("cuda_driver", False, False,
+                 "no libcuda.so.1: no NVIDIA driver on this host"
+                 + (f" (yet {version_file} says: {version})" if version else ""),
+                 "install the NVIDIA driver (it provides libcuda.so.1); without it the "
+                 "runtime probes still fire but every CUDA call fails")
+
+
+def check_nvml() -> Check:
+    try:
+        import pynvml
+    except ImportError as exc:
+        return Check("nvml", False, False, f"pynvml does not import ({exc})",
+                     "pip install nvidia-ml-py")
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError_LibraryNotFound:
+        return Check("nvml", False, False, "nvmlInit: libnvidia-ml.so.1 not found",
+                     "install the NVIDIA driver (it provides libnvidia-ml.so.1)")
+    except pynvml.NVMLError_DriverNotLoaded:
+        return Check("nvml", False, False, "nvmlInit: the NVIDIA kernel driver is not loaded",
+                     "modprobe nvidia, or check dmesg for why it failed to load")
+    except pynvml.NVMLError_NoPermission:
+        return Check("nvml", False, False, "nvmlInit: permission denied on /dev/nvidia*",
+                     "run as root or add the user to the group owning /dev/nvidiactl")
+    except pynvml.NVMLError as exc:
+        return Check("nvml", False, False, f"nvmlInit failed: {exc}",
+                     "check that the NVIDIA driver works: nvidia-smi")
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        if isinstance(driver, bytes):
+            driver = driver.decode()
+        return Check("nvml", True, False, f"NVML sees {count} GPU(s), driver {driver}")
+    except pynvml.NVMLError as exc:
+        return Check("nvml", False, False, f"NVML initialised, then failed: {exc}",
+                     "check that the NVIDIA driver works: nvidia-smi")
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError:
+            pass
+
+
+def check_ascend(files: list[str]) -> Check:
+    acl = _named(files, "libascendcl")
+    opapi = _named(files, "libopapi")
+    if acl or opapi:
+        parts = [f"libascendcl at {', '.join(acl)}" if acl else "no libascendcl",
+                 f"libopapi at {', '.join(opapi)}" if opapi else "no libopapi (no aclnn ops)"]
+        return Check("ascend_cann", bool(acl), False, "; ".join(parts),
+                     "" if acl else "install the CANN toolkit, or source its set_env.sh")
+    return Check("ascend_cann", False, False,
+                 "no Ascend CANN libraries (libascendcl.so, libopapi.so) in "
+                 "/usr/local/Ascend/ascend-toolkit/latest or $ASCEND_TOOLKIT_HOME",
+                 "on an Ascend host: install the CANN toolkit and source "
+                 "/usr/local/Ascend/ascend-toolkit/set_env.sh, or name libraries with --lib")
+
+
+def doctor_checks(host, search_paths: Iterable[str] | None = None) -> list[Check]:
+    """CUDA runtime, CUDA driver, NVML and Ascend CANN, none required."""
+    files = _installed_files(search_paths)
+    return [check_cuda_runtime(files), check_cuda_driver(files, host), check_nvml(),
+            check_ascend(files)]
