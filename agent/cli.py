@@ -87,17 +87,23 @@ def record(output, duration, pids, libs):
     A progress line on stderr shows elapsed time, events and losses.
     Ctrl-C or SIGTERM closes the file cleanly (exit 0). Needs root.
 
+    GPU/NPU probes attach to every CUDA / Ascend library found in running
+    processes, the usual install paths and Python site-packages, and to
+    each --lib; every kernel launch is traced (each costs a few µs).
+
     \b
     Examples:
       sudo mmtrace record -o incident.mmtr --duration 30
       sudo mmtrace record -o server.mmtr --pid 4242 --pid 4243
+      sudo mmtrace record -o app.mmtr --lib /opt/app/bin/server   # static cudart
     """
     import os
     from . import record as recorder
     for pid in pids:
         if not os.path.exists(f"/proc/{pid}"):
             raise MmtraceError(f"--pid {pid}: no such process")
-    result = recorder.record(output, duration, pids=pids, progress=recorder.Progress())
+    result = recorder.record(output, duration, pids=pids, libs=libs,
+                             progress=recorder.Progress())
     click.echo(f"wrote {output}: {result.events:,} events, {result.lost:,} lost, "
                f"{result.duration_s:.1f} s", err=True)
 
@@ -141,13 +147,13 @@ def export(file, fmt, output):
     writer = write_jsonl if fmt == "jsonl" else write_chrome
     if output == "-":
         try:
-            writer(rec.events, sys.stdout)
+            writer(rec.events, sys.stdout, meta=rec.meta)
         except BrokenPipeError:
             sys.stderr.close()  # reader went away (e.g. `| head`): not an error
         return
     try:
         with open(output, "w") as out:
-            n = writer(rec.events, out)
+            n = writer(rec.events, out, meta=rec.meta)
     except OSError as exc:
         raise MmtraceError(f"cannot write {output}: {exc.strerror}") from None
     click.echo(f"wrote {output}: {n:,} events", err=True)

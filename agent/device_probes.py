@@ -7,6 +7,17 @@ was opened: a library replaced on disk afterwards keeps its probes on the
 old inode (which running processes still map), and the new file, a new
 inode, is a new target. The descriptor stays open while probes are attached.
 
+Two ways to attach, chosen by what the kernel supports (agent/probes.py
+compiles the programs of one of them):
+- "multi" (Linux 6.6+): the symbols of a library that share a decoder are
+  one uprobe_multi link, each symbol's API id in its cookie. Removing a
+  uprobe costs an RCU grace period (about 0.1 s on a VM); a link of any
+  size costs one, so switching the per-launch probes or closing takes a
+  few grace periods per library, not one per symbol (hundreds of aclnn ops).
+- "single": one uprobe per symbol through bcc, with a program per symbol;
+  the aclnn ops still get a cookie each through a perf link (5.15+), or
+  else are named by address in userspace.
+
 Per-launch probes (kernel launches, aclnn/aclop submissions) cost one trap
 per launch, thousands per second on a busy server. In the adaptive mode they
 are detached while graph launches, copies, syncs and the scheduler stay on;
@@ -15,22 +26,28 @@ recording) and off again. Detaching a uprobe touches no other probe and no
 ring buffer, so no other event is lost.
 """
 
-import errno
+import functools
 import logging
 import os
 import re
 import resource
+import struct
 import threading
-from dataclasses import asdict, dataclass, field
+import time
+from dataclasses import asdict, dataclass
 
 from mmtrace.bpf import device as device_stream
+
+from .uprobe_link import BPF_TRACE_UPROBE_MULTI, CookieLink, LinkError, UprobeMultiLink
 
 log = logging.getLogger(__name__)
 
 ATTACHED, DETACHED, NOT_FOUND, FAILED = "attached", "detached", "not_found", "failed"
 ENTRY, RETURN = "entry", "return"
+MULTI, SINGLE = "multi", "single"
 # bcc refuses more than 1000 open probes per process unless told otherwise.
 PROBE_LIMIT = 1 << 16
+LAUNCHES_OFF = "adaptive mode: per-launch probes off"
 
 
 @dataclass
@@ -61,17 +78,38 @@ class _Library:
     attach_path: bytes
 
 
-@dataclass
+@dataclass(eq=False)
 class _Probe:
     library: _Library
     api: device_stream.Api
     symbol: str
     vaddr: int
+    offset: int | None
     point: str
-    fn: str
+    cookie: int
     state: str = DETACHED
     reason: str = ""
-    ev_name: bytes | None = None
+    attachment: object = None   # shared by the probes of one uprobe_multi link
+
+    @property
+    def multi_fn(self) -> str:
+        return self.api.multi_return_fn if self.point == RETURN else self.api.multi_entry_fn
+
+    @property
+    def single_fn(self) -> str:
+        return self.api.return_fn if self.point == RETURN else self.api.entry_fn
+
+
+class _BccUprobe:
+    """A uprobe bcc attached; close() detaches it."""
+
+    def __init__(self, bpf, ev_name: bytes):
+        self.bpf, self.ev_name = bpf, ev_name
+
+    def close(self):
+        if self.ev_name is not None:
+            self.bpf.detach_uprobe_event(self.ev_name)
+            self.ev_name = None
 
 
 @dataclass
@@ -89,6 +127,19 @@ def target_from_path(path: str) -> _PathTarget:
     return _PathTarget(os.path.abspath(path), st.st_dev, st.st_ino)
 
 
+@functools.cache
+def _symbol_matcher():
+    table = device_stream.default_table()
+    named = frozenset(api.symbol for api in table.apis if api.pattern is None)
+    patterns = [api for api in table.apis if api.pattern is not None]
+    return lambda symbol: symbol in named or any(api.matches(symbol) for api in patterns)
+
+
+def wanted(symbol: str) -> bool:
+    """For discovery: is `symbol` one the GPU/NPU programs probe?"""
+    return _symbol_matcher()(symbol)
+
+
 class DeviceProbes:
     """The uprobes of one loaded bcc object.
 
@@ -96,9 +147,10 @@ class DeviceProbes:
     owner's loop attaches newly discovered libraries."""
 
     def __init__(self, bpf, table: device_stream.ApiTable | None = None,
-                 launches: bool = True):
+                 launches: bool = True, mode: str | None = None):
         self.bpf = bpf
         self.table = table or device_stream.default_table()
+        self.mode = mode or MULTI
         self._launches = launches
         self._libraries: dict[tuple[int, int], _Library] = {}
         self._probes: list[_Probe] = []
@@ -109,14 +161,11 @@ class DeviceProbes:
         self._closed = False
         self._named = {api.symbol: api for api in self.table.apis if api.pattern is None}
         self._patterns = [api for api in self.table.apis if api.pattern is not None]
-
-    # ----- which symbols -------------------------------------------------
+        # Pattern APIs (aclnn): one id per symbol name, across libraries.
+        self._symbol_ids: dict[str, int] = {}
 
     def wanted(self, symbol: str) -> bool:
-        """For discovery: is `symbol` one this agent probes?"""
-        if symbol in self._named:
-            return True
-        return any(api.matches(symbol) for api in self._patterns)
+        return symbol in self._named or any(api.matches(symbol) for api in self._patterns)
 
     def _api_of(self, symbol: str) -> device_stream.Api | None:
         api = self._named.get(symbol)
@@ -124,7 +173,7 @@ class DeviceProbes:
             return api
         return next((p for p in self._patterns if p.matches(symbol)), None)
 
-    # ----- attaching -------------------------------------------------------
+    # ----- libraries -------------------------------------------------------
 
     def add(self, target) -> list[ProbeState]:
         """Attach every probe `target` (a discovery.LibraryTarget, or
@@ -141,11 +190,10 @@ class DeviceProbes:
                 return self._library_failures[-1:]
             self._libraries[key] = library
             probes = self._plan(library, getattr(target, "symbols", frozenset()))
-            _raise_limits(len(self._probes) + len(probes))
-            for probe in probes:
-                if probe.state == DETACHED and (self._launches or not probe.api.per_launch):
-                    self._attach(probe)
             self._probes.extend(probes)
+            _raise_limits(len(self._probes))
+            self._attach([p for p in probes if p.state == DETACHED
+                          and (self._launches or not p.api.per_launch)])
             return self._summarise(probes)
 
     def add_path(self, path: str) -> list[ProbeState]:
@@ -180,7 +228,8 @@ class DeviceProbes:
         try:
             found = BPF.get_user_functions_and_addresses(
                 library.attach_path, f"^({pattern})(@.*)?$".encode())
-        except Exception as exc:  # bcc raises bare Exception
+            segments = _load_segments(library.fd)
+        except Exception as exc:  # bcc raises bare Exception; ours raise ValueError/OSError
             self._library_failed(library, f"its symbols cannot be read: {exc}")
             return []
         vaddrs: dict[str, int] = {}
@@ -194,51 +243,103 @@ class DeviceProbes:
         seen_at: dict[tuple[int, str], str] = {}
         for symbol in sorted(vaddrs):
             api = self._api_of(symbol)
-            points = [(ENTRY, api.entry_fn)]
-            if api.return_fn:
-                points.append((RETURN, api.return_fn))
-            for point, fn in points:
-                probe = _Probe(library, api, symbol, vaddrs[symbol], point, fn)
+            symbol_id = 0
+            if api.pattern is not None:
+                symbol_id = self._symbol_ids.setdefault(symbol, len(self._symbol_ids) + 1)
+            cookie = device_stream.cookie(api.id, self.table.slots.get(api.id, 0), symbol_id)
+            offset = _file_offset(segments, vaddrs[symbol])
+            for point in (ENTRY, RETURN) if api.return_impl else (ENTRY,):
+                probe = _Probe(library, api, symbol, vaddrs[symbol], offset, point, cookie)
                 twin = seen_at.setdefault((probe.vaddr, point), symbol)
                 if twin != symbol:
                     # Aliases share code: one probe, or every call counts twice.
                     probe.state, probe.reason = FAILED, f"same address as {twin}, probed as that"
+                elif offset is None:
+                    probe.state, probe.reason = FAILED, "address outside every loaded segment"
                 elif api.per_launch and not self._launches:
-                    probe.reason = "adaptive mode: per-launch probes off"
+                    probe.reason = LAUNCHES_OFF
                 probes.append(probe)
         families = {self._api_of(s).library for s in vaddrs}
         for symbol, api in self._named.items():
             if api.library in families and symbol not in vaddrs:
-                probes.append(_Probe(library, api, symbol, 0, ENTRY, api.entry_fn,
-                                     state=NOT_FOUND,
+                probes.append(_Probe(library, api, symbol, 0, None, ENTRY, 0, state=NOT_FOUND,
                                      reason=f"{api.library} library without this symbol"))
         return probes
 
-    def _attach(self, probe: _Probe):
+    # ----- attaching and detaching -----------------------------------------
+
+    def _attach(self, probes: list[_Probe]):
+        if self.mode == MULTI:
+            self._attach_multi(probes)
+        else:
+            for probe in probes:
+                self._attach_single(probe)
+
+    def _attach_multi(self, probes: list[_Probe]):
+        from bcc import BPF
+        groups: dict[tuple, list[_Probe]] = {}
+        for p in probes:
+            groups.setdefault((id(p.library), p.multi_fn, p.point, p.api.per_launch),
+                              []).append(p)
+        for group in groups.values():
+            first = group[0]
+            try:
+                fn = self.bpf.load_func(first.multi_fn.encode(), BPF.KPROBE,
+                                        attach_type=BPF_TRACE_UPROBE_MULTI)
+                link = UprobeMultiLink(fn.fd, first.library.attach_path,
+                                       [p.offset for p in group], [p.cookie for p in group],
+                                       retprobe=first.point == RETURN)
+            except Exception as exc:    # LinkError, or bcc's bare Exception on load
+                log.warning("uprobe_multi link for %d symbols of %s not attached: %s",
+                            len(group), first.library.path, exc)
+                for p in group:
+                    p.state, p.reason = FAILED, _attach_failure(exc)
+                continue
+            for p in group:
+                p.attachment, p.state, p.reason = link, ATTACHED, ""
+
+    def _attach_single(self, probe: _Probe):
+        from bcc import BPF
+        if probe.api.pattern is not None:
+            try:
+                fn = self.bpf.load_func(probe.single_fn.encode(), BPF.KPROBE)
+                probe.attachment = CookieLink(fn.fd, probe.library.attach_path, probe.offset,
+                                              probe.cookie, retprobe=probe.point == RETURN)
+                probe.state, probe.reason = ATTACHED, ""
+                return
+            except (LinkError, OSError) as exc:
+                # Named by address in userspace instead, while the process lives.
+                log.info("uprobe %s:%s attached without a cookie: %s", probe.library.path,
+                         probe.symbol, exc)
         before = set(self.bpf.uprobe_fds)
-        attach = (self.bpf.attach_uretprobe if probe.point == RETURN
-                  else self.bpf.attach_uprobe)
+        attach = self.bpf.attach_uretprobe if probe.point == RETURN else self.bpf.attach_uprobe
         try:
-            attach(name=probe.library.attach_path, addr=probe.vaddr, fn_name=probe.fn)
+            attach(name=probe.library.attach_path, addr=probe.vaddr,
+                   fn_name=probe.single_fn.encode())
         except Exception as exc:  # bcc raises bare Exception, with the cause on stderr
             probe.state, probe.reason = FAILED, _attach_failure(exc)
             log.warning("uprobe %s:%s (%s) not attached: %s", probe.library.path,
                         probe.symbol, probe.point, probe.reason)
             return
         added = set(self.bpf.uprobe_fds) - before
-        probe.ev_name = added.pop() if added else None
+        probe.attachment = _BccUprobe(self.bpf, added.pop()) if added else None
         probe.state, probe.reason = ATTACHED, ""
 
-    def _detach(self, probe: _Probe, reason: str):
-        if probe.ev_name is not None:
+    def _detach(self, probes: list[_Probe], reason: str):
+        """Detach `probes`; a link shared with probes not listed stays."""
+        leaving = set(probes)
+        for attachment in {id(p.attachment): p.attachment for p in probes
+                           if p.attachment is not None}.values():
+            if any(p.attachment is attachment and p not in leaving for p in self._probes):
+                continue
             try:
-                self.bpf.detach_uprobe_event(probe.ev_name)
+                attachment.close()
             except Exception as exc:  # bcc raises bare Exception
-                log.warning("uprobe %s:%s not detached cleanly: %s",
-                            probe.library.path, probe.symbol, exc)
-            probe.ev_name = None
-        if probe.state == ATTACHED:
-            probe.state, probe.reason = DETACHED, reason
+                log.warning("a uprobe did not detach cleanly: %s", exc)
+        for probe in probes:
+            probe.attachment = None
+            if probe.state == ATTACHED:
+                probe.state, probe.reason = DETACHED, reason
 
     # ----- the adaptive mode -------------------------------------------------
 
@@ -251,19 +352,16 @@ class DeviceProbes:
         """time.monotonic() at which a bounded attach_launches ends, else None."""
         return self._window_end
 
-    def detach_launches(self, reason: str = "adaptive mode: per-launch probes off"):
+    def detach_launches(self, reason: str = LAUNCHES_OFF):
         """Per-launch probes off; everything else keeps tracing."""
         with self._lock:
             self._cancel_window()
             self._launches = False
-            for probe in self._probes:
-                if probe.api.per_launch:
-                    self._detach(probe, reason)
+            self._detach([p for p in self._probes if p.api.per_launch], reason)
 
     def attach_launches(self, duration_s: float | None = None):
         """Per-launch probes on; for `duration_s` seconds when given, then
         off again (a timer thread does it, whatever the caller is doing)."""
-        import time
         if duration_s is not None and duration_s <= 0:
             raise ValueError(f"duration_s must be positive, got {duration_s}")
         with self._lock:
@@ -271,9 +369,8 @@ class DeviceProbes:
                 return
             self._cancel_window()
             self._launches = True
-            for probe in self._probes:
-                if probe.api.per_launch and probe.state == DETACHED:
-                    self._attach(probe)
+            self._attach([p for p in self._probes
+                          if p.api.per_launch and p.state == DETACHED])
             if duration_s is not None:
                 self._window_end = time.monotonic() + duration_s
                 self._timer = threading.Timer(duration_s, self._end_window)
@@ -296,7 +393,7 @@ class DeviceProbes:
             rows = self._summarise(self._probes) + list(self._library_failures)
         return [row.as_dict() for row in rows]
 
-    def summary(self) -> dict[str, int]:
+    def summary(self) -> dict:
         """Probe points by state (a pattern API counts each symbol)."""
         with self._lock:
             out = {ATTACHED: 0, DETACHED: 0, NOT_FOUND: 0, FAILED: 0}
@@ -304,11 +401,13 @@ class DeviceProbes:
                 out[probe.state] += 1
             out["libraries"] = len(self._libraries)
             out["library_failures"] = len(self._library_failures)
+            out["mode"] = self.mode
             return out
 
-    def attached_symbols(self) -> set[str]:
+    def symbol_names(self) -> dict[int, str]:
+        """Symbol id (in an event's symbol_id) -> aclnn symbol."""
         with self._lock:
-            return {p.symbol for p in self._probes if p.state == ATTACHED}
+            return {symbol_id: name for name, symbol_id in self._symbol_ids.items()}
 
     def _summarise(self, probes: list[_Probe]) -> list[ProbeState]:
         rows: dict[tuple, ProbeState] = {}
@@ -335,12 +434,51 @@ class DeviceProbes:
                 return
             self._closed = True
             self._cancel_window()
-            for probe in self._probes:
-                self._detach(probe, "closed")
+            self._detach(self._probes, "closed")
             for library in self._libraries.values():
                 if library.fd is not None:
                     os.close(library.fd)
                     library.fd = None
+
+
+# ----- ELF load segments: symbol address -> file offset ----------------------
+
+_ELF64_HEADER = struct.Struct("<16sHHIQQQIHHHHHH")
+_ELF64_PHDR = struct.Struct("<IIQQQQQQ")
+PT_LOAD = 1
+
+
+def _load_segments(fd: int) -> list[tuple[int, int, int]]:
+    """(vaddr, offset, filesz) of each PT_LOAD segment of a 64-bit
+    little-endian ELF file (x86-64, aarch64)."""
+    head = os.pread(fd, _ELF64_HEADER.size, 0)
+    if len(head) < _ELF64_HEADER.size or head[:4] != b"\x7fELF":
+        raise ValueError("expected an ELF file")
+    if head[4] != 2 or head[5] != 1:
+        raise ValueError(f"expected a 64-bit little-endian ELF file, class {head[4]} "
+                         f"byte order {head[5]}")
+    fields = _ELF64_HEADER.unpack(head)
+    phoff, phentsize, phnum = fields[5], fields[9], fields[10]
+    if phentsize != _ELF64_PHDR.size:
+        raise ValueError(f"expected program headers of {_ELF64_PHDR.size} bytes, "
+                         f"got {phentsize}")
+    table = os.pread(fd, phentsize * phnum, phoff)
+    if len(table) != phentsize * phnum:
+        raise ValueError("program headers cut short: the file changed or is truncated")
+    out = []
+    for i in range(phnum):
+        p_type, _, p_offset, p_vaddr, _, p_filesz, _, _ = _ELF64_PHDR.unpack_from(
+            table, i * phentsize)
+        if p_type == PT_LOAD:
+            out.append((p_vaddr, p_offset, p_filesz))
+    return out
+
+
+def _file_offset(segments, vaddr: int) -> int | None:
+    for seg_vaddr, seg_offset, filesz in segments:
+        if seg_vaddr <= vaddr < seg_vaddr + filesz:
+            return vaddr - seg_vaddr + seg_offset
+    return None
 
 
 def _attach_failure(exc: Exception) -> str:
@@ -351,17 +489,18 @@ def _attach_failure(exc: Exception) -> str:
 
 
 def _raise_limits(probes: int):
-    """One perf event descriptor per probe: lift bcc's probe quota and the
-    soft descriptor limit to what the probes need."""
+    """One perf event descriptor per probe when attached one by one: lift
+    bcc's probe quota and the soft descriptor limit to what they need."""
+    need = max(probes + 64, PROBE_LIMIT)
     current = os.environ.get("BCC_PROBE_LIMIT", "")
-    if not current.isdigit() or int(current) < max(probes + 64, PROBE_LIMIT):
-        os.environ["BCC_PROBE_LIMIT"] = str(max(probes + 64, PROBE_LIMIT))
+    if not current.isdigit() or int(current) < need:
+        os.environ["BCC_PROBE_LIMIT"] = str(need)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = probes + 1024
-    if soft != resource.RLIM_INFINITY and soft < need:
-        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    want = probes + 1024
+    if soft != resource.RLIM_INFINITY and soft < want:
+        target = want if hard == resource.RLIM_INFINITY else min(want, hard)
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
         except (ValueError, OSError) as exc:
             log.warning("cannot raise the descriptor limit to %d (%s): some probes may "
-                        "fail with %s", target, exc, errno.errorcode.get(errno.EMFILE))
+                        "fail with EMFILE", target, exc)

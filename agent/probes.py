@@ -43,6 +43,7 @@ class ProbeOptions:
     dev_ringbuf_pages: int = 2048       # 8 MiB: ~40k device records
     max_calls_in_flight: int = 16384
     trace_launches: bool = True         # False: the adaptive mode, per-launch probes off
+    attach_mode: str | None = None      # "multi" / "single"; None: the best the kernel has
 
 
 def import_bcc():
@@ -116,9 +117,22 @@ def program_text(options: ProbeOptions) -> str:
     parts = [bpf_sources.source("common.h"), bpf_sources.source(device_stream.HEADER),
              bpf_sources.source(sched_stream.SOURCE)]
     if options.device:
+        multi = attach_mode(options) == "multi"
         parts += [bpf_sources.source(cuda_stream.SOURCE), bpf_sources.source(ascend_stream.SOURCE),
-                  device_stream.default_table().generated_programs()]
+                  device_stream.default_table().generated_programs(multi=multi)]
     return "\n".join(parts)
+
+
+def attach_mode(options: ProbeOptions) -> str:
+    """How the GPU/NPU probes attach (agent/device_probes.py): uprobe_multi
+    links where the kernel has them, else one uprobe per symbol."""
+    if options.attach_mode is not None:
+        if options.attach_mode not in ("multi", "single"):
+            raise MmtraceError(f"attach mode must be multi or single, "
+                               f"got {options.attach_mode!r}")
+        return options.attach_mode
+    from .uprobe_link import uprobe_multi_available
+    return "multi" if uprobe_multi_available() else "single"
 
 
 def cflags(options: ProbeOptions) -> list[str]:
@@ -180,7 +194,8 @@ def load(options: ProbeOptions = ProbeOptions()) -> LoadedProbes:
             "dev", RingReader(dev_ring.map_fd, dev_size, device_stream.DEV_EVENT)))
         if options.device:
             from .device_probes import DeviceProbes
-            probes.device = DeviceProbes(program, launches=options.trace_launches)
+            probes.device = DeviceProbes(program, launches=options.trace_launches,
+                                         mode=attach_mode(options))
     except LayoutMismatch as exc:
         probes.close()
         raise MmtraceError(str(exc)) from None

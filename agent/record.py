@@ -4,18 +4,24 @@ import os
 import platform
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
 from mmtrace.bpf import counters as bpf_counters
+from mmtrace.bpf import device as device_stream
 from mmtrace.bpf import sched as sched_stream
 
 from . import probes as probe_loader
+from .dev_names import DeviceNames
+from .errors import MmtraceError
 from .recording import RecordingWriter
 from .threads import ThreadProcesses
 
-SCHEMAS = {"cpu.runq": sched_stream.RUNQ_EVENT}
-STREAM_SCHEMA = {"cpu": "cpu.runq"}
+# GPU and NPU events share one layout; each event's API says its stream.
+SCHEMAS = {"cpu.runq": sched_stream.RUNQ_EVENT, "dev.event": device_stream.DEV_EVENT}
+STREAM_SCHEMA = {"cpu": "cpu.runq", "dev": "dev.event"}
+CPU_PROBE_STATE = {"stream": "cpu", "program": sched_stream.SOURCE, "state": "attached"}
 
 
 @dataclass
@@ -72,10 +78,71 @@ class Progress:
         self.stream.flush()
 
 
+class DeviceSources:
+    """The libraries the GPU/NPU probes attach to: --lib paths, and what
+    discovery finds while recording (new processes, new files). The first
+    scan runs in a thread from creation on, beside the eBPF compilation."""
+
+    def __init__(self, libs=(), pids=(), discover: bool = True):
+        from .device_probes import wanted
+        self.discoverer = None
+        self.libs = tuple(str(p) for p in libs)
+        try:
+            from . import discovery
+        except ImportError:     # discovery not installed: --lib paths only
+            discovery = None
+        if discover and discovery is not None:
+            try:
+                self.discoverer = discovery.Discoverer(wanted, pids=pids or None,
+                                                       extra_paths=self.libs)
+            except ValueError as exc:
+                raise MmtraceError(str(exc)) from None
+        self._first: list = []
+        self._first_error: BaseException | None = None
+        self._scan = threading.Thread(target=self._first_scan, name="mmtrace-discovery",
+                                      daemon=True)
+        self._scan.start()
+
+    def _first_scan(self):
+        try:
+            if self.discoverer is None:
+                self._first = [device_probe_target(p) for p in self.libs]
+            else:
+                self._first = self.discoverer.poll()
+        except BaseException as exc:    # re-raised in the recording thread
+            self._first_error = exc
+
+    def targets(self) -> list:
+        """The first scan's targets (waiting for it), then what is new."""
+        if self._scan is not None:
+            self._scan.join()
+            self._scan = None
+            if self._first_error is not None:
+                raise self._first_error
+            return self._first
+        return self.discoverer.poll_if_due() if self.discoverer is not None else []
+
+    def counters(self) -> dict:
+        return dict(self.discoverer.counters) if self.discoverer is not None else {}
+
+
+def device_probe_target(path: str):
+    from .device_probes import target_from_path
+    try:
+        return target_from_path(path)
+    except OSError as exc:
+        raise MmtraceError(f"--lib {path}: {exc.strerror}") from None
+
+
 def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 0.025,
            progress: Progress | None = None, stop: StopFlag | None = None,
-           options: probe_loader.ProbeOptions | None = None) -> RecordResult:
+           options: probe_loader.ProbeOptions | None = None, libs=(),
+           discover: bool = True) -> RecordResult:
+    """Record every stream to `output`. GPU/NPU probes go on every library
+    given in `libs` and, with `discover`, every one found while recording;
+    all probes trace (per-launch ones included) unless `options` says not."""
     options = options or probe_loader.ProbeOptions(pids=tuple(pids))
+    sources = DeviceSources(libs, options.pids, discover) if options.device else None
     loaded = probe_loader.load(options)
     threads = ThreadProcesses()
     own_stop = stop is None
@@ -90,16 +157,18 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
             "pids": list(options.pids),
             "recorder_pid": os.getpid(),
         })
+        device = _DeviceRecording(loaded, writer, sources)
         start_counters = loaded.counters()
         writer.write_meta({"counters_at_start": start_counters,
-                           "probes": [{"stream": "cpu", "program": sched_stream.SOURCE,
-                                       "state": "attached"}]})
+                           "apis": device_stream.default_table().to_json(),
+                           "probes": [CPU_PROBE_STATE] + device.attach(first=True)})
         started = time.monotonic()
         deadline = started + duration_s if duration_s else None
         events = 0
         while True:
             finishing = bool(stop) or (deadline is not None and time.monotonic() >= deadline)
-            events += _drain(loaded, writer, threads)
+            device.attach()
+            events += _drain(loaded, writer, threads, device)
             if progress and (finishing or progress.due()):
                 lost = bpf_counters.total_lost(_delta(loaded.counters(), start_counters))
                 progress.update(time.monotonic() - started, events, lost, force=finishing)
@@ -119,6 +188,7 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
             "runq_hist_log2_us": loaded.runq_hist(),
             "unresolved_pids": threads.unresolved,
             "stopped_by": stop.reason or "duration",
+            **device.footer(),
         })
         return RecordResult(events, lost, elapsed, stop.reason or "duration")
     finally:
@@ -129,7 +199,52 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
             stop.restore()
 
 
-def _drain(loaded, writer, threads, max_rounds: int = 8) -> int:
+class _DeviceRecording:
+    """What the recording keeps of the GPU/NPU side besides its events:
+    probe states, the op-name tables, and why names are missing."""
+
+    def __init__(self, loaded, writer, sources):
+        self.loaded = loaded
+        self.writer = writer
+        self.device = loaded.device
+        self.sources = sources if self.device is not None else None
+        self.names = DeviceNames(device_stream.default_infos())
+        self._symbols_written = 0
+
+    def attach(self, first: bool = False) -> list[dict]:
+        """Attach to what the sources found; the states of the new probes
+        (kept in a meta chunk of their own after the first)."""
+        if self.sources is None:
+            return []
+        states = []
+        for target in self.sources.targets():
+            states += [state.as_dict() for state in self.device.add(target)]
+        if states and not first:
+            self.writer.write_meta({"probes": states})
+        self._write_symbols()
+        return states
+
+    def _write_symbols(self):
+        symbols = self.device.symbol_names()
+        if len(symbols) != self._symbols_written:
+            self.writer.write_meta({"symbol_names": {str(k): v for k, v in symbols.items()}})
+            self._symbols_written = len(symbols)
+
+    def named(self, batch):
+        rows = self.names.process(batch)
+        if rows:
+            self.writer.write_meta({"op_names": rows})
+
+    def footer(self) -> dict:
+        if self.device is None:
+            return {}
+        return {"device_probes": self.device.states(),
+                "device_probe_summary": self.device.summary(),
+                "name_resolution": dict(self.names.counters),
+                "discovery": self.sources.counters()}
+
+
+def _drain(loaded, writer, threads, device=None, max_rounds: int = 8) -> int:
     """What the rings hold now; a few rounds at most, so that a producer
     faster than the disk cannot keep the loop from seeing a stop."""
     total = 0
@@ -141,6 +256,8 @@ def _drain(loaded, writer, threads, max_rounds: int = 8) -> int:
             learnt = threads.fill(batch)
             if learnt:
                 loaded.learn_threads(learnt)
+            if stream == "dev" and device is not None:
+                device.named(batch)
             writer.write_events(STREAM_SCHEMA[stream], batch)
             total += len(batch)
     return total

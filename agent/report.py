@@ -67,8 +67,71 @@ def lost_events(rec: Recording) -> int:
     return 0
 
 
+def device_rows(rec: Recording):
+    events = rec.events.get("dev.event")
+    if events is None or not len(events):
+        return None
+    from .device_view import DeviceContext, decode
+    return decode(events, DeviceContext.from_meta(rec.meta))
+
+
+def top_ops(rows, limit: int = 20) -> list[dict]:
+    """Submissions (not syncs, not copies) by (stream, api, op_name), most first."""
+    if rows is None:
+        return []
+    counts: dict[tuple, int] = {}
+    for stream, kind, api, name in zip(rows.stream, rows.kind, rows.api, rows.op_name):
+        if kind in ("launch", "graph_launch", "model_exec"):
+            key = (stream, kind, api, name)
+            counts[key] = counts.get(key, 0) + 1
+    ranked = sorted(counts.items(), key=lambda item: (-item[1], str(item[0])))[:limit]
+    return [{"stream": s, "kind": k, "api": a, "op_name": n, "count": c}
+            for (s, k, a, n), c in ranked]
+
+
+def sync_waits(rows) -> list[dict]:
+    """Time the host spent blocked in each sync API."""
+    if rows is None:
+        return []
+    out = []
+    is_sync = rows.kind == "sync"
+    returned = (rows.events["flags"] & 1) != 0
+    for stream, api in sorted({(s, a) for s, a in zip(rows.stream[is_sync], rows.api[is_sync])}):
+        at = is_sync & (rows.stream == stream) & (rows.api == api) & returned
+        waits = rows.events["duration_ns"][at].astype(np.float64)
+        if not len(waits):
+            continue
+        p50, p99 = np.percentile(waits, [50, 99])
+        out.append({"stream": stream, "api": api, "count": int(len(waits)),
+                    "total_ms": round(float(waits.sum()) / 1e6, 3),
+                    "p50_us": round(float(p50) / 1e3, 3), "p99_us": round(float(p99) / 1e3, 3),
+                    "max_us": round(float(waits.max()) / 1e3, 3)})
+    return out
+
+
+def bytes_by_direction(rows) -> list[dict]:
+    if rows is None:
+        return []
+    is_copy = rows.kind == "memcpy"
+    out = []
+    for stream, direction in sorted({(s, str(d)) for s, d in zip(rows.stream[is_copy],
+                                                                  rows.direction[is_copy])}):
+        at = is_copy & (rows.stream == stream) & (rows.direction.astype(str) == direction)
+        out.append({"stream": stream, "direction": None if direction == "None" else direction,
+                    "count": int(at.sum()),
+                    "bytes": int(rows.events["bytes"][at].astype(np.uint64).sum())})
+    return out
+
+
+def device_probes(rec: Recording) -> dict:
+    footer = rec.footer or {}
+    return {"summary": footer.get("device_probe_summary", {}),
+            "name_resolution": footer.get("name_resolution", {})}
+
+
 def summarize(rec: Recording) -> dict:
     runq = rec.events.get("cpu.runq", np.empty(0))
+    rows = device_rows(rec)
     return {
         "file": str(rec.path),
         "format_version": "%d.%d" % rec.version,
@@ -80,7 +143,10 @@ def summarize(rec: Recording) -> dict:
         "kernel_counters": (rec.footer or {}).get("counters", {}),
         "runq": runq_summary(runq),
         "top_runq_threads": top_threads(runq),
-        "ops": [],
+        "ops": top_ops(rows),
+        "sync_waits": sync_waits(rows),
+        "bytes_by_direction": bytes_by_direction(rows),
+        "device_probes": device_probes(rec),
         "anomalies": [],
     }
 
@@ -106,11 +172,34 @@ def format_text(summary: dict) -> str:
         for t in summary["top_runq_threads"]:
             lines.append(f"{t['pid']:>8} {t['tid']:>8} {t['comm']:<16} {t['count']:>9} "
                          f"{t['total_ms']:>10.3f}")
+    lines.extend(device_lines(summary))
     lines.append("")
     lines.append(f"anomalies: {len(summary['anomalies'])}")
     for anomaly in summary["anomalies"]:
         lines.append(f"  {anomaly}")
     return "\n".join(lines)
+
+
+def device_lines(summary: dict) -> list[str]:
+    lines = []
+    if summary["ops"]:
+        lines += ["", f"{'stream':<6} {'kind':<12} {'api':<28} {'count':>9}  op"]
+        for op in summary["ops"]:
+            lines.append(f"{op['stream']:<6} {op['kind']:<12} {op['api']:<28} {op['count']:>9}  "
+                         f"{op['op_name'] or '-'}")
+    if summary["sync_waits"]:
+        lines += ["", f"{'sync waits':<36} {'count':>7} {'total ms':>10} {'p50 µs':>10} "
+                      f"{'p99 µs':>10} {'max µs':>10}"]
+        for w in summary["sync_waits"]:
+            lines.append(f"{w['stream'] + ' ' + w['api']:<36} {w['count']:>7} "
+                         f"{w['total_ms']:>10.3f} {w['p50_us']:>10.1f} {w['p99_us']:>10.1f} "
+                         f"{w['max_us']:>10.1f}")
+    if summary["bytes_by_direction"]:
+        lines += ["", f"{'copies':<20} {'count':>9} {'bytes':>16}"]
+        for b in summary["bytes_by_direction"]:
+            lines.append(f"{b['stream'] + ' ' + str(b['direction']):<20} {b['count']:>9} "
+                         f"{b['bytes']:>16,}")
+    return lines
 
 
 def hist_lines(buckets: list[dict], width: int = 40) -> list[str]:

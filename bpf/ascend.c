@@ -5,7 +5,8 @@
 
 /* aclnnXxx(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor,
  * aclrtStream stream): one program for every op; the op is the symbol,
- * found from the probed address in userspace. */
+ * named by the cookie it was attached with (agent/uprobe_link.py), or by
+ * the probed address in userspace where cookies are not available. */
 static __always_inline int aclnn_launch(struct pt_regs *ctx, u16 api, u32 slot)
 {
     if (!in_scope())
@@ -15,6 +16,7 @@ static __always_inline int aclnn_launch(struct pt_regs *ctx, u16 api, u32 slot)
         return 0;
     dev_begin(ev, api, DEV_LAUNCH);
     ev->probe_ip = PT_REGS_IP(ctx);
+    ev->symbol_id = bpf_get_attach_cookie(ctx) >> 32;    /* 0: attached without */
     ev->handle = PT_REGS_PARM3(ctx);
     ev->stream_handle = PT_REGS_PARM4(ctx);
     dev_submit(ev);
@@ -93,9 +95,9 @@ static __always_inline int acl_launch_kernel(struct pt_regs *ctx, u16 api, u32 s
         return 0;
     dev_begin(ev, api, DEV_LAUNCH);
     ev->handle = PT_REGS_PARM1(ctx);
-    ev->grid[0] = (u32)PT_REGS_PARM2(ctx);
-    ev->grid[1] = 1;
-    ev->grid[2] = 1;
+    ev->grid_x = (u32)PT_REGS_PARM2(ctx);
+    ev->grid_y = 1;
+    ev->grid_z = 1;
     ev->stream_handle = PT_REGS_PARM5(ctx);
     dev_submit(ev);
     return 0;
@@ -113,9 +115,9 @@ static __always_inline int acl_launch_kernel_cfg(struct pt_regs *ctx, u16 api, u
         return 0;
     dev_begin(ev, api, DEV_LAUNCH);
     ev->handle = PT_REGS_PARM1(ctx);
-    ev->grid[0] = (u32)PT_REGS_PARM2(ctx);
-    ev->grid[1] = 1;
-    ev->grid[2] = 1;
+    ev->grid_x = (u32)PT_REGS_PARM2(ctx);
+    ev->grid_y = 1;
+    ev->grid_z = 1;
     ev->stream_handle = PT_REGS_PARM3(ctx);
     dev_submit(ev);
     return 0;

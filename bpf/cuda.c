@@ -37,12 +37,12 @@ static __always_inline int launch_runtime(struct pt_regs *ctx, u16 api, u32 slot
     dev_begin(ev, api, DEV_LAUNCH);
     u64 grid_xy = PT_REGS_PARM2(ctx), block_xy = PT_REGS_PARM4(ctx);
     ev->handle = PT_REGS_PARM1(ctx);
-    ev->grid[0] = (u32)grid_xy;
-    ev->grid[1] = grid_xy >> 32;
-    ev->grid[2] = (u32)PT_REGS_PARM3(ctx);
-    ev->block[0] = (u32)block_xy;
-    ev->block[1] = block_xy >> 32;
-    ev->block[2] = (u32)PT_REGS_PARM5(ctx);
+    ev->grid_x = (u32)grid_xy;
+    ev->grid_y = grid_xy >> 32;
+    ev->grid_z = (u32)PT_REGS_PARM3(ctx);
+    ev->block_x = (u32)block_xy;
+    ev->block_y = block_xy >> 32;
+    ev->block_z = (u32)PT_REGS_PARM5(ctx);
     u64 stack[2];
     read_user(ev, stack, sizeof(stack), STACK_ARG(ctx, 1));
     ev->shared_mem_bytes = stack[0];
@@ -63,8 +63,12 @@ static __always_inline int launch_runtime_ex(struct pt_regs *ctx, u16 api, u32 s
     ev->handle = PT_REGS_PARM2(ctx);
     struct cuda_launch_config cfg;
     read_user(ev, &cfg, sizeof(cfg), (void *)PT_REGS_PARM1(ctx));
-    __builtin_memcpy(ev->grid, cfg.grid, sizeof(cfg.grid));
-    __builtin_memcpy(ev->block, cfg.block, sizeof(cfg.block));
+    ev->grid_x = cfg.grid[0];
+    ev->grid_y = cfg.grid[1];
+    ev->grid_z = cfg.grid[2];
+    ev->block_x = cfg.block[0];
+    ev->block_y = cfg.block[1];
+    ev->block_z = cfg.block[2];
     ev->shared_mem_bytes = cfg.shared_mem;
     ev->stream_handle = cfg.stream;
     dev_submit(ev);
@@ -83,14 +87,14 @@ static __always_inline int launch_driver(struct pt_regs *ctx, u16 api, u32 slot)
         return 0;
     dev_begin(ev, api, DEV_LAUNCH);
     ev->handle = PT_REGS_PARM1(ctx);
-    ev->grid[0] = (u32)PT_REGS_PARM2(ctx);
-    ev->grid[1] = (u32)PT_REGS_PARM3(ctx);
-    ev->grid[2] = (u32)PT_REGS_PARM4(ctx);
-    ev->block[0] = (u32)PT_REGS_PARM5(ctx);
-    ev->block[1] = (u32)PT_REGS_PARM6(ctx);
+    ev->grid_x = (u32)PT_REGS_PARM2(ctx);
+    ev->grid_y = (u32)PT_REGS_PARM3(ctx);
+    ev->grid_z = (u32)PT_REGS_PARM4(ctx);
+    ev->block_x = (u32)PT_REGS_PARM5(ctx);
+    ev->block_y = (u32)PT_REGS_PARM6(ctx);
     u64 stack[3];
     read_user(ev, stack, sizeof(stack), STACK_ARG(ctx, 1));
-    ev->block[2] = (u32)stack[0];
+    ev->block_z = (u32)stack[0];
     ev->shared_mem_bytes = (u32)stack[1];
     ev->stream_handle = stack[2];
     dev_submit(ev);
@@ -109,8 +113,12 @@ static __always_inline int launch_driver_ex(struct pt_regs *ctx, u16 api, u32 sl
     ev->handle = PT_REGS_PARM2(ctx);
     struct cu_launch_config cfg;
     read_user(ev, &cfg, sizeof(cfg), (void *)PT_REGS_PARM1(ctx));
-    __builtin_memcpy(ev->grid, cfg.grid, sizeof(cfg.grid));
-    __builtin_memcpy(ev->block, cfg.block, sizeof(cfg.block));
+    ev->grid_x = cfg.grid[0];
+    ev->grid_y = cfg.grid[1];
+    ev->grid_z = cfg.grid[2];
+    ev->block_x = cfg.block[0];
+    ev->block_y = cfg.block[1];
+    ev->block_z = cfg.block[2];
     ev->shared_mem_bytes = cfg.shared_mem;
     ev->stream_handle = cfg.stream;
     dev_submit(ev);
@@ -207,7 +215,8 @@ static __always_inline int memcpy_runtime(struct pt_regs *ctx, u16 api, u32 slot
 }
 
 /* cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name):
- * the name is read at entry, the handle it produced at return. */
+ * both are read at return, when the driver has read the name (so its page
+ * is in memory) and written the handle. */
 static __always_inline int get_function(struct pt_regs *ctx, u16 api, u32 slot)
 {
     if (!in_scope())
@@ -217,7 +226,7 @@ static __always_inline int get_function(struct pt_regs *ctx, u16 api, u32 slot)
         return 0;
     dev_begin(ev, api, DEV_FUNCTION_NAME);
     ev->handle = PT_REGS_PARM1(ctx);    /* the out-parameter until return */
-    read_name(ev, (const char *)PT_REGS_PARM3(ctx));
+    ev->name_addr = PT_REGS_PARM3(ctx);
     call_store(ev, slot);
     return 0;
 }
@@ -238,8 +247,10 @@ static __always_inline int get_function_return(struct pt_regs *ctx, u16 api, u32
         ev->flags |= DEV_RETURNED;
         u64 out = entry->handle;
         ev->handle = 0;
-        if (ev->ret == 0)
+        if (ev->ret == 0) {
             read_user(ev, &ev->handle, sizeof(ev->handle), (void *)out);
+            read_name(ev, (const char *)entry->name_addr);
+        }
         dev_submit(ev);
     }
     calls_in_flight.delete(&key);

@@ -47,18 +47,21 @@ struct dev_event {
     u64 stream_handle;
     u64 bytes;
     u64 shared_mem_bytes;
-    u64 probe_ip;           /* address probed: names aclnn ops in userspace */
-    u32 grid[3];
-    u32 block[3];
+    u64 probe_ip;           /* address probed (aclnn: the op, when no cookie) */
+    u64 name_addr;          /* user address of `name`: read in userspace when the
+                             * kernel could not (a page not yet faulted in) */
+    u32 grid_x, grid_y, grid_z;     /* flat, not arrays: recordings keep */
+    u32 block_x, block_y, block_z;  /* scalar fields only */
     u32 pid;
     u32 tid;
     s32 device;             /* DEV_NO_DEVICE when the thread never set one */
     s32 ret;                /* return code, when DEV_RETURNED */
+    u32 symbol_id;          /* the attach cookie: which aclnn op; 0 = none */
     u16 api;                /* API_* id */
     u8 kind;                /* enum dev_kind */
     u8 direction;           /* raw memcpy kind of the API; DEV_NO_DIRECTION */
     u8 flags;               /* enum dev_flag */
-    u8 reserved[3];
+    u8 reserved[7];
     char comm[16];
     char name[MMTRACE_NAME_LEN];    /* opType, kernel name: NUL-terminated */
 };
@@ -147,6 +150,7 @@ static __always_inline void read_name(struct dev_event *ev, const char *src)
 {
     if (!src)
         return;
+    ev->name_addr = (u64)src;
     long n = bpf_probe_read_user_str(ev->name, sizeof(ev->name), src);
     if (n < 0) {
         ev->name[0] = 0;

@@ -1,11 +1,17 @@
 """GPU and NPU streams: decoder for bpf/device.h, and the API table that
 bpf/cuda.py and bpf/ascend.py fill.
 
-The table is the one source of the API ids: the C side gets them as the
-arguments of small generated entry/return functions (one per probed symbol)
-that call the shape-specific decoders in cuda.c and ascend.c, so a symbol
-cannot be probed under the wrong id. A recording stores the table it was
-made with (`api_table_json`), so it decodes without this module's version.
+The table is the one source of the API ids. The C side gets them from
+small generated functions that call the shape-specific decoders in cuda.c
+and ascend.c, in two sets:
+- one program per decoder (`m_<decoder>`), which reads the API id, call
+  slot and aclnn symbol id from its BPF cookie: a library's symbols that
+  share a decoder are attached as one uprobe_multi link (Linux 6.6+),
+  attached and detached in one step;
+- one program per symbol (`on_<symbol>`) with the ids as constants, for
+  kernels without uprobe_multi.
+A recording stores the table it was made with (ApiTable.to_json), so it
+decodes without this module's version.
 """
 
 import re
@@ -29,17 +35,20 @@ DEV_EVENT = np.dtype([
     ("bytes", "<u8"),
     ("shared_mem_bytes", "<u8"),
     ("probe_ip", "<u8"),
-    ("grid", "<u4", (3,)),
-    ("block", "<u4", (3,)),
+    ("name_addr", "<u8"),
+    # Scalar fields only: a recording stores each field's numpy type string.
+    ("grid_x", "<u4"), ("grid_y", "<u4"), ("grid_z", "<u4"),
+    ("block_x", "<u4"), ("block_y", "<u4"), ("block_z", "<u4"),
     ("pid", "<u4"),
     ("tid", "<u4"),
     ("device", "<i4"),
     ("ret", "<i4"),
+    ("symbol_id", "<u4"),
     ("api", "<u2"),
     ("kind", "u1"),
     ("direction", "u1"),
     ("flags", "u1"),
-    ("reserved", "u1", (3,)),
+    ("reserved", "V7"),
     ("comm", "S16"),
     ("name", f"S{NAME_LEN}"),
 ])
@@ -56,6 +65,15 @@ SUBMISSION_KINDS = ("launch", "graph_launch", "memcpy", "model_exec")
 FLAG_RETURNED = 1
 FLAG_NAME_TRUNCATED = 2
 FLAG_READ_FAILED = 4
+FLAG_NAME_FROM_USERSPACE = 8    # set by the agent: name read through /proc/PID/mem
+
+# The BPF cookie of a probe: API id | call slot << 16 | aclnn symbol id << 32.
+COOKIE_SLOT_SHIFT = 16
+COOKIE_SYMBOL_SHIFT = 32
+
+
+def cookie(api_id: int, slot: int = 0, symbol_id: int = 0) -> int:
+    return api_id | slot << COOKIE_SLOT_SHIFT | symbol_id << COOKIE_SYMBOL_SHIFT
 
 NO_DIRECTION = 0xFF
 NO_DEVICE = -1
@@ -96,6 +114,14 @@ class Api:
     @property
     def return_fn(self) -> str | None:
         return f"ret_{self.symbol}" if self.return_impl else None
+
+    @property
+    def multi_entry_fn(self) -> str:
+        return f"m_{self.entry_impl}"
+
+    @property
+    def multi_return_fn(self) -> str | None:
+        return f"mr_{self.return_impl}" if self.return_impl else None
 
     def matches(self, symbol: str) -> bool:
         if self.pattern is None:
@@ -138,9 +164,21 @@ class ApiTable:
     def call_slots(self) -> int:
         return max(1, len(self.slots))
 
-    def generated_programs(self) -> str:
-        """One entry (and return) function per API, calling its decoder."""
+    def generated_programs(self, multi: bool = True) -> str:
+        """`multi`: a program per decoder taking its ids from the cookie;
+        else a program per API (entry, and return) with the ids as constants.
+        Compiling only the set in use saves half the compile time."""
         lines = ["/* Generated from the API tables in bpf/cuda.py and bpf/ascend.py. */"]
+        if multi:
+            decoders = {}
+            for api in self.apis:
+                decoders[api.multi_entry_fn] = api.entry_impl
+                if api.return_impl:
+                    decoders[api.multi_return_fn] = api.return_impl
+            for fn, impl in decoders.items():
+                lines.append(f"int {fn}(struct pt_regs *ctx) {{ u64 c = bpf_get_attach_cookie(ctx);"
+                             f" return {impl}(ctx, (u16)c, (u32)(c >> {COOKIE_SLOT_SHIFT}) & 0xff); }}")
+            return "\n".join(lines) + "\n"
         for api in self.apis:
             slot = self.slots.get(api.id, 0)
             lines.append(f"int {api.entry_fn}(struct pt_regs *ctx) "

@@ -1,0 +1,140 @@
+"""Names the kernel cannot give, found while the process still runs.
+
+- cudaLaunchKernel's first argument is the kernel's host stub: its symbol
+  (demangled) is the kernel's name. The address means something only in
+  that process, so it is resolved at record time, once per (pid, address),
+  and the recording keeps the table (`op_names` meta chunks).
+- aclnn ops attached without a cookie (kernels older than 5.15) carry the
+  probed address instead: resolved the same way.
+- An opType or kernel name the kernel could not read (its page was not
+  yet in memory) is read here through /proc/PID/mem at the address the
+  event carries, and written into the event.
+
+Work is per batch and per distinct key; every failure is counted by reason.
+"""
+
+import os
+from collections import Counter, OrderedDict
+from pathlib import Path
+
+import numpy as np
+
+from mmtrace.bpf import device as device_stream
+
+READ_LIMIT = 4096
+
+
+class DeviceNames:
+    def __init__(self, infos: dict, resolver=None, proc_root: Path = Path("/proc"),
+                 max_cached: int = 1 << 18):
+        self.proc_root = Path(proc_root)
+        self.resolver = resolver if resolver is not None else _default_resolver()
+        self.max_cached = max_cached
+        self.counters: Counter[str] = Counter()
+        self._seen: OrderedDict[tuple[int, int], None] = OrderedDict()
+        by_symbol = {info.symbol: info for info in infos.values()}
+        # cudart launches: the handle is a host-stub address.
+        self._stub_apis = np.array(sorted(
+            i for i, info in infos.items()
+            if info.kind == "launch" and info.library == "cudart"), np.uint16)
+        aclnn = by_symbol.get("aclnn")
+        self._aclnn_api = aclnn.id if aclnn else None
+
+    def process(self, batch: np.ndarray) -> list[list]:
+        """Fill unread names in `batch` (in place); return the new
+        [pid, address, name] rows for the recording's op_names table."""
+        if not len(batch):
+            return []
+        self._read_missing_strings(batch)
+        keys = self._addresses(batch)
+        return self._resolve(keys) if len(keys) else []
+
+    # ----- addresses of this batch that name something -------------------
+
+    def _addresses(self, batch: np.ndarray) -> np.ndarray:
+        stub = np.isin(batch["api"], self._stub_apis) & (batch["handle"] != 0)
+        parts = [np.stack([batch["pid"][stub].astype(np.uint64),
+                           batch["handle"][stub]], axis=1)]
+        if self._aclnn_api is not None:
+            by_ip = (batch["api"] == self._aclnn_api) & (batch["symbol_id"] == 0)
+            parts.append(np.stack([batch["pid"][by_ip].astype(np.uint64),
+                                   batch["probe_ip"][by_ip]], axis=1))
+        keys = np.concatenate(parts)
+        if not len(keys):
+            return keys
+        keys = np.unique(keys, axis=0)
+        fresh = [i for i, (pid, addr) in enumerate(keys.tolist()) if (pid, addr) not in self._seen]
+        return keys[fresh]
+
+    def _resolve(self, keys: np.ndarray) -> list[list]:
+        rows = []
+        if self.resolver is None:
+            self.counters["no_resolver"] += len(keys)
+            return rows
+        pids, inverse = np.unique(keys[:, 0], return_inverse=True)
+        for i, pid in enumerate(pids.tolist()):
+            addrs = keys[inverse.reshape(-1) == i, 1]
+            names = self.resolver.resolve_many(int(pid), addrs)
+            for addr, name in zip(addrs.tolist(), names):
+                self._remember((pid, addr))
+                if name is None:
+                    self.counters["unresolved"] += 1
+                    continue
+                rows.append([pid, addr, name])
+                self.counters["resolved"] += 1
+        return rows
+
+    def _remember(self, key):
+        self._seen[key] = None
+        if len(self._seen) > self.max_cached:
+            self._seen.popitem(last=False)
+
+    # ----- strings the kernel could not read ----------------------------
+
+    def _read_missing_strings(self, batch: np.ndarray):
+        missing = np.flatnonzero(((batch["flags"] & device_stream.FLAG_READ_FAILED) != 0)
+                                 & (batch["name"] == b"") & (batch["name_addr"] != 0))
+        if not len(missing):
+            return
+        cache: dict[tuple[int, int], bytes | None] = {}
+        for row in missing.tolist():
+            key = (int(batch["pid"][row]), int(batch["name_addr"][row]))
+            if key not in cache:
+                cache[key] = self._read_string(*key)
+            text = cache[key]
+            if text is None:
+                continue
+            limit = device_stream.NAME_LEN - 1
+            batch["name"][row] = text[:limit]
+            flags = device_stream.FLAG_NAME_FROM_USERSPACE
+            if len(text) > limit:
+                flags |= device_stream.FLAG_NAME_TRUNCATED
+            batch["flags"][row] |= flags
+
+    def _read_string(self, pid: int, addr: int) -> bytes | None:
+        try:
+            fd = os.open(self.proc_root / str(pid) / "mem", os.O_RDONLY)
+        except FileNotFoundError:
+            self.counters["string_process_gone"] += 1
+            return None
+        except OSError:
+            self.counters["string_unreadable"] += 1
+            return None
+        try:
+            data = os.pread(fd, READ_LIMIT, addr)
+        except OSError:
+            self.counters["string_unreadable"] += 1
+            return None
+        finally:
+            os.close(fd)
+        end = data.find(b"\0")
+        self.counters["string_read"] += 1
+        return data if end < 0 else data[:end]
+
+
+def _default_resolver():
+    try:
+        from .symbols import AddressResolver
+    except ImportError:
+        return None
+    return AddressResolver()

@@ -1,0 +1,83 @@
+/* STAND-IN for NVIDIA's libcuda.so.1 (no GPU driver on the test hosts).
+ * Every function has the exact CUDA 12 prototype from cuda.h, so the probes
+ * see arguments where the real driver receives them; bodies only do what
+ * the tests need: cuModuleGetFunction hands out a handle, syncs take a
+ * measurable moment, and a sync on stream 0xdead never returns (a process
+ * killed inside a call). Built by the tests into a temporary folder. */
+#include <stddef.h>
+#include <stdint.h>
+#include <unistd.h>
+
+typedef int CUresult;                           /* enum cudaError_enum */
+typedef struct CUfunc_st *CUfunction;
+typedef struct CUmod_st *CUmodule;
+typedef struct CUstream_st *CUstream;
+typedef struct CUgraphExec_st *CUgraphExec;
+typedef unsigned long long CUdeviceptr;         /* CUdeviceptr_v2 */
+typedef struct CUlaunchAttribute_st CUlaunchAttribute;
+typedef struct CUlaunchConfig_st {
+    unsigned int gridDimX, gridDimY, gridDimZ;
+    unsigned int blockDimX, blockDimY, blockDimZ;
+    unsigned int sharedMemBytes;
+    CUstream hStream;
+    CUlaunchAttribute *attrs;
+    unsigned int numAttrs;
+} CUlaunchConfig;
+
+static volatile unsigned long calls;
+static unsigned long next_function = 0xf000;
+
+#define BODY { calls++; return 0; }
+
+CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                        unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
+                        unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
+                        void **kernelParams, void **extra) BODY
+CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                             unsigned int gridDimZ, unsigned int blockDimX,
+                             unsigned int blockDimY, unsigned int blockDimZ,
+                             unsigned int sharedMemBytes, CUstream hStream,
+                             void **kernelParams, void **extra) BODY
+CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
+                          void **extra) BODY
+CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f,
+                               void **kernelParams, void **extra) BODY
+CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                   unsigned int gridDimZ, unsigned int blockDimX,
+                                   unsigned int blockDimY, unsigned int blockDimZ,
+                                   unsigned int sharedMemBytes, CUstream hStream,
+                                   void **kernelParams) BODY
+CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream) BODY
+CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream) BODY
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount,
+                              CUstream hStream) BODY
+CUresult cuMemcpyDtoHAsync_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount,
+                              CUstream hStream) BODY
+CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount, CUstream hStream) BODY
+
+CUresult cuStreamSynchronize(CUstream hStream)
+{
+    calls++;
+    if (hStream == (CUstream)0xdead)
+        for (;;)
+            pause();
+    usleep(2000);
+    return 0;
+}
+
+CUresult cuCtxSynchronize(void)
+{
+    calls++;
+    usleep(3000);
+    return 0;
+}
+
+CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name)
+{
+    calls++;
+    if (!name || !*name)
+        return 500;     /* CUDA_ERROR_NOT_FOUND */
+    *hfunc = (CUfunction)next_function;
+    next_function += 0x10;
+    return 0;
+}

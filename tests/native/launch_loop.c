@@ -1,0 +1,58 @@
+/* A launch-heavy loop on the real libcudart, driven from stdin, for the
+ * adaptive-mode test and the benchmark. For each line "run N" it makes N
+ * iterations of cudaLaunchKernel, then (unless "launch-only") one
+ * cudaMemcpyAsync and one cudaStreamSynchronize per iteration, and prints
+ * "done SECONDS" (the loop's wall time). "quit" (or EOF) ends it.
+ *
+ * Usage: launch_loop [launch-only] */
+#include <stddef.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef int cudaError_t;
+typedef struct CUstream_st *cudaStream_t;
+typedef struct dim3 { unsigned int x, y, z; } dim3;
+extern cudaError_t cudaLaunchKernel(const void *func, dim3 gridDim, dim3 blockDim,
+                                    void **args, size_t sharedMem, cudaStream_t stream);
+extern cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, int kind,
+                                   cudaStream_t stream);
+extern cudaError_t cudaStreamSynchronize(cudaStream_t stream);
+
+void loop_stub(void) __asm__("_Z9loop_stepPf");
+void loop_stub(void) { }
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+int main(int argc, char **argv)
+{
+    int launch_only = argc > 1 && strcmp(argv[1], "launch-only") == 0;
+    cudaStream_t stream = (cudaStream_t)(unsigned long)0x100;
+    static char buf[64];
+    void *args[1] = { buf };
+    dim3 grid = { 64, 1, 1 }, block = { 256, 1, 1 };
+    char line[64];
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    printf("ready %d\n", getpid());
+    while (fgets(line, sizeof(line), stdin)) {
+        long n = 0;
+        if (sscanf(line, "run %ld", &n) != 1)
+            break;
+        double start = now_s();
+        for (long i = 0; i < n; i++) {
+            cudaLaunchKernel((const void *)loop_stub, grid, block, args, 0, stream);
+            if (!launch_only) {
+                cudaMemcpyAsync(buf, buf, sizeof(buf), 1, stream);
+                cudaStreamSynchronize(stream);
+            }
+        }
+        printf("done %.9f\n", now_s() - start);
+    }
+    return 0;
+}

@@ -1,0 +1,301 @@
+"""The GPU stream on real eBPF: NVIDIA's real libcudart.so.12 (no driver
+here: every call returns an error, the probes still see its arguments) and
+a stand-in libcuda.so.1 built from the exact CUDA 12 prototypes. Each call
+must arrive exactly once with every field decoded; names, losses and the
+adaptive per-launch mode are checked through the real loader and ring."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from gpu_fixtures import (DeviceSession, api_names, build_program, natives,  # noqa: F401
+                          run_json)
+
+pytestmark = pytest.mark.bpf
+
+CUDA_ERROR_INSUFFICIENT_DRIVER = 35
+NO_DIRECTION = 0xFF
+
+
+def fields(ev) -> dict:
+    keys = ("op_id", "handle", "stream_handle", "bytes", "shared_mem_bytes", "direction",
+            "grid_x", "grid_y", "grid_z", "block_x", "block_y", "block_z")
+    return {k: int(ev[k]) for k in keys}
+
+
+def launch(op_id, handle, stream, grid, block, smem):
+    return {"op_id": op_id, "handle": handle, "stream_handle": stream, "bytes": 0,
+            "shared_mem_bytes": smem, "direction": NO_DIRECTION,
+            "grid_x": grid[0], "grid_y": grid[1], "grid_z": grid[2],
+            "block_x": block[0], "block_y": block[1], "block_z": block[2]}
+
+
+def plain(op_id=0, handle=0, stream=0, nbytes=0, direction=NO_DIRECTION):
+    return {"op_id": op_id, "handle": handle, "stream_handle": stream, "bytes": nbytes,
+            "shared_mem_bytes": 0, "direction": direction, "grid_x": 0, "grid_y": 0,
+            "grid_z": 0, "block_x": 0, "block_y": 0, "block_z": 0}
+
+
+@pytest.fixture(scope="module")
+def cudart_session(natives):
+    session = DeviceSession([natives.cudart])
+    yield session
+    session.close()
+
+
+def test_real_cudart_each_call_once_with_every_field(cudart_session, natives):
+    states = {(s.symbol, s.point): s.state for s in cudart_session.states}
+    for symbol in ("cudaLaunchKernel", "cudaLaunchKernel_ptsz", "cudaLaunchKernelExC",
+                   "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemcpy", "cudaStreamSynchronize"):
+        assert states[(symbol, "entry")] == "attached", symbol
+    before = cudart_session.counters()
+    out = cudart_session.run([natives.cudart_calls, 1000])
+    ev = cudart_session.events(out["pid"])
+    assert api_names(ev) == [
+        "cudaLaunchKernel", "cudaLaunchKernel_ptsz", "cudaLaunchKernelExC", "cudaGraphLaunch",
+        *["cudaMemcpyAsync"] * 5, "cudaMemcpy", "cudaStreamSynchronize"]
+    expected = [
+        launch(1, out["vector_add"], 0x1234, (3, 4, 5), (6, 7, 8), 1024),
+        launch(2, out["softmax"], 0x2345, (9, 10, 11), (12, 13, 14), 2048),
+        launch(3, out["gelu"], 0x3456, (15, 16, 17), (18, 19, 20), 4096),
+        plain(4, handle=0x4567, stream=0x5678),
+        *[plain(5 + k, stream=0x6000 + k, nbytes=100 + k, direction=k) for k in range(5)],
+        plain(10, nbytes=777, direction=1),
+        plain(0, stream=0x3456),
+    ]
+    assert [fields(e) for e in ev] == expected
+    assert set(ev["pid"].tolist()) == {out["pid"]} and set(ev["tid"].tolist()) == {out["pid"]}
+    assert set(ev["comm"].tolist()) == {b"cudart_calls"}
+    assert set(ev["device"].tolist()) == {-1}       # cudaSetDevice never succeeded
+    timed = (ev["flags"] & 1) != 0
+    assert timed.tolist() == [False] * 9 + [True, True]
+    assert ev["ret"][timed].tolist() == [CUDA_ERROR_INSUFFICIENT_DRIVER] * 2
+    assert (ev["duration_ns"][timed] > 0).all()
+    assert (np.diff(ev["ts_ns"].astype(np.int64)) > 0).all()
+    # Kernel names from the host stubs, demangled, while the process lived.
+    names = {addr: name for pid, addr, name in cudart_session.op_names if pid == out["pid"]}
+    assert names == {out["vector_add"]: "vector_add(float const*, float const*, float*, int)",
+                     out["softmax"]: "kernel::softmax(float*, int)",
+                     out["gelu"]: "gelu(float*)"}
+    after = cudart_session.counters()
+    for loss in ("ringbuf_full_dev", "call_map_full", "user_read_failed",
+                 "return_without_entry", "call_abandoned"):
+        assert after[loss] == before[loss], loss
+
+
+@pytest.fixture(scope="module")
+def driver_session(natives):
+    session = DeviceSession([natives.driver])
+    yield session
+    session.close()
+
+
+def test_driver_standin_exact_with_function_names(driver_session, natives):
+    from mmtrace.agent.device_view import decode
+    before = driver_session.counters()
+    out = run_json([natives.driver_calls])
+    driver_session.drain()
+    ev = driver_session.events(out["pid"])
+    assert api_names(ev) == [
+        "cuModuleGetFunction", "cuModuleGetFunction", "cuLaunchKernel", "cuLaunchKernel_ptsz",
+        "cuLaunchKernelEx", "cuLaunchCooperativeKernel", "cuGraphLaunch",
+        "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2", "cuMemcpyAsync",
+        "cuStreamSynchronize", "cuCtxSynchronize"]
+    add, norm = out["add"], out["norm"]
+    assert [fields(e) for e in ev[2:]] == [
+        launch(1, add, 0x7001, (21, 22, 23), (24, 25, 26), 512),
+        launch(2, norm, 0x7002, (31, 32, 33), (34, 35, 36), 768),
+        launch(3, add, 0x7003, (41, 42, 43), (44, 45, 46), 1536),
+        launch(4, norm, 0x7001, (51, 52, 53), (54, 55, 56), 256),
+        plain(5, handle=0x8001, stream=0x7001),
+        plain(6, stream=0x7001, nbytes=4096, direction=1),
+        plain(7, stream=0x7002, nbytes=8192, direction=2),
+        plain(8, stream=0x7003, nbytes=16384, direction=4),
+        plain(0, stream=0x7001),
+        plain(0),
+    ]
+    assert ev["handle"][:2].tolist() == [add, norm]
+    assert ev["name"][0] == b"triton_poi_fused_add_0"
+    long_name = ("triton_red_fused_native_layer_norm_backward_per_row_reduction_kernel_"
+                 "0123456789")
+    assert ev["name"][1] == long_name[:63].encode()
+    assert ev["flags"][1] & 2            # DEV_NAME_TRUNCATED
+    # The stand-in's syncs sleep 2 ms and 3 ms.
+    assert ev["duration_ns"][-2] >= 2_000_000 and ev["duration_ns"][-1] >= 3_000_000
+    after = driver_session.counters()
+    assert after["name_truncated"] - before["name_truncated"] == 1
+    rows = decode(ev, driver_session.context())
+    assert rows.op_name[rows.kind == "launch"].tolist() == [
+        "triton_poi_fused_add_0", long_name[:63] + "\u2026",
+        "triton_poi_fused_add_0", long_name[:63] + "\u2026"]
+    assert rows.api.tolist()[:4] == ["cuLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+                                     "cuLaunchCooperativeKernel"]
+
+
+def test_process_killed_inside_a_call_is_counted(driver_session, natives):
+    before = driver_session.counters()
+    proc = subprocess.Popen([str(natives.driver_calls), "hang"], stdout=subprocess.PIPE,
+                            text=True)
+    out = json.loads(proc.stdout.readline())
+    time.sleep(0.2)     # inside cuStreamSynchronize(0xdead) now
+    proc.kill()
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if driver_session.counters()["call_abandoned"] > before["call_abandoned"]:
+            break
+        time.sleep(0.05)
+    driver_session.drain()
+    after = driver_session.counters()
+    assert after["call_abandoned"] - before["call_abandoned"] == 1
+    assert after["return_without_entry"] == before["return_without_entry"]
+    ev = driver_session.events(out["pid"])
+    # Every call that returned is there once; the abandoned one is not.
+    assert api_names(ev).count("cuStreamSynchronize") == 1
+    assert len(ev) == 12
+    assert len(driver_session.loaded.bpf["calls_in_flight"].items()) == 0
+
+
+def test_library_replaced_on_disk(natives, tmp_path):
+    from mmtrace.agent.device_probes import DeviceProbes, target_from_path
+    lib_dir = tmp_path / "lib"
+    lib_dir.mkdir()
+    lib = lib_dir / "libcuda.so.1"
+    shutil.copy(natives.driver, lib)
+    caller = build_program("cuda_driver_calls.c", tmp_path, [lib])
+    session = DeviceSession([lib])
+    try:
+        first = target_from_path(str(lib))
+        # Replace the file the way package managers do: a new inode renamed over it.
+        fresh = lib_dir / ".libcuda.so.1.new"
+        shutil.copy(natives.driver, fresh)
+        os.rename(fresh, lib)
+        # A target found before the replacement no longer matches the path.
+        stale = session.device.add(type(first)(first.path, first.dev, first.inode + 10**9))
+        assert stale and stale[-1].state == "failed"
+        assert "replaced on disk" in stale[-1].reason
+        out = run_json([caller])
+        session.drain()
+        assert len(session.events(out["pid"])) == 0     # the new inode is not probed yet
+        added = session.device.add_path(str(lib))
+        assert any(s.state == "attached" for s in added)
+        out = run_json([caller])
+        session.drain()
+        assert len(session.events(out["pid"])) == 12
+        summary = session.device.summary()
+        assert summary["libraries"] == 2 and summary["library_failures"] == 1
+        assert isinstance(session.device, DeviceProbes)
+    finally:
+        session.close()
+
+
+def test_adaptive_mode_detaches_only_per_launch_probes(natives):
+    session = DeviceSession([natives.cudart])
+    loop = subprocess.Popen([str(natives.launch_loop)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(loop.stdout.readline().split()[1])
+
+        def phase(n=50):
+            session.drain(0)
+            start = len(session.events(pid))
+            loop.stdin.write(f"run {n}\n")
+            loop.stdin.flush()
+            assert loop.stdout.readline().startswith("done")
+            session.drain()
+            names = api_names(session.events(pid)[start:])
+            return {api: names.count(api) for api in
+                    ("cudaLaunchKernel", "cudaMemcpyAsync", "cudaStreamSynchronize")}
+
+        everything = {"cudaLaunchKernel": 50, "cudaMemcpyAsync": 50, "cudaStreamSynchronize": 50}
+        assert phase() == everything
+        session.device.detach_launches()
+        assert not session.device.launches_attached
+        assert phase() == {**everything, "cudaLaunchKernel": 0}
+        states = {(s["symbol"], s["point"]): s for s in session.device.states()}
+        assert states[("cudaLaunchKernel", "entry")]["state"] == "detached"
+        assert states[("cudaMemcpyAsync", "entry")]["state"] == "attached"
+        session.device.attach_launches(duration_s=1.0)
+        assert phase() == everything
+        time.sleep(1.3)     # the window has ended: launches off again
+        assert not session.device.launches_attached
+        assert phase() == {**everything, "cudaLaunchKernel": 0}
+        # op_ids stay one sequence per process across the switches.
+        ops = session.events(pid)["op_id"]
+        ops = ops[ops > 0]
+        assert (np.diff(ops.astype(np.int64)) == 1).all()
+    finally:
+        loop.stdin.close()
+        loop.wait(timeout=10)
+        session.close()
+
+
+def test_record_and_export_jsonl_end_to_end(natives, tmp_path, mmtrace_cli):
+    from mmtrace.exporters.jsonl import KEYS
+    path = tmp_path / "gpu.mmtr"
+    rec = subprocess.Popen([sys.executable, "-m", "mmtrace.agent", "record", "-o", str(path),
+                            "--lib", str(natives.cudart), "--lib", str(natives.driver)],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = rec.stdout.readline()
+        assert line.startswith("recording"), line
+        runtime = run_json([natives.cudart_calls, 300])
+        driver = run_json([natives.driver_calls])
+        time.sleep(0.3)
+    finally:
+        rec.send_signal(signal.SIGINT)
+        rec.communicate(timeout=60)
+    assert rec.returncode == 0
+    export = mmtrace_cli("export", path, "--format", "jsonl", "-o", "-")
+    assert export.returncode == 0, export.stderr
+    lines = [json.loads(line) for line in export.stdout.splitlines()]
+    assert all(list(obj) == list(KEYS) for obj in lines)
+    gpu = [obj for obj in lines if obj["stream"] == "gpu"]
+    mine = [obj for obj in gpu if obj["pid"] == runtime["pid"]]
+    assert [(o["kind"], o["api"]) for o in mine] == [
+        ("launch", "cudaLaunchKernel"), ("launch", "cudaLaunchKernel"),
+        ("launch", "cudaLaunchKernelExC"), ("graph_launch", "cudaGraphLaunch"),
+        *[("memcpy", "cudaMemcpyAsync")] * 5, ("memcpy", "cudaMemcpy"),
+        ("sync", "cudaStreamSynchronize")]
+    first = mine[0]
+    assert first["op_name"] == "vector_add(float const*, float const*, float*, int)"
+    assert (first["grid"], first["block"], first["shared_mem_bytes"]) == ([3, 4, 5], [6, 7, 8],
+                                                                          1024)
+    assert (first["handle"], first["stream_handle"], first["op_id"]) == (
+        runtime["vector_add"], 0x1234, 1)
+    assert first["duration_ns"] is None and first["bytes"] is None
+    assert isinstance(first["sched_delay_ns"], int) and first["device"] is None
+    assert [o["direction"] for o in mine[4:10]] == ["h2h", "h2d", "d2h", "d2d", "default",
+                                                    "h2d"]
+    sync = mine[-1]
+    assert sync["stream_handle"] == 0x3456 and sync["duration_ns"] > 0
+    # The ExC launch was on stream 0x3456: the sync retires it, and only it.
+    assert sync["op_id"] == 3
+    assert mine[2]["retired_ns"] == sync["ts_ns"] + sync["duration_ns"]
+    assert [o["retired_ns"] for o in mine[:2]] == [None, None]
+    # cudaMemcpy blocks: retired when it returns.
+    assert mine[9]["retired_ns"] == mine[9]["ts_ns"] + mine[9]["duration_ns"]
+    drv = [o for o in gpu if o["pid"] == driver["pid"]]
+    assert [o["op_name"] for o in drv if o["kind"] == "launch"][0] == "triton_poi_fused_add_0"
+
+    report = mmtrace_cli("report", path, "--json")
+    assert report.returncode == 0, report.stderr
+    summary = json.loads(report.stdout)
+    ops = {(o["stream"], o["api"], o["op_name"]): o["count"] for o in summary["ops"]}
+    assert ops[("gpu", "cuLaunchKernel", "triton_poi_fused_add_0")] == 1
+    assert ops[("gpu", "cudaLaunchKernel", "kernel::softmax(float*, int)")] == 1
+    waits = {w["api"]: w for w in summary["sync_waits"]}
+    assert waits["cuStreamSynchronize"]["count"] == 1
+    assert waits["cuStreamSynchronize"]["p50_us"] >= 2000
+    copied = {(b["stream"], b["direction"]): b["bytes"] for b in summary["bytes_by_direction"]}
+    assert copied[("gpu", "h2d")] >= 101 + 777 + 4096
+    assert summary["events"]["dev.event"] >= 23
+    states = summary["device_probes"]["summary"]
+    assert states["attached"] >= 20 and states["libraries"] >= 2
