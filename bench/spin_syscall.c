@@ -2,7 +2,8 @@
  * fixed rate, for a while. Each call fires the tracepoint that the ingest
  * benchmark's program turns into one ring-buffer record.
  * Usage: spin_syscall SECONDS [CALLS_PER_SECOND (0 = flat out)]
- * Prints the number of calls made. */
+ * Starts when a line arrives on stdin (so the tracer can target its pid
+ * first); prints the number of calls made. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
@@ -19,6 +20,9 @@ int main(int argc, char **argv)
 {
     double seconds = argc > 1 ? atof(argv[1]) : 1.0;
     double rate = argc > 2 ? atof(argv[2]) : 0.0;
+    char go[8];
+    if (!fgets(go, sizeof(go), stdin))
+        return 1;
     double start = now(), end = start + seconds;
     long calls = 0;
     while (1) {
