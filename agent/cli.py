@@ -159,5 +159,58 @@ def export(file, fmt, output):
     click.echo(f"wrote {output}: {n:,} events", err=True)
 
 
+@cli.command()
+@click.option("-c", "--config", "config_path", type=click.Path(dir_okay=False),
+              help="TOML configuration (see systemd/mmtrace.toml); flags override it.")
+@click.option("--pid", "pids", type=click.IntRange(min=1), multiple=True,
+              help="Only these processes (all their threads); repeatable.")
+@click.option("--lib", "libs", type=click.Path(exists=True, dir_okay=False), multiple=True,
+              help="Also probe this library or executable; repeatable.")
+@click.option("--state-dir", type=click.Path(file_okay=False),
+              help="Where flight recordings go (default /var/lib/mmtrace).")
+@click.option("--socket", "socket_path", type=click.Path(dir_okay=False),
+              help="Hint socket path (default /run/mmtrace/mmtrace.sock).")
+@click.option("--trace-launches/--adaptive-launches", default=None,
+              help="Trace every kernel launch, or (default) only for a while after an alarm.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+              default="info", show_default=True)
+def run(config_path, pids, libs, state_dir, socket_path, trace_launches, log_level):
+    """Run the per-node daemon in the foreground (systemd runs this).
+
+    Traces the CPU, GPU and NPU streams, watches P99 drift of run-queue
+    delay, sync waits, submit-to-retire latency and the request latencies
+    and attention entropy that dispatchers report on the hint socket. When
+    an anomaly fires it writes the last 30 s to a flight recording in the
+    state directory, and turns per-launch probes on for a while. Logs go to
+    stderr; SIGTERM or Ctrl-C stops it cleanly. Needs root.
+
+    \b
+    Examples:
+      sudo mmtrace run
+      sudo mmtrace run --config /etc/mmtrace/mmtrace.toml
+      sudo mmtrace run --pid 4242 --state-dir /tmp/mmtrace --trace-launches
+    """
+    import logging
+    from pathlib import Path
+    from .config import load_config
+    from .daemon import Daemon
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = load_config(Path(config_path) if config_path else None)
+    if pids:
+        cfg.pids = tuple(pids)
+    if libs:
+        cfg.libs = tuple(libs)
+    if state_dir:
+        cfg.state_dir = Path(state_dir)
+    if socket_path:
+        cfg.socket = Path(socket_path)
+    if trace_launches is not None:
+        cfg.adaptive_launches = not trace_launches
+    daemon = Daemon(cfg)
+    daemon.stop.install()
+    daemon.run()
+
+
 def main():
     cli(prog_name="mmtrace")

@@ -1,0 +1,100 @@
+"""Daemon configuration: defaults, a TOML file, then command-line flags."""
+
+import tomllib
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+
+from .errors import MmtraceError
+
+
+@dataclass
+class P99Settings:
+    window_s: float = 1.0
+    baseline_windows: int = 60
+    min_baseline_windows: int = 20
+    factor: float = 1.2
+    floor_s: float = 100e-6
+    consecutive: int = 3
+    min_samples: int = 20
+    clear_factor: float = 1.1
+    clear_windows: int = 3
+
+
+@dataclass
+class EntropySettings:
+    tau: float = 0.85
+    consecutive: int = 3
+    delta_sigma: float = 0.12
+
+
+@dataclass
+class DaemonConfig:
+    pids: tuple[int, ...] = ()
+    libs: tuple[str, ...] = ()
+    state_dir: Path = Path("/var/lib/mmtrace")
+    socket: Path = Path("/run/mmtrace/mmtrace.sock")
+    tick_s: float = 0.025
+    ring_seconds: float = 30.0              # the flight recorder's reach
+    ring_capacity: int = 1 << 20            # records per stream
+    flight_min_interval_s: float = 60.0
+    adaptive_launches: bool = True          # per-launch probes only after an alarm
+    launch_burst_s: float = 120.0
+    discover_interval_s: float = 2.0
+    p99: P99Settings = field(default_factory=P99Settings)
+    entropy: EntropySettings = field(default_factory=EntropySettings)
+
+
+def _coerce(section: str, cls, table: dict):
+    known = {f.name: f for f in fields(cls)}
+    out = {}
+    for key, value in table.items():
+        if key not in known:
+            raise MmtraceError(f"config [{section}]: unknown key {key!r}; "
+                               f"expected one of {', '.join(sorted(known))}")
+        default = known[key].default
+        if default is MISSING:
+            raise MmtraceError(f"config: {key} is a section; write it as [{key}]")
+        if isinstance(default, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(default, (int, float)) and not isinstance(default, bool):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if ok and isinstance(default, int) and not isinstance(value, int):
+                ok = False
+        elif isinstance(default, Path):
+            ok = isinstance(value, str)
+            value = Path(value) if ok else value
+        elif isinstance(default, tuple):
+            ok = isinstance(value, list)
+            value = tuple(value) if ok else value
+        else:
+            ok = True
+        if not ok:
+            raise MmtraceError(f"config [{section}] {key}: expected a value like {default!r}, "
+                               f"got {value!r}")
+        out[key] = value
+    return out
+
+
+def load_config(path: Path | None) -> DaemonConfig:
+    """The defaults, overridden by the file's keys; a bad file is one clear error."""
+    if path is None:
+        return DaemonConfig()
+    try:
+        doc = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise MmtraceError(f"config {path}: no such file") from None
+    except PermissionError:
+        raise MmtraceError(f"config {path}: permission denied") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise MmtraceError(f"config {path}: not valid TOML: {exc}") from None
+    top = {k: v for k, v in doc.items() if not isinstance(v, dict)}
+    unknown = set(doc) - set(top) - {"p99", "entropy"}
+    if unknown:
+        raise MmtraceError(f"config {path}: unknown section(s) {sorted(unknown)}; "
+                           "expected [p99] and [entropy]")
+    cfg = DaemonConfig(**_coerce("top", DaemonConfig, {k: v for k, v in top.items()}))
+    cfg.p99 = P99Settings(**_coerce("p99", P99Settings, doc.get("p99", {})))
+    cfg.entropy = EntropySettings(**_coerce("entropy", EntropySettings, doc.get("entropy", {})))
+    if cfg.tick_s <= 0 or cfg.ring_seconds <= 0 or cfg.ring_capacity <= 0:
+        raise MmtraceError(f"config {path}: tick_s, ring_seconds and ring_capacity must be positive")
+    return cfg

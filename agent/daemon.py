@@ -1,0 +1,303 @@
+"""`mmtrace run`: the per-node daemon.
+
+One loop, one direction: probes -> ingest -> align -> detectors ->
+(flight recorder, hints). Every tick it drains the rings, aligns the device
+events, keeps the recent past in bounded rings, cuts the latency series for
+P99 drift, takes the dispatchers' messages from the hint socket (request
+latencies, attention entropy), and acts on what the detectors say.
+"""
+
+import logging
+import os
+import platform
+import time
+from dataclasses import asdict
+
+import numpy as np
+
+from mmtrace.bpf import device as device_stream
+from mmtrace.bpf import sched as sched_stream
+from mmtrace.detectors.entropy_drift import EntropyDriftDetector
+from mmtrace.detectors.p99_drift import P99Drift
+
+from . import latency_series as ls
+from . import probes as probe_loader
+from .align import ApiRoles, Aligner
+from .config import DaemonConfig
+from .dev_names import DeviceNames
+from .event_ring import EventRing
+from .flight import FlightRecorder
+from .hint_socket import HintServer
+from .record import CPU_PROBE_STATE, DeviceSources, StopFlag
+from .threads import ThreadProcesses
+
+log = logging.getLogger("mmtrace.daemon")
+
+ENTROPY_SAMPLE = np.dtype([("ts_ns", "<u8"), ("value", "<f8"), ("head", "<u4"),
+                           ("layer", "<u4"), ("modality", "<u4"), ("reserved", "<u4")])
+REQUEST_SAMPLE = np.dtype([("ts_ns", "<u8"), ("value_s", "<f8"), ("series", "<u4"),
+                           ("reserved", "<u4")])
+SCHEMAS = {"cpu.runq": sched_stream.RUNQ_EVENT, "dev.event": device_stream.DEV_EVENT,
+           "model.entropy": ENTROPY_SAMPLE, "request.latency": REQUEST_SAMPLE}
+MAX_CLIENT_SERIES = 256
+HINT_TTL_S = 30.0
+
+
+class Names:
+    """String tables for the sample schemas (bounded)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.ids: dict[str, int] = {}
+
+    def id(self, name: str) -> int | None:
+        got = self.ids.get(name)
+        if got is None and len(self.ids) < self.limit:
+            got = self.ids[name] = len(self.ids)
+        return got
+
+    def table(self) -> list[str]:
+        return list(self.ids)
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig, stop: StopFlag | None = None):
+        self.config = config
+        self.stop = stop or StopFlag()
+        p = config.p99
+        self.p99 = P99Drift(window_s=p.window_s, baseline_windows=p.baseline_windows,
+                            min_baseline_windows=p.min_baseline_windows, factor=p.factor,
+                            floor=p.floor_s, consecutive=p.consecutive,
+                            min_samples=p.min_samples, clear_factor=p.clear_factor,
+                            clear_windows=p.clear_windows)
+        e = config.entropy
+        self.entropy = EntropyDriftDetector(tau=e.tau, consecutive=e.consecutive,
+                                            delta_sigma=e.delta_sigma)
+        age = int(config.ring_seconds * 1e9)
+        self.runq_ring = EventRing(sched_stream.RUNQ_EVENT, config.ring_capacity, age)
+        self.entropy_ring = EventRing(ENTROPY_SAMPLE, 1 << 16, age)
+        self.request_ring = EventRing(REQUEST_SAMPLE, 1 << 16, age)
+        infos = device_stream.default_infos()
+        self.aligner = Aligner(ApiRoles.from_infos(infos), capacity=config.ring_capacity,
+                               max_age_ns=age)
+        self.names = DeviceNames(infos)
+        self.op_names: list[list] = []
+        self.submitters = ls.Submitters()
+        self.threads = ThreadProcesses()
+        self.flight = FlightRecorder(config.state_dir, config.ring_seconds,
+                                     config.flight_min_interval_s)
+        self.layers = Names(4096)
+        self.modalities = Names(64)
+        self.request_series = Names(MAX_CLIENT_SERIES)
+        self.anomalies: list[dict] = []
+        self.hints_sent = 0
+        self._hint_seq = 0
+        self._retired_mark = 0
+        self._next_retire_scan = 0.0
+        self.loaded = None
+        self.sources = None
+        self.server = None
+        self.probe_states: list[dict] = [CPU_PROBE_STATE]
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self):
+        cfg = self.config
+        options = probe_loader.ProbeOptions(pids=tuple(cfg.pids),
+                                            trace_launches=not cfg.adaptive_launches)
+        self.sources = DeviceSources(cfg.libs, cfg.pids, discover=True)
+        self.loaded = probe_loader.load(options)
+        try:
+            self.server = HintServer(cfg.socket)
+        except OSError as exc:
+            log.error("hint socket %s unavailable (%s); running without it", cfg.socket, exc)
+        self._attach_new()
+        log.info("tracing: pids=%s, per-launch probes %s, flight recordings in %s",
+                 list(cfg.pids) or "all", "on alarm" if cfg.adaptive_launches else "on",
+                 cfg.state_dir)
+
+    def close(self):
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        if self.loaded is not None:
+            self.loaded.close()
+            self.loaded = None
+
+    def run(self):
+        self.start()
+        try:
+            while not self.stop:
+                self.tick()
+                time.sleep(self.config.tick_s)
+        finally:
+            self.close()
+        log.info("stopped by %s", self.stop.reason or "request")
+
+    # ----------------------------------------------------------------- tick
+
+    def tick(self, now_ns: int | None = None):
+        if self.sources is not None and self.loaded.device is not None:
+            self._attach_new()
+        for stream, batch in self.loaded.read().items():
+            learnt = self.threads.fill(batch)
+            if learnt:
+                self.loaded.learn_threads(learnt)
+            if stream == "cpu":
+                self._on_runq(batch)
+            else:
+                self._on_device(batch)
+        if self.server is not None:
+            self._on_messages(self.server.poll(0))
+        now_ns = now_ns or time.monotonic_ns()
+        if time.monotonic() >= self._next_retire_scan:
+            self._next_retire_scan = time.monotonic() + self.config.p99.window_s / 2
+            self._observe(ls.retire_series(self.p99.series_id, self._newly_retired()))
+        self._act(self.p99.advance(now_ns - int(self.config.p99.window_s * 1e9 / 4)))
+
+    def _attach_new(self):
+        for target in self.sources.targets():
+            states = self.loaded.device.add(target)
+            self.probe_states += [s.as_dict() for s in states]
+
+    def _on_runq(self, batch):
+        self.runq_ring.push(batch)
+        self._observe(ls.runq_series(self.p99.series_id, batch, self.submitters))
+
+    def _on_device(self, batch):
+        rows = self.names.process(batch)
+        if rows:
+            self.op_names = (self.op_names + rows)[-(1 << 16):]
+        self.submitters.learn(batch)
+        aligned = self.aligner.push(batch)
+        self._observe(ls.sync_series(self.p99.series_id, aligned))
+
+    def _newly_retired(self) -> np.ndarray:
+        """Submissions retired since the last scan, from the aligned ring."""
+        since = self._retired_mark - int(self.config.ring_seconds * 1e9)
+        window = self.aligner.window(since_ns=max(since, 0))
+        fresh = window[window["retired_ns"] > self._retired_mark]
+        if len(fresh):
+            self._retired_mark = int(fresh["retired_ns"].max())
+        return fresh
+
+    def _observe(self, series: ls.Series):
+        if len(series):
+            self._act(self.p99.observe(series.ids, series.ts_ns, series.values_s,
+                                       series.contributors))
+
+    def _on_messages(self, messages):
+        requests = []
+        for client, msg in messages:
+            ts = int(msg.get("ts_ns") or time.monotonic_ns())
+            if msg["type"] == "entropy":
+                samples = [{**s, "modality": s.get("modality", msg["modality"])}
+                           for s in (msg.get("values") or [msg]) if isinstance(s, dict)]
+                try:
+                    self._act(self.entropy.update(samples, ts_ns=ts))
+                except ValueError as exc:
+                    self.server.reply(client, {"v": 1, "type": "error",
+                                               "message": f"entropy: {exc}"})
+                    continue
+                self._keep_entropy(samples, msg["modality"], ts)
+            elif msg["type"] == "sample":
+                name = f"request_latency{{series={msg['series']},modality={msg['modality']}}}"
+                sid = self.request_series.id(name)
+                if sid is None:
+                    self.server.reply(client, {"v": 1, "type": "error", "message":
+                                               f"more than {MAX_CLIENT_SERIES} request series; "
+                                               f"{name} ignored"})
+                    continue
+                requests.append((self.p99.series_id(name), ts, msg["value_ms"] / 1e3, sid))
+        if requests:
+            ids, ts, values, sids = (np.array(c) for c in zip(*requests))
+            self._act(self.p99.observe(ids, ts, values))
+            rec = np.zeros(len(ids), REQUEST_SAMPLE)
+            rec["ts_ns"], rec["value_s"], rec["series"] = ts, values, sids
+            self.request_ring.push(rec)
+
+    def _keep_entropy(self, samples, modality, ts):
+        rows = [(s.get("layer"), s.get("head"), s.get("value"), s.get("modality", modality))
+                for s in samples if isinstance(s, dict)]
+        rec = np.zeros(len(rows), ENTROPY_SAMPLE)
+        kept = 0
+        for layer, head, value, mod in rows:
+            lid, mid = self.layers.id(str(layer)), self.modalities.id(str(mod))
+            if lid is None or mid is None or not isinstance(head, int):
+                continue
+            if not isinstance(value, (int, float)):
+                continue
+            rec[kept] = (ts, float(value), head, lid, mid, 0)
+            kept += 1
+        self.entropy_ring.push(rec[:kept])
+
+    # ------------------------------------------------------------- actions
+
+    def _act(self, anomalies: list[dict]):
+        for anomaly in anomalies:
+            self.anomalies.append(anomaly)
+            del self.anomalies[:-1000]
+            firing = anomaly.get("state") == "firing"
+            log.warning("anomaly %s %s %s", anomaly.get("detector"),
+                        anomaly.get("series") or anomaly.get("kind"), anomaly.get("state"))
+            if not firing:
+                continue
+            path = self._flight_record(anomaly)
+            if path is not None:
+                anomaly["flight_recording"] = str(path)
+                log.warning("flight recording: %s", path)
+            if self.config.adaptive_launches and self.loaded.device is not None:
+                # The next minutes complete: per-launch probes on for a while.
+                self.loaded.device.attach_launches(self.config.launch_burst_s)
+            self._hint(anomaly)
+
+    def _flight_record(self, anomaly):
+        windows = {"cpu.runq": self.runq_ring.window(),
+                   "dev.event": _plain_device(self.aligner.window()),
+                   "model.entropy": self.entropy_ring.window(),
+                   "request.latency": self.request_ring.window()}
+        meta = [{"apis": device_stream.default_table().to_json(),
+                 "probes": self.probe_states,
+                 "symbol_names": {str(k): v for k, v in
+                                  (self.loaded.device.symbol_names().items()
+                                   if self.loaded.device is not None else [])},
+                 "op_names": self.op_names,
+                 "entropy_layers": self.layers.table(),
+                 "modalities": self.modalities.table(),
+                 "request_series": self.request_series.table(),
+                 "host": platform.node(), "daemon_pid": os.getpid(),
+                 "config": _jsonable(asdict(self.config))}]
+        return self.flight.dump(windows, SCHEMAS, anomaly, meta, time.monotonic_ns())
+
+    def _hint(self, anomaly):
+        if self.server is None:
+            return
+        series = anomaly.get("series", "")
+        if not series.startswith("runq_delay"):
+            return
+        self._hint_seq += 1
+        ev = anomaly.get("evidence", {})
+        ratio = (ev.get("p99") or 0) / ev["baseline"] if ev.get("baseline") else None
+        self.hints_sent += self.server.broadcast({
+            "v": 1, "type": "hint", "id": f"{os.getpid()}-{self._hint_seq}",
+            "kind": "cpu_contention", "target": series[series.find("{") + 1:-1],
+            "value": ratio, "ttl_s": HINT_TTL_S,
+            "reason": "run-queue delay p99 of the submitting threads drifted up",
+            "evidence": ev, "issued_ns": time.monotonic_ns()})
+
+
+def _plain_device(aligned: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(aligned), device_stream.DEV_EVENT)
+    for name in device_stream.DEV_EVENT.names:
+        out[name] = aligned[name]
+    return out
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)

@@ -1,0 +1,66 @@
+"""Flight recorder: when an anomaly fires, the recent past (the rings) goes
+to a recording file in the state directory, at most once per interval."""
+
+import logging
+import re
+import time
+from pathlib import Path
+
+from .recording import RecordingWriter
+
+log = logging.getLogger(__name__)
+
+
+class FlightRecorder:
+    def __init__(self, state_dir: Path, seconds: float = 30.0, min_interval_s: float = 60.0,
+                 keep: int = 50, clock=time.monotonic):
+        self.state_dir = Path(state_dir)
+        self.seconds = seconds
+        self.min_interval_s = min_interval_s
+        self.keep = keep
+        self.clock = clock
+        self._last = None
+        self.written = 0
+        self.suppressed = 0
+        self.failed = 0
+
+    def dump(self, windows: dict, schemas: dict, anomaly: dict, meta: list[dict],
+             now_ns: int) -> Path | None:
+        """Write `windows` ({schema: records}) trimmed to the last `seconds`;
+        returns the file, or None when rate-limited or the write failed."""
+        now = self.clock()
+        if self._last is not None and now - self._last < self.min_interval_s:
+            self.suppressed += 1
+            return None
+        self._last = now
+        since = now_ns - int(self.seconds * 1e9)
+        label = re.sub(r"[^A-Za-z0-9_.=-]+", "_", str(anomaly.get("series", anomaly.get("kind",
+                                                                                       "anomaly"))))
+        path = self.state_dir / f"flight-{time.strftime('%Y%m%dT%H%M%S')}-{label[:60]}.mmtr"
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            writer = RecordingWriter(path, schemas, info={"flight_recorder": True,
+                                                          "anomaly": anomaly})
+            try:
+                for m in meta:
+                    writer.write_meta(m)
+                for schema, records in windows.items():
+                    recent = records[records["ts_ns"].astype("int64") >= since]
+                    writer.write_events(schema, recent)
+            finally:
+                writer.close({"anomaly": anomaly, "window_s": self.seconds,
+                              "end_monotonic_ns": now_ns})
+        except OSError as exc:
+            self.failed += 1
+            log.error("flight recorder: cannot write %s: %s", path, exc)
+            return None
+        self.written += 1
+        self._prune()
+        return path
+
+    def _prune(self):
+        """Keep the newest `keep` flight recordings; an incident storm must not
+        fill the disk."""
+        files = sorted(self.state_dir.glob("flight-*.mmtr"), key=lambda p: p.stat().st_mtime)
+        for old in files[:-self.keep]:
+            old.unlink(missing_ok=True)

@@ -1,0 +1,83 @@
+"""The daemon end to end on real eBPF: forced CPU contention on a thread
+launching through the real libcudart fires a P99-drift anomaly on its
+run-queue delay, and the flight recording holds the seconds before it."""
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import native
+from gpu_fixtures import cudart_path
+from mmtrace.agent import recording
+
+pytestmark = pytest.mark.bpf
+
+CONFIG = """
+ring_seconds = 30.0
+flight_min_interval_s = 5.0
+[p99]
+window_s = 0.5
+baseline_windows = 20
+min_baseline_windows = 6
+consecutive = 3
+min_samples = 20
+"""
+
+
+def test_contention_fires_runq_drift_and_a_flight_recording(tmp_path):
+    cudart = cudart_path()
+    if cudart is None:
+        pytest.skip("the nvidia-cuda-runtime-cu12 wheel (libcudart.so.12) is not installed")
+    launcher = native.build(native.WORKLOADS / "launch_phases.c",
+                            flags=[str(cudart), f"-Wl,-rpath,{cudart.parent}"])
+    (tmp_path / "mmtrace.toml").write_text(CONFIG)
+    state = tmp_path / "state"
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "mmtrace.agent", "run", "--config", tmp_path / "mmtrace.toml",
+         "--state-dir", state, "--socket", tmp_path / "hint.sock", "--lib", cudart],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = daemon.stdout.readline()
+            assert line, "daemon exited: " + "".join(log)
+            log.append(line)
+            if "tracing:" in line:
+                break
+        work = subprocess.run([launcher, "8", "6", "1"], capture_output=True, text=True,
+                              timeout=60, check=True)
+        time.sleep(1.5)
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        out, _ = daemon.communicate(timeout=60)
+        log.append(out)
+    text = "".join(log)
+    assert daemon.returncode == 0, text
+    first = json.loads(work.stdout.splitlines()[0])
+    pid, tid, contention_ns = first["pid"], first["launcher_tid"], first["contention_ns"]
+    assert re.search(rf"anomaly p99_drift runq_delay\{{pid={pid}\}} firing", text), text
+    flights = sorted(state.glob("flight-*runq_delay*.mmtr"))
+    assert flights, text
+    rec = recording.read_recording(flights[0])
+    assert rec.complete and not rec.warnings
+    anomaly = rec.footer["anomaly"]
+    assert anomaly["series"] == f"runq_delay{{pid={pid}}}"
+    assert anomaly["ts_ns"] > contention_ns
+    runq = rec.events["cpu.runq"]
+    mine = runq[runq["tid"] == tid]
+    # The seconds before the alarm: calm launches, then the contention.
+    assert mine["ts_ns"].min() < contention_ns - 3e9
+    calm = mine[mine["ts_ns"] < contention_ns]["delay_ns"]
+    hot = mine[mine["ts_ns"] >= contention_ns]["delay_ns"]
+    assert len(calm) > 1000 and len(hot) > 100
+    assert np.percentile(hot, 99) > 5 * np.percentile(calm, 99)
+    dev = rec.events["dev.event"]
+    assert np.count_nonzero(dev["pid"] == pid) > 100
+    assert any(p.get("state") == "attached" for d in rec.meta for p in d.get("probes", []))

@@ -1,0 +1,177 @@
+"""The daemon's parts without eBPF: configuration, the hint socket, the
+event ring, the flight recorder, and the detectors over a recording."""
+
+import json
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from mmtrace.agent import config as config_mod
+from mmtrace.agent import offline, recording
+from mmtrace.agent.errors import MmtraceError
+from mmtrace.agent.event_ring import EventRing
+from mmtrace.agent.flight import FlightRecorder
+from mmtrace.agent.hint_socket import MAX_MESSAGE, HintServer
+from mmtrace.bpf import device as device_stream
+from mmtrace.bpf.sched import RUNQ_EVENT
+
+
+# ------------------------------------------------------------------ config
+
+def test_config_file_overrides_defaults(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('state_dir = "/tmp/x"\npids = [1, 2]\n[p99]\nwindow_s = 0.5\nconsecutive = 4\n')
+    cfg = config_mod.load_config(path)
+    assert str(cfg.state_dir) == "/tmp/x" and cfg.pids == (1, 2)
+    assert cfg.p99.window_s == 0.5 and cfg.p99.consecutive == 4
+    assert cfg.p99.factor == 1.2                      # untouched default
+
+
+@pytest.mark.parametrize("text,message", [
+    ("bogus = 1", "unknown key 'bogus'"),
+    ("[p99]\nwindow_s = 'fast'", "expected a value like 1.0"),
+    ("[p99]\nconsecutive = 2.5", "expected a value like 3"),
+    ("[nope]\nx = 1", "unknown section"),
+    ("p99 = 3", "is a section"),
+    ("= broken", "not valid TOML"),
+])
+def test_bad_config_is_one_clear_error(tmp_path, text, message):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(MmtraceError, match=message):
+        config_mod.load_config(path)
+
+
+def test_missing_config(tmp_path):
+    with pytest.raises(MmtraceError, match="no such file"):
+        config_mod.load_config(tmp_path / "none.toml")
+
+
+# ------------------------------------------------------------- hint socket
+
+def connect(path):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(str(path))
+    s.settimeout(2)
+    return s
+
+
+def pump(server, until, timeout=2.0):
+    got = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not until(got):
+        got += server.poll(0.02)
+    return got
+
+
+def read_line(sock):
+    """One JSON line, read a byte at a time so that nothing is read ahead."""
+    buf = b""
+    while not buf.endswith(b"\n"):
+        buf += sock.recv(1)
+    return json.loads(buf)
+
+
+def test_socket_serves_valid_messages_and_answers_bad_ones(tmp_path):
+    server = HintServer(tmp_path / "s.sock")
+    try:
+        assert oct((tmp_path / "s.sock").stat().st_mode & 0o777) == "0o660"
+        good, bad = connect(tmp_path / "s.sock"), connect(tmp_path / "s.sock")
+        good.sendall(b'{"v":1,"type":"hello","client":"srv","pid":7}\n'
+                     b'{"v":1,"type":"subscribe"}\n'
+                     b'{"v":1,"type":"sample","series":"e2e","modality":"vision","value_ms":12.5}\n')
+        bad.sendall(b"not json\n" + b"x" * (MAX_MESSAGE + 10) + b"\n"
+                    + b'{"v":2,"type":"hello"}\n')
+        got = pump(server, lambda g: len(g) >= 3 and server.errors_sent >= 3)
+        types = [m["type"] for _, m in got]
+        assert types == ["hello", "subscribe", "sample"]
+        errors = [read_line(bad) for _ in range(3)]
+        assert all(e["type"] == "error" and e["v"] == 1 for e in errors)
+        assert "malformed" in errors[0]["message"]
+        assert "longer than" in errors[1]["message"]
+        assert 'expected "v": 1' in errors[2]["message"]
+        # the well-behaved client still gets hints
+        assert server.broadcast({"v": 1, "type": "hint", "kind": "cpu_contention"}) == 1
+        pump(server, lambda g: False, timeout=0.1)
+        assert read_line(good)["kind"] == "cpu_contention"
+    finally:
+        server.close()
+    assert not (tmp_path / "s.sock").exists()
+
+
+# -------------------------------------------------------------- event ring
+
+def test_ring_is_bounded_by_count_and_age():
+    ring = EventRing(RUNQ_EVENT, capacity=100, max_age_ns=1_000)
+    batch = np.zeros(150, RUNQ_EVENT)
+    batch["ts_ns"] = np.arange(150)
+    ring.push(batch)
+    assert len(ring) == 100 and ring.window()["ts_ns"][0] == 50
+    later = np.zeros(10, RUNQ_EVENT)
+    later["ts_ns"] = 5_000 + np.arange(10)
+    ring.push(later)
+    assert ring.window()["ts_ns"].tolist() == list(range(5_000, 5_010))
+    assert ring.evicted == 150
+
+
+# ---------------------------------------------------------- flight recorder
+
+def test_flight_recorder_writes_the_window_and_rate_limits(tmp_path):
+    now = [100.0]
+    flight = FlightRecorder(tmp_path, seconds=2.0, min_interval_s=10.0, clock=lambda: now[0])
+    runq = np.zeros(5, RUNQ_EVENT)
+    runq["ts_ns"] = np.array([1, 2, 3, 4, 5]) * 1_000_000_000
+    anomaly = {"detector": "p99_drift", "series": "runq_delay{pid=9}", "state": "firing"}
+    path = flight.dump({"cpu.runq": runq}, {"cpu.runq": RUNQ_EVENT}, anomaly, [{"k": 1}],
+                       now_ns=5_000_000_000)
+    rec = recording.read_recording(path)
+    assert rec.events["cpu.runq"]["ts_ns"].tolist() == [3e9, 4e9, 5e9]
+    assert rec.footer["anomaly"] == anomaly and rec.meta == [{"k": 1}]
+    assert flight.dump({"cpu.runq": runq}, {"cpu.runq": RUNQ_EVENT}, anomaly, [], 0) is None
+    now[0] += 11
+    assert flight.dump({"cpu.runq": runq}, {"cpu.runq": RUNQ_EVENT}, anomaly, [], 0)
+    assert flight.written == 2 and flight.suppressed == 1
+
+
+# ------------------------------------------------- detectors over recordings
+
+def synthetic_recording(path, shift_at_s=40, seconds=60, tid=77, pid=70):
+    """A launching thread woken 1000 times a second; its run-queue delay
+    quadruples from `shift_at_s` on."""
+    rng = np.random.default_rng(1)
+    n = seconds * 1000
+    runq = np.zeros(n, RUNQ_EVENT)
+    runq["ts_ns"] = np.arange(n) * 1_000_000 + 10**9
+    base = rng.lognormal(np.log(20e3), 0.3, n)
+    base[shift_at_s * 1000:] *= 4
+    runq["delay_ns"] = base.astype(np.uint64)
+    runq["pid"], runq["tid"], runq["comm"] = pid, tid, b"launcher"
+    noise = runq.copy()
+    noise["tid"], noise["pid"] = 5, 5        # not a device thread: never a series
+    noise["delay_ns"] *= 50
+    dev = np.zeros(10, device_stream.DEV_EVENT)
+    dev["ts_ns"] = 10**9 + np.arange(10)
+    dev["pid"], dev["tid"] = pid, tid
+    dev["kind"] = device_stream.KIND_IDS["launch"]
+    w = recording.RecordingWriter(path, {"cpu.runq": RUNQ_EVENT,
+                                         "dev.event": device_stream.DEV_EVENT})
+    w.write_events("cpu.runq", np.concatenate([runq, noise]))
+    w.write_events("dev.event", dev)
+    w.close({})
+    return path
+
+
+def test_report_finds_the_runq_drift_of_a_device_thread(tmp_path):
+    rec = recording.read_recording(synthetic_recording(tmp_path / "s.mmtr"))
+    found = offline.detect(rec)
+    firing = [a for a in found if a["state"] == "firing"]
+    assert [a["series"] for a in firing] == ["runq_delay{pid=70}"]
+    assert 40e9 < firing[0]["ts_ns"] - 10**9 < 45e9
+    assert firing[0]["evidence"]["top_contributors"][0][0] == 77
+
+
+def test_report_of_a_calm_recording_has_no_anomaly(tmp_path):
+    rec = recording.read_recording(synthetic_recording(tmp_path / "s.mmtr", shift_at_s=999))
+    assert offline.detect(rec) == []
