@@ -10,8 +10,8 @@ the events after it is done here:
   a stream sync those on its stream, a device / context sync those on every
   stream, an event sync (cudaEventSynchronize) those on the stream of the
   event's latest cudaEventRecord, made before that record. A submission's
-  `retired_ns` is the return time of the first sync (by start) that
-  covered it; a blocking submission (cudaMemcpy, aclrtMemcpy,
+  `retired_ns` is when the first sync that covered it returned (the host
+  knew then); a blocking submission (cudaMemcpy, aclrtMemcpy,
   aclmdlExecute) is retired when its own call returns;
 - a sync's `op_id` is the highest op_id among the submissions it covers
   (whether or not an earlier sync covered them already); an event sync's
@@ -93,14 +93,15 @@ def _dense_rank(values: np.ndarray, *more: np.ndarray):
 
 
 def _event_sync_targets(pid, handle, stream, ts, record, event_sync):
-    """For each event sync: (its record's stream, the record's time), or NONE
+    """For each event sync: its record's stream, time and row, or NONE
     where no record of that event came before it."""
     rec_idx = np.flatnonzero(record)
     sync_idx = np.flatnonzero(event_sync)
     out_stream = np.zeros(len(sync_idx), np.uint64)
     out_ts = np.full(len(sync_idx), NONE, np.int64)
+    out_row = np.full(len(sync_idx), NONE, np.int64)
     if not len(sync_idx) or not len(rec_idx):
-        return sync_idx, out_stream, out_ts
+        return sync_idx, out_stream, out_ts, out_row
     both = np.concatenate([rec_idx, sync_idx])
     is_rec = np.concatenate([np.ones(len(rec_idx), bool), np.zeros(len(sync_idx), bool)])
     group = _groups(pid[both], handle[both])
@@ -117,26 +118,32 @@ def _event_sync_targets(pid, handle, stream, ts, record, event_sync):
     which = order[sorted_syncs] - len(rec_idx)
     out_stream[which] = np.where(ok, stream[rec_rows], 0)
     out_ts[which] = np.where(ok, ts[rec_rows], NONE)
-    return sync_idx, out_stream, out_ts
+    out_row[which] = np.where(ok, rec_rows, NONE)
+    return sync_idx, out_stream, out_ts, out_row
 
 
-def _first_cover(sub_group, sub_rank, sync_group, sync_rank, sync_end, width):
-    """For each submission: end time of the first sync (by start) of its
-    group starting strictly after it, and that sync's start rank; NONE if none."""
-    out_end = np.full(len(sub_group), NONE, np.int64)
-    out_rank = np.full(len(sub_group), np.iinfo(np.int64).max, np.int64)
+def _earliest_cover(sub_group, sub_rank, sync_group, sync_rank, sync_end, width):
+    """For each submission: the earliest return among the syncs of its group
+    that started strictly after it; NONE if none."""
+    out = np.full(len(sub_group), NONE, np.int64)
     if not len(sub_group) or not len(sync_group):
-        return out_end, out_rank
+        return out
     key = sync_group * width + sync_rank
     order = np.argsort(key, kind="stable")
-    key = key[order]
+    key, group = key[order], sync_group[order]
+    ends = np.unique(sync_end)
+    span = len(ends) + 1
+    # Minimum over each group's suffix in one pass: group g's values live in
+    # [g * span, (g + 1) * span), below every later group's, so the running
+    # minimum from the end restarts at each group.
+    ranked = group * span + np.searchsorted(ends, sync_end[order])
+    suffix = np.minimum.accumulate(ranked[::-1])[::-1] - group * span
     k = np.searchsorted(key, sub_group * width + sub_rank, side="right")
     inside = k < len(key)
     safe = np.where(inside, k, 0)
-    ok = inside & (sync_group[order][safe] == sub_group)
-    out_end[ok] = sync_end[order][safe[ok]]
-    out_rank[ok] = sync_rank[order][safe[ok]]
-    return out_end, out_rank
+    ok = inside & (group[safe] == sub_group)
+    out[ok] = ends[suffix[safe[ok]]]
+    return out
 
 
 def _highest_before(sub_group, sub_rank, sub_op, sync_group, sync_rank, width):
@@ -177,7 +184,7 @@ def align(events: np.ndarray, roles: ApiRoles) -> np.ndarray:
     ends = end_ns(out)
 
     # Event syncs become stream syncs at the time of their record.
-    event_rows, event_stream, event_ts = _event_sync_targets(
+    event_rows, event_stream, event_ts, event_record = _event_sync_targets(
         pid, out["handle"], stream, ts, record, scope == SCOPE_EVENT)
     stream_rows = np.concatenate([np.flatnonzero(scope == SCOPE_STREAM),
                                   event_rows[event_ts != NONE]])
@@ -186,22 +193,26 @@ def align(events: np.ndarray, roles: ApiRoles) -> np.ndarray:
     cover_ts = np.concatenate([ts[scope == SCOPE_STREAM], event_ts[event_ts != NONE]])
     device_rows = np.flatnonzero(scope == SCOPE_DEVICE)
     sub_rows = np.flatnonzero(submission)
+    # A record stores the highest op_id before it on its stream (in its own
+    # op_id, unused otherwise): an event sync arriving batches later, when
+    # those submissions are no longer at hand, takes it from there.
+    record_rows = np.flatnonzero(record & (out["op_id"] == 0))
 
-    (sub_rank, stream_rank, device_rank), width = _dense_rank(
-        ts[sub_rows], cover_ts, ts[device_rows])
+    (sub_rank, stream_rank, device_rank, record_rank), width = _dense_rank(
+        ts[sub_rows], cover_ts, ts[device_rows], ts[record_rows])
 
-    # Stream syncs: group by (pid, stream); device syncs: by pid.
-    g = _groups(np.concatenate([pid[sub_rows], pid[stream_rows]]),
-                np.concatenate([stream[sub_rows], cover_stream]))
-    sub_sg, sync_sg = g[:len(sub_rows)], g[len(sub_rows):]
+    # Stream syncs (and records): group by (pid, stream); device syncs: by pid.
+    g = _groups(np.concatenate([pid[sub_rows], pid[stream_rows], pid[record_rows]]),
+                np.concatenate([stream[sub_rows], cover_stream, stream[record_rows]]))
+    sub_sg = g[:len(sub_rows)]
+    sync_sg = g[len(sub_rows):len(sub_rows) + len(stream_rows)]
+    record_sg = g[len(sub_rows) + len(stream_rows):]
     g = _groups(np.concatenate([pid[sub_rows], pid[device_rows]]))
     sub_dg, sync_dg = g[:len(sub_rows)], g[len(sub_rows):]
 
-    s_end, s_rank = _first_cover(sub_sg, sub_rank, sync_sg, stream_rank, ends[stream_rows],
-                                 width)
-    d_end, d_rank = _first_cover(sub_dg, sub_rank, sync_dg, device_rank, ends[device_rows],
-                                 width)
-    retired = np.where(s_rank <= d_rank, s_end, d_end)
+    s_end = _earliest_cover(sub_sg, sub_rank, sync_sg, stream_rank, ends[stream_rows], width)
+    d_end = _earliest_cover(sub_dg, sub_rank, sync_dg, device_rank, ends[device_rows], width)
+    retired = np.where((s_end == NONE) | ((d_end != NONE) & (d_end < s_end)), d_end, s_end)
     retired = np.where(blocking[sub_rows] & ((out["flags"][sub_rows]
                                               & device_stream.FLAG_RETURNED) != 0),
                        ends[sub_rows], retired)
@@ -212,7 +223,10 @@ def align(events: np.ndarray, roles: ApiRoles) -> np.ndarray:
         _highest_before(sub_sg, sub_rank, sub_op, sync_sg, stream_rank, width), 0)
     out["op_id"][device_rows] = np.maximum(
         _highest_before(sub_dg, sub_rank, sub_op, sync_dg, device_rank, width), 0)
+    out["op_id"][record_rows] = np.maximum(
+        _highest_before(sub_sg, sub_rank, sub_op, record_sg, record_rank, width), 0)
     found = event_rows[event_ts != NONE]
+    out["op_id"][found] = out["op_id"][event_record[event_ts != NONE]]
     out["stream_handle"][found] = event_stream[event_ts != NONE]
     out["flags"][found] |= FLAG_STREAM_FROM_RECORD
     return out
