@@ -137,9 +137,10 @@ class Daemon:
     # ----------------------------------------------------------------- tick
 
     def tick(self, now_ns: int | None = None):
-        if self.sources is not None and self.loaded.device is not None:
+        if self.sources is not None and self._device() is not None:
             self._attach_new()
-        for stream, batch in self.loaded.read().items():
+        batches = self.loaded.read() if self.loaded is not None else {}
+        for stream, batch in batches.items():
             learnt = self.threads.fill(batch)
             if learnt:
                 self.loaded.learn_threads(learnt)
@@ -154,6 +155,9 @@ class Daemon:
             self._next_retire_scan = time.monotonic() + self.config.p99.window_s / 2
             self._observe(ls.retire_series(self.p99.series_id, self._newly_retired()))
         self._act(self.p99.advance(now_ns - int(self.config.p99.window_s * 1e9 / 4)))
+
+    def _device(self):
+        return self.loaded.device if self.loaded is not None else None
 
     def _attach_new(self):
         for target in self.sources.targets():
@@ -193,13 +197,12 @@ class Daemon:
             if msg["type"] == "entropy":
                 samples = [{**s, "modality": s.get("modality", msg["modality"])}
                            for s in (msg.get("values") or [msg]) if isinstance(s, dict)]
+                self._keep_entropy(samples, msg["modality"], ts)
                 try:
                     self._act(self.entropy.update(samples, ts_ns=ts))
                 except ValueError as exc:
                     self.server.reply(client, {"v": 1, "type": "error",
                                                "message": f"entropy: {exc}"})
-                    continue
-                self._keep_entropy(samples, msg["modality"], ts)
             elif msg["type"] == "sample":
                 name = f"request_latency{{series={msg['series']},modality={msg['modality']}}}"
                 sid = self.request_series.id(name)
@@ -246,9 +249,9 @@ class Daemon:
             if path is not None:
                 anomaly["flight_recording"] = str(path)
                 log.warning("flight recording: %s", path)
-            if self.config.adaptive_launches and self.loaded.device is not None:
+            if self.config.adaptive_launches and self._device() is not None:
                 # The next minutes complete: per-launch probes on for a while.
-                self.loaded.device.attach_launches(self.config.launch_burst_s)
+                self._device().attach_launches(self.config.launch_burst_s)
             self._hint(anomaly)
 
     def _flight_record(self, anomaly):
@@ -259,8 +262,8 @@ class Daemon:
         meta = [{"apis": device_stream.default_table().to_json(),
                  "probes": self.probe_states,
                  "symbol_names": {str(k): v for k, v in
-                                  (self.loaded.device.symbol_names().items()
-                                   if self.loaded.device is not None else [])},
+                                  (self._device().symbol_names().items()
+                                   if self._device() is not None else [])},
                  "op_names": self.op_names,
                  "entropy_layers": self.layers.table(),
                  "modalities": self.modalities.table(),

@@ -175,3 +175,48 @@ def test_report_finds_the_runq_drift_of_a_device_thread(tmp_path):
 def test_report_of_a_calm_recording_has_no_anomaly(tmp_path):
     rec = recording.read_recording(synthetic_recording(tmp_path / "s.mmtr", shift_at_s=999))
     assert offline.detect(rec) == []
+
+
+# ---------------------------------------- entropy live through the socket
+
+def entropy_rows(rng, means, n):
+    means = np.clip(np.asarray(means, float), 0.01, 0.99)
+    return rng.beta(means * 80, (1 - means) * 80, size=(n, len(means)))
+
+
+def test_entropy_over_the_socket_fires_live_and_again_offline(tmp_path):
+    from mmtrace.agent.daemon import Daemon
+    cfg = config_mod.DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "s.sock",
+                                  flight_min_interval_s=0.0)
+    daemon = Daemon(cfg)
+    daemon.server = HintServer(cfg.socket)
+    client = connect(cfg.socket)
+    rng = np.random.default_rng(3)
+    means = np.linspace(0.3, 0.7, 8)
+    start = time.monotonic_ns() - 7 * 10**9     # samples 0.1 s apart, ending about now
+    try:
+        calm = entropy_rows(rng, means, 60)
+        hot = entropy_rows(rng, np.full(8, 0.97), 8)
+        for t, row in enumerate(np.concatenate([calm, hot])):
+            msg = {"v": 1, "type": "entropy", "modality": "vision", "ts_ns": start + t * 10**8,
+                   "values": [{"layer": "enc.0.attn", "head": h, "value": float(v)}
+                              for h, v in enumerate(row)]}
+            client.sendall((json.dumps(msg) + "\n").encode())
+            deadline = time.monotonic() + 2
+            while daemon.entropy.accepted < (t + 1) * 8 and time.monotonic() < deadline:
+                daemon.tick()
+    finally:
+        daemon.close()
+    fired = [a for a in daemon.anomalies if a.get("state") == "firing"]
+    assert [a["kind"] for a in fired] == ["entropy_rise"]
+    assert fired[0]["modality"] == "vision"
+    assert fired[0]["ts_ns"] > start + 60 * 10**8
+    path = fired[0]["flight_recording"]
+    rec = recording.read_recording(path)
+    kept = rec.events["model.entropy"]
+    # every sample up to the one that completed the alarm, none after it
+    assert len(kept) % 8 == 0 and 60 * 8 < len(kept) < 68 * 8
+    assert int(kept["ts_ns"].max()) == fired[0]["ts_ns"]
+    offline_fired = [a for a in offline.detect(rec) if a.get("state") == "firing"]
+    assert [(a["kind"], a["ts_ns"]) for a in offline_fired] == [("entropy_rise",
+                                                                 fired[0]["ts_ns"])]
