@@ -72,7 +72,7 @@ _INTERFACE_ARGUMENTS = ("module", "query", "key", "value", "attention_mask")
 def watch(
     model: nn.Module,
     *,
-    every: int = 1,
+    every: int = 10,
     rows: int | None = 8,
     sink: Callable[[list[dict]], object],
     modality: str | None = None,
@@ -81,7 +81,9 @@ def watch(
     """Hook every attention module of `model` and report attention entropy.
 
     every: measure the N-th, 2N-th, ... forward of `model` (counted at the
-        top-level module; nested calls of `model` count once).
+        top-level module; nested calls of `model` count once). The default,
+        10, keeps the cost within a few percent of a one-sentence forward
+        (BENCHMARKS.md); use 1 to measure every forward.
     rows: query rows sampled per forward, uniformly among the rows that
         attend to at least two keys (padding rows excluded); every head, and
         every layer that sees the same mask, uses the same rows. None

@@ -67,7 +67,7 @@ def entropy_of_weights(weights):
 
 def run_watched(model, inputs, **options):
     samples = []
-    with torch.no_grad(), watch(model, sink=samples.extend, **options) as handle:
+    with torch.no_grad(), watch(model, sink=samples.extend, **{"every": 1, **options}) as handle:
         output = model(**inputs)
     return samples, handle, output
 
@@ -178,7 +178,7 @@ def test_remove_takes_every_hook_off(bert):
     inputs = tokenizer(SENTENCES[:1], return_tensors="pt")
     original = AttentionInterface.__dict__["get_interface"]
     calls = []
-    handle = watch(fused, sink=calls.append)
+    handle = watch(fused, every=1, sink=calls.append)
     assert AttentionInterface.__dict__["get_interface"] is not original
     handle.remove()
     handle.remove()  # idempotent
@@ -195,7 +195,7 @@ def test_two_watches_share_the_interface_patch(bert):
     inputs = tokenizer(SENTENCES[:1], return_tensors="pt")
     original = AttentionInterface.__dict__["get_interface"]
     first, second = [], []
-    a = watch(fused, sink=first.append)
+    a = watch(fused, every=1, sink=first.append)
     b = watch(fused, sink=second.append, every=2)
     with torch.no_grad():
         fused(**inputs)
@@ -220,7 +220,7 @@ def test_concurrent_forwards_each_get_their_samples(bert):
             for _ in range(3):
                 fused(**enc)
 
-    with watch(fused, sink=sink, rows=None) as handle:
+    with watch(fused, every=1, sink=sink, rows=None) as handle:
         threads = [threading.Thread(target=serve, args=(enc,)) for enc in inputs]
         for t in threads:
             t.start()
@@ -243,7 +243,7 @@ def test_sink_errors_never_break_the_forward(bert):
 
     with torch.no_grad():
         expected = fused(**inputs).last_hidden_state
-        with pytest.warns(RuntimeWarning, match="collector is down"), watch(fused, sink=broken) as handle:
+        with pytest.warns(RuntimeWarning, match="collector is down"), watch(fused, every=1, sink=broken) as handle:
             got = fused(**inputs).last_hidden_state
             fused(**inputs)
     assert torch.equal(expected, got) and handle.sink_errors == 2
@@ -343,7 +343,7 @@ class HandWrittenAttention(nn.Module):
 def test_attention_that_bypasses_the_interface_is_reported_unmeasured():
     model = HandWrittenAttention()
     calls = []
-    with watch(model, sink=calls.append) as handle:
+    with watch(model, every=1, sink=calls.append) as handle:
         assert handle.hooked == 1
         with pytest.warns(RuntimeWarning, match="did not call transformers' attention interface"):
             model(torch.randn(1, 5, 8))
@@ -355,7 +355,7 @@ def test_model_without_attention_is_reported_not_fatal():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     calls = []
     with pytest.warns(RuntimeWarning, match="no attention module found in Sequential"):
-        handle = watch(model, sink=calls.append)
+        handle = watch(model, every=1, sink=calls.append)
     assert handle.hooked == 0 and handle.layers == ()
     model(torch.randn(2, 4))
     handle.remove()
@@ -382,7 +382,7 @@ def test_forward_that_raises_reports_nothing_and_recovers(bert):
     fused, _, tokenizer = bert
     inputs = tokenizer(SENTENCES[:1], return_tensors="pt")
     calls = []
-    with torch.no_grad(), watch(fused, sink=calls.append) as handle:
+    with torch.no_grad(), watch(fused, every=1, sink=calls.append) as handle:
         with pytest.raises(IndexError):
             fused(input_ids=torch.tensor([[10**6]]))  # token id outside the vocabulary
         fused(**inputs)

@@ -345,7 +345,7 @@ def minilm_stream():
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModel.from_pretrained(path).eval()
     forwards = []
-    handle = watch(model, rows=32, sink=forwards.append, modality="text", seed=7)
+    handle = watch(model, every=1, rows=32, sink=forwards.append, modality="text", seed=7)
 
     def run(batches):
         forwards.clear()
