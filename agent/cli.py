@@ -128,7 +128,8 @@ def report(file, as_json):
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--format", "fmt", required=True,
               type=click.Choice(["jsonl", "perfetto", "chrome"]),
-              help="jsonl: one event per line; chrome/perfetto: a trace for Perfetto UI.")
+              help="jsonl: one event per line; perfetto: a native Perfetto trace; "
+                   "chrome: trace-event JSON (Perfetto UI and chrome://tracing).")
 @click.option("-o", "--output", required=True,
               help="File to write, or - for standard output (jsonl only).")
 def export(file, fmt, output):
@@ -137,6 +138,7 @@ def export(file, fmt, output):
     \b
     Examples:
       mmtrace export incident.mmtr --format jsonl -o - | head
+      mmtrace export incident.mmtr --format perfetto -o incident.pftrace
       mmtrace export incident.mmtr --format chrome -o incident.json
     """
     from mmtrace.exporters.chrome import write_chrome
@@ -144,6 +146,9 @@ def export(file, fmt, output):
     if output == "-" and fmt != "jsonl":
         raise MmtraceError(f"-o - writes jsonl only; --format {fmt} needs a file")
     rec = _read(file)
+    if fmt == "perfetto":
+        _export_perfetto(rec, output)
+        return
     writer = write_jsonl if fmt == "jsonl" else write_chrome
     if output == "-":
         try:
@@ -157,6 +162,16 @@ def export(file, fmt, output):
     except OSError as exc:
         raise MmtraceError(f"cannot write {output}: {exc.strerror}") from None
     click.echo(f"wrote {output}: {n:,} events", err=True)
+
+
+def _export_perfetto(rec, output):
+    from mmtrace.exporters.perfetto import recording_slices, write_perfetto
+    try:
+        with open(output, "wb") as out:
+            n = write_perfetto(recording_slices(rec.events, rec.meta), out)
+    except OSError as exc:
+        raise MmtraceError(f"cannot write {output}: {exc.strerror}") from None
+    click.echo(f"wrote {output}: {n:,} slices", err=True)
 
 
 @cli.command()

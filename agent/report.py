@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from .offline import detect
 from .recording import Recording
 
 
@@ -147,7 +148,7 @@ def summarize(rec: Recording) -> dict:
         "sync_waits": sync_waits(rows),
         "bytes_by_direction": bytes_by_direction(rows),
         "device_probes": device_probes(rec),
-        "anomalies": [],
+        "anomalies": detect(rec),
     }
 
 
@@ -176,8 +177,21 @@ def format_text(summary: dict) -> str:
     lines.append("")
     lines.append(f"anomalies: {len(summary['anomalies'])}")
     for anomaly in summary["anomalies"]:
-        lines.append(f"  {anomaly}")
+        lines.append("  " + anomaly_line(anomaly))
     return "\n".join(lines)
+
+
+def anomaly_line(a: dict) -> str:
+    """One line per anomaly; the evidence is in --json."""
+    ev = a.get("evidence", {})
+    what = a.get("series") or f"{a.get('kind')} ({a.get('modality')})"
+    line = f"{a.get('ts_ns', 0) / 1e9:14.3f} s  {a.get('detector')} {what} {a.get('state')}"
+    if ev.get("p99") is not None and ev.get("baseline"):
+        line += (f": p99 {ev['p99'] * 1e6:.1f} µs vs baseline {ev['baseline'] * 1e6:.1f} µs "
+                 f"({ev['p99'] / ev['baseline']:.1f}x)")
+    if ev.get("top_contributors"):
+        line += "; top threads " + ", ".join(str(c[0]) for c in ev["top_contributors"][:3])
+    return line
 
 
 def device_lines(summary: dict) -> list[str]:

@@ -220,3 +220,17 @@ def test_entropy_over_the_socket_fires_live_and_again_offline(tmp_path):
     offline_fired = [a for a in offline.detect(rec) if a.get("state") == "firing"]
     assert [(a["kind"], a["ts_ns"]) for a in offline_fired] == [("entropy_rise",
                                                                  fired[0]["ts_ns"])]
+
+
+def test_report_lists_the_anomaly_with_its_evidence(tmp_path):
+    from click.testing import CliRunner
+    from mmtrace.agent.cli import cli
+    path = synthetic_recording(tmp_path / "s.mmtr")
+    result = CliRunner().invoke(cli, ["report", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    anomalies = json.loads(result.stdout)["anomalies"]
+    firing = [a for a in anomalies if a["state"] == "firing"]
+    assert firing[0]["series"] == "runq_delay{pid=70}"
+    assert firing[0]["evidence"]["p99"] > 3 * firing[0]["evidence"]["baseline"]
+    text = CliRunner().invoke(cli, ["report", str(path)]).stdout
+    assert "p99_drift runq_delay{pid=70} firing" in text and "top threads 77" in text

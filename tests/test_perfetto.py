@@ -64,3 +64,16 @@ def test_runq_waits_become_slices_on_thread_tracks():
                   if dict((n, v) for n, _, v in read_fields(p[perfetto.TP_TRACK_EVENT][0]))
                   [perfetto.TE_TYPE] == perfetto.SLICE_END)
     assert ends == sorted(runq["ts_ns"].tolist())
+
+
+def test_cli_exports_perfetto(tmp_path):
+    from click.testing import CliRunner
+    from mmtrace.agent.cli import cli
+    from test_recording import write_sample
+    path = write_sample(tmp_path / "a.mmtr")
+    out = tmp_path / "a.pftrace"
+    result = CliRunner().invoke(cli, ["export", str(path), "--format", "perfetto", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "40 slices" in result.stderr
+    events = [p for p in packets(out.read_bytes()) if perfetto.TP_TRACK_EVENT in p]
+    assert len(events) == 80
