@@ -78,12 +78,19 @@ def end_ns(events: np.ndarray) -> np.ndarray:
 
 
 def _groups(*columns) -> np.ndarray:
-    """Dense group index of each row's key (one or two uint64 columns)."""
-    if not len(columns[0]):
+    """Dense group index of each row's key (one or more columns), in key order."""
+    n = len(columns[0])
+    if not n:
         return np.zeros(0, np.int64)
-    keys = np.stack([np.asarray(c, np.uint64) for c in columns], axis=1)
-    _, inverse = np.unique(keys, axis=0, return_inverse=True)
-    return inverse.reshape(-1).astype(np.int64)
+    order = np.lexsort(columns[::-1])
+    new = np.zeros(n, bool)
+    new[0] = True
+    for column in columns:
+        ordered = np.asarray(column)[order]
+        new[1:] |= ordered[1:] != ordered[:-1]
+    out = np.empty(n, np.int64)
+    out[order] = np.cumsum(new) - 1
+    return out
 
 
 def _dense_rank(values: np.ndarray, *more: np.ndarray):
@@ -170,10 +177,7 @@ def _highest_before(sub_group, sub_rank, sub_op, sync_group, sync_rank, width):
 def align(events: np.ndarray, roles: ApiRoles) -> np.ndarray:
     """ALIGNED_EVENT copies of `events` (any order, DEV_EVENT or aligned)
     with retired_ns, sync op_ids and event-sync streams filled in."""
-    out = np.zeros(len(events), ALIGNED_EVENT)
-    for name in device_stream.DEV_EVENT.names:
-        out[name] = events[name]
-    out["retired_ns"] = NONE
+    out = _as_aligned(events, copy=True)
     if not len(events):
         return out
     submission, blocking, scope, record = roles.of(events["api"])
@@ -244,7 +248,7 @@ class Aligner:
     itself, not to the ring. window() returns the ring's events, oldest
     first, with retired_ns as known now."""
 
-    def __init__(self, roles: ApiRoles, capacity: int = 1 << 20,
+    def __init__(self, roles: ApiRoles, capacity: int = 1 << 18,
                  max_age_ns: int = 60_000_000_000, max_pending: int = 1 << 16,
                  max_records: int = 1 << 14, max_streams: int = 1 << 14):
         if capacity <= 0:
@@ -328,8 +332,11 @@ class Aligner:
             self._drop(overflow)
         at = self._end % self.capacity
         first = min(len(events), self.capacity - at)
-        self._ring[at:at + first] = events[:first]
-        self._ring[:len(events) - first] = events[first:]
+        # Byte views: numpy copies records field by field otherwise.
+        ring = self._ring.view(np.uint8).reshape(self.capacity, ALIGNED_EVENT.itemsize)
+        data = np.ascontiguousarray(events).view(np.uint8).reshape(len(events), -1)
+        ring[at:at + first] = data[:first]
+        ring[:len(events) - first] = data[first:]
         self._end += len(events)
         self._drop_older_than(int(events["ts_ns"].max()) - self.max_age_ns)
 
@@ -352,11 +359,18 @@ class Aligner:
         self.evicted += n
 
 
-def _as_aligned(events: np.ndarray) -> np.ndarray:
+def _as_aligned(events: np.ndarray, copy: bool = False) -> np.ndarray:
+    """ALIGNED_EVENT records of DEV_EVENT (or ALIGNED_EVENT) ones. The
+    aligned layout is the device layout and one field more, so the
+    conversion is one strided byte copy, not one per field."""
     if events.dtype == ALIGNED_EVENT:
-        return events
-    out = np.zeros(len(events), ALIGNED_EVENT)
-    for name in device_stream.DEV_EVENT.names:
-        out[name] = events[name]
+        return events.copy() if copy else events
+    if events.dtype != device_stream.DEV_EVENT:
+        raise TypeError(f"expected device events ({device_stream.DEV_EVENT.itemsize}-byte "
+                        f"records), got {events.dtype}")
+    n, size = len(events), device_stream.DEV_EVENT.itemsize
+    out = np.empty(n, ALIGNED_EVENT)
+    out.view(np.uint8).reshape(n, ALIGNED_EVENT.itemsize)[:, :size] = \
+        np.ascontiguousarray(events).view(np.uint8).reshape(n, size)
     out["retired_ns"] = NONE
     return out

@@ -46,42 +46,43 @@ class DeviceNames:
         if not len(batch):
             return []
         self._read_missing_strings(batch)
-        keys = self._addresses(batch)
-        return self._resolve(keys) if len(keys) else []
+        rows = []
+        for pid, addrs in self._addresses(batch):
+            rows += self._resolve(pid, addrs)
+        return rows
 
     # ----- addresses of this batch that name something -------------------
 
-    def _addresses(self, batch: np.ndarray) -> np.ndarray:
+    def _addresses(self, batch: np.ndarray):
+        """(pid, distinct addresses not seen before) for each process."""
         stub = np.isin(batch["api"], self._stub_apis) & (batch["handle"] != 0)
-        parts = [np.stack([batch["pid"][stub].astype(np.uint64),
-                           batch["handle"][stub]], axis=1)]
+        by_ip = np.zeros(len(batch), bool)
         if self._aclnn_api is not None:
             by_ip = (batch["api"] == self._aclnn_api) & (batch["symbol_id"] == 0)
-            parts.append(np.stack([batch["pid"][by_ip].astype(np.uint64),
-                                   batch["probe_ip"][by_ip]], axis=1))
-        keys = np.concatenate(parts)
-        if not len(keys):
-            return keys
-        keys = np.unique(keys, axis=0)
-        fresh = [i for i, (pid, addr) in enumerate(keys.tolist()) if (pid, addr) not in self._seen]
-        return keys[fresh]
+        wanted = stub | by_ip
+        if not wanted.any():
+            return
+        addrs = np.where(stub, batch["handle"], batch["probe_ip"])[wanted]
+        pids = batch["pid"][wanted]
+        for pid in np.unique(pids).tolist():
+            distinct = np.unique(addrs[pids == pid]).tolist()
+            fresh = [a for a in distinct if (pid, a) not in self._seen]
+            if fresh:
+                yield pid, np.array(fresh, np.uint64)
 
-    def _resolve(self, keys: np.ndarray) -> list[list]:
+    def _resolve(self, pid: int, addrs: np.ndarray) -> list[list]:
         rows = []
         if self.resolver is None:
-            self.counters["no_resolver"] += len(keys)
+            self.counters["no_resolver"] += len(addrs)
             return rows
-        pids, inverse = np.unique(keys[:, 0], return_inverse=True)
-        for i, pid in enumerate(pids.tolist()):
-            addrs = keys[inverse.reshape(-1) == i, 1]
-            names = self.resolver.resolve_many(int(pid), addrs)
-            for addr, name in zip(addrs.tolist(), names):
-                self._remember((pid, addr))
-                if name is None:
-                    self.counters["unresolved"] += 1
-                    continue
-                rows.append([pid, addr, name])
-                self.counters["resolved"] += 1
+        names = self.resolver.resolve_many(int(pid), addrs)
+        for addr, name in zip(addrs.tolist(), names):
+            self._remember((pid, addr))
+            if name is None:
+                self.counters["unresolved"] += 1
+                continue
+            rows.append([pid, addr, name])
+            self.counters["resolved"] += 1
         return rows
 
     def _remember(self, key):

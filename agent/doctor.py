@@ -148,7 +148,9 @@ def run_checks(host: Host | None = None) -> list[Check]:
         from . import discovery
     except ImportError:
         return checks
-    return checks + discovery.doctor_checks(host)
+    checks += discovery.doctor_checks(host)
+    from .device_doctor import check_device_probes
+    return checks + [check_device_probes(host, tracing_ready(checks))]
 
 
 def tracing_ready(checks: list[Check]) -> bool:

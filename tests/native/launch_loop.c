@@ -1,8 +1,11 @@
 /* A launch-heavy loop on the real libcudart, driven from stdin, for the
- * adaptive-mode test and the benchmark. For each line "run N" it makes N
- * iterations of cudaLaunchKernel, then (unless "launch-only") one
- * cudaMemcpyAsync and one cudaStreamSynchronize per iteration, and prints
- * "done SECONDS" (the loop's wall time). "quit" (or EOF) ends it.
+ * adaptive-mode test and the benchmark. For each line "run N [L [SPIN_NS]]"
+ * it makes N iterations of: L cudaLaunchKernel calls (default 1), each
+ * followed by SPIN_NS of busy host work (default 0: without a driver a
+ * launch returns at once, so a benchmark can stand in the few microseconds
+ * a real launch takes), then, unless "launch-only", one cudaMemcpyAsync and
+ * one cudaStreamSynchronize. Prints "done SECONDS" (the loop's wall time).
+ * Anything else (or EOF) ends it.
  *
  * Usage: launch_loop [launch-only] */
 #include <stddef.h>
@@ -30,6 +33,15 @@ static double now_s(void)
     return ts.tv_sec + ts.tv_nsec / 1e9;
 }
 
+static void spin(long ns)
+{
+    if (ns <= 0)
+        return;
+    double end = now_s() + ns / 1e9;
+    while (now_s() < end)
+        ;
+}
+
 int main(int argc, char **argv)
 {
     int launch_only = argc > 1 && strcmp(argv[1], "launch-only") == 0;
@@ -41,12 +53,15 @@ int main(int argc, char **argv)
     setvbuf(stdout, NULL, _IOLBF, 0);
     printf("ready %d\n", getpid());
     while (fgets(line, sizeof(line), stdin)) {
-        long n = 0;
-        if (sscanf(line, "run %ld", &n) != 1)
+        long n = 0, per_sync = 1, spin_ns = 0;
+        if (sscanf(line, "run %ld %ld %ld", &n, &per_sync, &spin_ns) < 1)
             break;
         double start = now_s();
         for (long i = 0; i < n; i++) {
-            cudaLaunchKernel((const void *)loop_stub, grid, block, args, 0, stream);
+            for (long k = 0; k < per_sync; k++) {
+                cudaLaunchKernel((const void *)loop_stub, grid, block, args, 0, stream);
+                spin(spin_ns);
+            }
             if (!launch_only) {
                 cudaMemcpyAsync(buf, buf, sizeof(buf), 1, stream);
                 cudaStreamSynchronize(stream);

@@ -1,0 +1,61 @@
+"""`mmtrace doctor`'s check of the GPU/NPU probes: load the programs,
+attach to every library discovery finds (as `record` would), report each
+probe's state, detach. Like ebpf_exporter's --config.check: what attaches
+here attaches when tracing."""
+
+from collections import Counter
+from pathlib import Path
+
+from .doctor import Check
+
+NAME = "gpu_npu_probes"
+
+
+def check_device_probes(host, ready: bool) -> Check:
+    """Not required: a host without GPU/NPU libraries still traces the CPU.
+    `ready`: the required checks passed (else loading is not tried)."""
+    if not ready:
+        return Check(NAME, False, False, "not tried: fix the MISSING lines first")
+    if Path(host.proc) != Path("/proc") or Path(host.sys) != Path("/sys"):
+        return Check(NAME, False, False, "not tried on an injected host root")
+    from . import probes
+    from .device_probes import wanted
+    from .errors import MmtraceError
+    try:
+        from .discovery import find_targets
+        targets = find_targets(wanted)
+    except ImportError:
+        targets = []
+    if not targets:
+        return Check(NAME, True, False, "no CUDA or Ascend library found to probe "
+                     "(the CPU stream is unaffected)", "mmtrace record --lib PATH adds one")
+    try:
+        loaded = probes.load(probes.ProbeOptions())
+    except MmtraceError as exc:
+        return Check(NAME, False, False, f"the GPU/NPU programs did not load: {exc}")
+    try:
+        for target in targets:
+            loaded.device.add(target)
+        states = loaded.device.states()
+        mode = loaded.device.mode
+    finally:
+        loaded.close()
+    return summarise(states, mode)
+
+
+def summarise(states: list[dict], mode: str) -> Check:
+    by_state = Counter()
+    for s in states:
+        by_state[s["state"]] += s.get("count", 1)
+    libraries = sorted({s["path"] for s in states})
+    failed = [s for s in states if s["state"] == "failed"]
+    detail = (f"{len(libraries)} libraries ({mode} attach): {by_state['attached']} probes "
+              f"attached, {by_state['not_found']} symbols not in their library, "
+              f"{by_state['failed']} failed")
+    if failed:
+        first = failed[0]
+        detail += f"; first failure: {first['path']}:{first['symbol']}: {first['reason']}"
+        return Check(NAME, False, False, detail,
+                     "see `mmtrace doctor --json`; a replaced library is picked up on the "
+                     "next discovery")
+    return Check(NAME, True, False, detail)
