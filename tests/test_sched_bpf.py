@@ -109,12 +109,15 @@ def test_forced_delay_is_found_with_its_thread(tmp_path, workloads, mode):
 
 
 def test_pid_scope_keeps_only_that_process_and_its_new_threads(tmp_path, workloads):
-    # The target starts first and spawns its threads after the recorder attached.
-    target = subprocess.Popen(["sh", "-c", f"sleep 2; exec {workloads.path('ctxswitch')} 1 2"],
-                              stdout=subprocess.PIPE, text=True)
-    other = subprocess.Popen([workloads.path("ctxswitch"), "3", "2"], stdout=subprocess.PIPE)
+    # The target starts first, waits until the recorder is attached, then
+    # spawns its threads.
+    target = subprocess.Popen(["sh", "-c", f"read go; exec {workloads.path('ctxswitch')} 1 2"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     path = tmp_path / "scoped.mmtr"
     recorder = start_recorder(path, "--pid", target.pid, "--duration", "4")
+    other = subprocess.Popen([workloads.path("ctxswitch"), "2", "2"], stdout=subprocess.PIPE)
+    target.stdin.write("go\n")
+    target.stdin.close()
     target.wait(timeout=30)
     other.wait(timeout=30)
     recorder.communicate(timeout=60)
