@@ -174,10 +174,11 @@ def _highest_before(sub_group, sub_rank, sub_op, sync_group, sync_rank, width):
     return out
 
 
-def align(events: np.ndarray, roles: ApiRoles) -> np.ndarray:
+def align(events: np.ndarray, roles: ApiRoles, copy: bool = True) -> np.ndarray:
     """ALIGNED_EVENT copies of `events` (any order, DEV_EVENT or aligned)
-    with retired_ns, sync op_ids and event-sync streams filled in."""
-    out = _as_aligned(events, copy=True)
+    with retired_ns, sync op_ids and event-sync streams filled in
+    (`copy=False`: aligned input is filled in place)."""
+    out = _as_aligned(events, copy=copy)
     if not len(events):
         return out
     submission, blocking, scope, record = roles.of(events["api"])
@@ -260,6 +261,9 @@ class Aligner:
         self.max_records = max_records
         self.max_streams = max_streams
         self._ring = np.zeros(capacity, ALIGNED_EVENT)
+        # Touch every page now: the memory is the ring's for good, and its
+        # first fill should not pay the page faults batch by batch.
+        self._ring.view(np.uint8)[::4096] = 0
         self._start = 0         # absolute number of the oldest event held
         self._end = 0           # absolute number of the next event
         self._pending = np.zeros(0, ALIGNED_EVENT)
@@ -273,7 +277,7 @@ class Aligner:
         return self._end - self._start
 
     def window(self, since_ns: int | None = None) -> np.ndarray:
-        events = self._ring[np.arange(self._start, self._end) % self.capacity]
+        events = _take(self._ring, np.arange(self._start, self._end) % self.capacity)
         if since_ns is not None:
             events = events[events["ts_ns"].astype(np.int64) >= since_ns]
         return events
@@ -282,10 +286,10 @@ class Aligner:
         """Align `batch` (DEV_EVENT records, any order); return it aligned."""
         if not len(batch):
             return np.zeros(0, ALIGNED_EVENT)
-        batch = _as_aligned(batch[np.argsort(batch["ts_ns"], kind="stable")])
-        n_pending, n_records = len(self._pending), len(self._records)
-        aligned = align(np.concatenate([self._pending, self._records, self._latest, batch]),
-                        self.roles)
+        batch = _as_aligned(_take(batch, np.argsort(batch["ts_ns"], kind="stable")))
+        n_pending = len(self._pending)
+        aligned = align(_concat([self._pending, self._records, self._latest, batch]),
+                        self.roles, copy=False)
         settled = aligned["retired_ns"][:n_pending] != NONE
         self._set_retired(self._pending_seq[settled], aligned["retired_ns"][:n_pending][settled])
         new = aligned[len(aligned) - len(batch):]
@@ -303,22 +307,22 @@ class Aligner:
         submission &= new["op_id"] > 0
         waiting = submission & (new["retired_ns"] == NONE)
         seq = first_seq + np.arange(len(new))
-        pending = np.concatenate([self._pending[keep_pending], new[waiting]])
+        pending = _concat([_take(self._pending, keep_pending), _take(new, waiting)])
         pending_seq = np.concatenate([self._pending_seq[keep_pending], seq[waiting]])
         if len(pending) > self.max_pending:
             # Never synced (a process that polls events instead): stop waiting.
             self.unretired_dropped += len(pending) - self.max_pending
             pending, pending_seq = pending[-self.max_pending:], pending_seq[-self.max_pending:]
         self._pending, self._pending_seq = pending, pending_seq
-        self._records = np.concatenate([self._records, new[record]])[-self.max_records:]
-        latest = np.concatenate([self._latest, new[submission]])
+        self._records = _concat([self._records, _take(new, record)])[-self.max_records:]
+        latest = _concat([self._latest, _take(new, submission)])
         if len(latest):
             group = _groups(latest["pid"], latest["stream_handle"])
             order = np.lexsort((latest["ts_ns"], group))
             last = np.ones(len(order), bool)
             last[:-1] = group[order][1:] != group[order][:-1]
-            latest = latest[order[last]]
-            latest = latest[np.argsort(latest["ts_ns"], kind="stable")][-self.max_streams:]
+            latest = _take(latest, order[last])
+            latest = _take(latest, np.argsort(latest["ts_ns"], kind="stable"))[-self.max_streams:]
         self._latest = latest
 
     def _append(self, events: np.ndarray):
@@ -364,7 +368,7 @@ def _as_aligned(events: np.ndarray, copy: bool = False) -> np.ndarray:
     aligned layout is the device layout and one field more, so the
     conversion is one strided byte copy, not one per field."""
     if events.dtype == ALIGNED_EVENT:
-        return events.copy() if copy else events
+        return _take(events, slice(None)) if copy else events
     if events.dtype != device_stream.DEV_EVENT:
         raise TypeError(f"expected device events ({device_stream.DEV_EVENT.itemsize}-byte "
                         f"records), got {events.dtype}")
@@ -374,3 +378,20 @@ def _as_aligned(events: np.ndarray, copy: bool = False) -> np.ndarray:
         np.ascontiguousarray(events).view(np.uint8).reshape(n, size)
     out["retired_ns"] = NONE
     return out
+
+
+# numpy copies records with byte-string and void fields field by field,
+# twenty times slower than the bytes: select and join through byte views.
+
+def _take(records: np.ndarray, which) -> np.ndarray:
+    """records[which] (indices, mask or slice), copied as bytes."""
+    rows = np.ascontiguousarray(records).view(np.uint8).reshape(
+        len(records), records.dtype.itemsize)
+    return np.ascontiguousarray(rows[which]).view(records.dtype).reshape(-1)
+
+
+def _concat(parts: list[np.ndarray]) -> np.ndarray:
+    dtype = parts[0].dtype
+    rows = [np.ascontiguousarray(p).view(np.uint8).reshape(len(p), dtype.itemsize)
+            for p in parts]
+    return np.concatenate(rows).view(dtype).reshape(-1)
