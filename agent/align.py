@@ -29,6 +29,9 @@ import numpy as np
 
 from mmtrace.bpf import device as device_stream
 
+from .event_ring import EventRing
+from .records import concat, take
+
 NONE = -1
 FLAG_STREAM_FROM_RECORD = 16    # an event sync's stream_handle came from its record
 ALIGNED_EVENT = np.dtype(device_stream.DEV_EVENT.descr + [("retired_ns", "<i8")])
@@ -260,107 +263,63 @@ class Aligner:
         self.max_pending = max_pending
         self.max_records = max_records
         self.max_streams = max_streams
-        self._ring = np.zeros(capacity, ALIGNED_EVENT)
-        # Touch every page now: the memory is the ring's for good, and its
-        # first fill should not pay the page faults batch by batch.
-        self._ring.view(np.uint8)[::4096] = 0
-        self._start = 0         # absolute number of the oldest event held
-        self._end = 0           # absolute number of the next event
+        self._ring = EventRing(ALIGNED_EVENT, capacity, max_age_ns)
         self._pending = np.zeros(0, ALIGNED_EVENT)
         self._pending_seq = np.zeros(0, np.int64)
         self._records = np.zeros(0, ALIGNED_EVENT)
         self._latest = np.zeros(0, ALIGNED_EVENT)
-        self.evicted = 0
         self.unretired_dropped = 0
 
     def __len__(self):
-        return self._end - self._start
+        return len(self._ring)
+
+    @property
+    def evicted(self) -> int:
+        return self._ring.evicted
 
     def window(self, since_ns: int | None = None) -> np.ndarray:
-        events = _take(self._ring, np.arange(self._start, self._end) % self.capacity)
-        if since_ns is not None:
-            events = events[events["ts_ns"].astype(np.int64) >= since_ns]
-        return events
+        return self._ring.window(since_ns)
 
     def push(self, batch: np.ndarray) -> np.ndarray:
         """Align `batch` (DEV_EVENT records, any order); return it aligned."""
         if not len(batch):
             return np.zeros(0, ALIGNED_EVENT)
-        batch = _as_aligned(_take(batch, np.argsort(batch["ts_ns"], kind="stable")))
+        batch = _as_aligned(take(batch, np.argsort(batch["ts_ns"], kind="stable")))
         n_pending = len(self._pending)
-        aligned = align(_concat([self._pending, self._records, self._latest, batch]),
+        aligned = align(concat([self._pending, self._records, self._latest, batch]),
                         self.roles, copy=False)
         settled = aligned["retired_ns"][:n_pending] != NONE
         self._set_retired(self._pending_seq[settled], aligned["retired_ns"][:n_pending][settled])
         new = aligned[len(aligned) - len(batch):]
-        first_seq = self._end
-        self._append(new)
+        first_seq = self._ring.push(new)
         self._remember(new, first_seq, keep_pending=~settled)
         return new
 
     def _set_retired(self, seq: np.ndarray, retired: np.ndarray):
-        alive = seq >= self._start      # not evicted from the ring since
-        self._ring["retired_ns"][seq[alive] % self.capacity] = retired[alive]
+        self._ring.update(seq, "retired_ns", retired)
 
     def _remember(self, new: np.ndarray, first_seq: int, keep_pending: np.ndarray):
         submission, _, _, record = self.roles.of(new["api"])
         submission &= new["op_id"] > 0
         waiting = submission & (new["retired_ns"] == NONE)
         seq = first_seq + np.arange(len(new))
-        pending = _concat([_take(self._pending, keep_pending), _take(new, waiting)])
+        pending = concat([take(self._pending, keep_pending), take(new, waiting)])
         pending_seq = np.concatenate([self._pending_seq[keep_pending], seq[waiting]])
         if len(pending) > self.max_pending:
             # Never synced (a process that polls events instead): stop waiting.
             self.unretired_dropped += len(pending) - self.max_pending
             pending, pending_seq = pending[-self.max_pending:], pending_seq[-self.max_pending:]
         self._pending, self._pending_seq = pending, pending_seq
-        self._records = _concat([self._records, _take(new, record)])[-self.max_records:]
-        latest = _concat([self._latest, _take(new, submission)])
+        self._records = concat([self._records, take(new, record)])[-self.max_records:]
+        latest = concat([self._latest, take(new, submission)])
         if len(latest):
             group = _groups(latest["pid"], latest["stream_handle"])
             order = np.lexsort((latest["ts_ns"], group))
             last = np.ones(len(order), bool)
             last[:-1] = group[order][1:] != group[order][:-1]
-            latest = _take(latest, order[last])
-            latest = _take(latest, np.argsort(latest["ts_ns"], kind="stable"))[-self.max_streams:]
+            latest = take(latest, order[last])
+            latest = take(latest, np.argsort(latest["ts_ns"], kind="stable"))[-self.max_streams:]
         self._latest = latest
-
-    def _append(self, events: np.ndarray):
-        if len(events) > self.capacity:
-            skipped = len(events) - self.capacity
-            self.evicted += skipped
-            self._start = self._end = self._end + skipped
-            events = events[skipped:]
-        overflow = (self._end - self._start) + len(events) - self.capacity
-        if overflow > 0:
-            self._drop(overflow)
-        at = self._end % self.capacity
-        first = min(len(events), self.capacity - at)
-        # Byte views: numpy copies records field by field otherwise.
-        ring = self._ring.view(np.uint8).reshape(self.capacity, ALIGNED_EVENT.itemsize)
-        data = np.ascontiguousarray(events).view(np.uint8).reshape(len(events), -1)
-        ring[at:at + first] = data[:first]
-        ring[:len(events) - first] = data[first:]
-        self._end += len(events)
-        self._drop_older_than(int(events["ts_ns"].max()) - self.max_age_ns)
-
-    def _drop_older_than(self, limit_ns: int, chunk: int = 4096):
-        """Events arrive about in time order: drop the leading run older than
-        `limit_ns`, looking at a chunk at a time."""
-        while self._end > self._start:
-            n = min(chunk, self._end - self._start)
-            ts = self._ring["ts_ns"][np.arange(self._start, self._start + n)
-                                     % self.capacity].astype(np.int64)
-            fresh = np.flatnonzero(ts >= limit_ns)
-            lead = int(fresh[0]) if len(fresh) else n
-            self._drop(lead)
-            if lead < n:
-                break
-
-    def _drop(self, n: int):
-        n = min(n, self._end - self._start)
-        self._start += n
-        self.evicted += n
 
 
 def _as_aligned(events: np.ndarray, copy: bool = False) -> np.ndarray:
@@ -368,7 +327,7 @@ def _as_aligned(events: np.ndarray, copy: bool = False) -> np.ndarray:
     aligned layout is the device layout and one field more, so the
     conversion is one strided byte copy, not one per field."""
     if events.dtype == ALIGNED_EVENT:
-        return _take(events, slice(None)) if copy else events
+        return take(events, slice(None)) if copy else events
     if events.dtype != device_stream.DEV_EVENT:
         raise TypeError(f"expected device events ({device_stream.DEV_EVENT.itemsize}-byte "
                         f"records), got {events.dtype}")
@@ -378,20 +337,3 @@ def _as_aligned(events: np.ndarray, copy: bool = False) -> np.ndarray:
         np.ascontiguousarray(events).view(np.uint8).reshape(n, size)
     out["retired_ns"] = NONE
     return out
-
-
-# numpy copies records with byte-string and void fields field by field,
-# twenty times slower than the bytes: select and join through byte views.
-
-def _take(records: np.ndarray, which) -> np.ndarray:
-    """records[which] (indices, mask or slice), copied as bytes."""
-    rows = np.ascontiguousarray(records).view(np.uint8).reshape(
-        len(records), records.dtype.itemsize)
-    return np.ascontiguousarray(rows[which]).view(records.dtype).reshape(-1)
-
-
-def _concat(parts: list[np.ndarray]) -> np.ndarray:
-    dtype = parts[0].dtype
-    rows = [np.ascontiguousarray(p).view(np.uint8).reshape(len(p), dtype.itemsize)
-            for p in parts]
-    return np.concatenate(rows).view(dtype).reshape(-1)

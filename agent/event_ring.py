@@ -1,8 +1,12 @@
 """A bounded ring of the recent past for one kind of record: at most
 `capacity` records, none older than `max_age_ns` behind the newest. Memory
-is fixed at creation whatever the event rate; evicted records are counted."""
+is fixed at creation whatever the event rate; evicted records are counted.
+Records are numbered from 0 as they arrive, so a caller can still reach a
+record it pushed (update) while the ring holds it."""
 
 import numpy as np
+
+from .records import rows_of, take
 
 
 class EventRing:
@@ -13,44 +17,62 @@ class EventRing:
         self.capacity = capacity
         self.max_age_ns = max_age_ns
         self._ring = np.zeros(capacity, self.dtype)
-        self._start = 0     # absolute index of the oldest record held
-        self._end = 0       # absolute index of the next record
+        # Touch every page now: the memory is the ring's for good, and its
+        # first fill should not pay the page faults batch by batch.
+        self._ring.view(np.uint8)[::4096] = 0
+        self._bytes = self._ring.view(np.uint8).reshape(capacity, self.dtype.itemsize)
+        self.start = 0      # number of the oldest record held
+        self.end = 0        # number the next record gets
         self.evicted = 0
 
     def __len__(self):
-        return self._end - self._start
+        return self.end - self.start
 
-    def push(self, batch: np.ndarray):
+    @property
+    def nbytes(self) -> int:
+        """Memory the ring holds, fixed at creation."""
+        return self._ring.nbytes
+
+    def push(self, batch: np.ndarray) -> int:
+        """Append `batch` (about in time order); returns the number of its first record."""
+        first_seq = self.end
         if not len(batch):
-            return
+            return first_seq
         if len(batch) > self.capacity:
             skipped = len(batch) - self.capacity
-            self.evicted += skipped
-            self._start = self._end = self._end + skipped
+            self.evicted += len(self) + skipped
+            self.start = self.end = self.end + skipped
             batch = batch[skipped:]
         overflow = len(self) + len(batch) - self.capacity
         if overflow > 0:
             self._drop(overflow)
-        at = self._end % self.capacity
+        at = self.end % self.capacity
         first = min(len(batch), self.capacity - at)
-        self._ring[at:at + first] = batch[:first]
-        self._ring[:len(batch) - first] = batch[first:]
-        self._end += len(batch)
+        data = rows_of(batch)
+        self._bytes[at:at + first] = data[:first]
+        self._bytes[:len(batch) - first] = data[first:]
+        self.end += len(batch)
         self._drop_older_than(int(batch["ts_ns"].max()) - self.max_age_ns)
+        return first_seq
 
     def window(self, since_ns: int | None = None) -> np.ndarray:
         """A copy of what the ring holds, oldest first (optionally from a time on)."""
-        events = self._ring[np.arange(self._start, self._end) % self.capacity]
+        events = take(self._ring, np.arange(self.start, self.end) % self.capacity)
         if since_ns is not None:
             events = events[events["ts_ns"].astype(np.int64) >= since_ns]
         return events
+
+    def update(self, seq: np.ndarray, field: str, values: np.ndarray):
+        """Set `field` of the records numbered `seq` that the ring still holds."""
+        held = seq >= self.start
+        self._ring[field][seq[held] % self.capacity] = values[held]
 
     def _drop_older_than(self, limit_ns: int, chunk: int = 4096):
         """Records arrive about in time order: drop the leading run older
         than `limit_ns`, a chunk at a time."""
         while len(self):
             n = min(chunk, len(self))
-            ts = self._ring["ts_ns"][np.arange(self._start, self._start + n)
+            ts = self._ring["ts_ns"][np.arange(self.start, self.start + n)
                                      % self.capacity].astype(np.int64)
             fresh = np.flatnonzero(ts >= limit_ns)
             lead = int(fresh[0]) if len(fresh) else n
@@ -60,5 +82,5 @@ class EventRing:
 
     def _drop(self, n: int):
         n = min(n, len(self))
-        self._start += n
+        self.start += n
         self.evicted += n

@@ -202,7 +202,8 @@ def python_cpu(natives, events: int) -> dict:
     """Process CPU of the agent's side per device event: ring read, names,
     recording write; and, apart, the live alignment ring."""
     from mmtrace.agent import probes
-    from mmtrace.agent.align import Aligner, ApiRoles, _concat
+    from mmtrace.agent.align import Aligner, ApiRoles
+    from mmtrace.agent.records import concat
     from mmtrace.agent.dev_names import DeviceNames
     from mmtrace.agent.recording import RecordingWriter
     from mmtrace.bpf import device
@@ -227,7 +228,7 @@ def python_cpu(natives, events: int) -> dict:
             # One batch per drain, as the agent's loop does: per-batch
             # costs are fixed, per-event ones are numpy's.
             batches = _drain(loaded, max_rounds=8)
-            batch = _concat(batches) if batches else None
+            batch = concat(batches) if batches else None
             if batch is not None:
                 names.process(batch)
                 writer.write_events("dev.event", batch)

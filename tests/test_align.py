@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpu_fixtures import DeviceSession, natives  # noqa: F401
-from mmtrace.agent.align import NONE, Aligner, ApiRoles, align
+from mmtrace.agent.align import ALIGNED_EVENT, NONE, Aligner, ApiRoles, align
 from mmtrace.bpf import device
 
 INFOS = device.default_infos()
@@ -105,7 +105,7 @@ def test_aligner_is_bounded_by_count_and_by_age():
     aligner.push(events((5_000, "cuLaunchKernel", 11, 5)))
     assert aligner.window()["op_id"].tolist() == [11]
     assert aligner.evicted == 10
-    assert aligner._ring.nbytes == 4 * aligner._ring.itemsize    # fixed at creation
+    assert aligner._ring.nbytes == 4 * ALIGNED_EVENT.itemsize    # fixed at creation
 
 
 @st.composite
