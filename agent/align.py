@@ -269,6 +269,7 @@ class Aligner:
         self._records = np.zeros(0, ALIGNED_EVENT)
         self._latest = np.zeros(0, ALIGNED_EVENT)
         self.unretired_dropped = 0
+        self.last_retired = np.zeros(0, ALIGNED_EVENT)
 
     def __len__(self):
         return len(self._ring)
@@ -291,6 +292,10 @@ class Aligner:
         settled = aligned["retired_ns"][:n_pending] != NONE
         self._set_retired(self._pending_seq[settled], aligned["retired_ns"][:n_pending][settled])
         new = aligned[len(aligned) - len(batch):]
+        submission = self.roles.of(new["api"])[0] & (new["op_id"] > 0)
+        # What this push retired: earlier submissions and the batch's own.
+        self.last_retired = concat([take(aligned[:n_pending], settled),
+                                    take(new, submission & (new["retired_ns"] != NONE))])
         first_seq = self._ring.push(new)
         self._remember(new, first_seq, keep_pending=~settled)
         return new

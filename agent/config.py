@@ -35,7 +35,8 @@ class DaemonConfig:
     socket: Path = Path("/run/mmtrace/mmtrace.sock")
     tick_s: float = 0.025
     ring_seconds: float = 30.0              # the flight recorder's reach
-    ring_capacity: int = 1 << 20            # records per stream
+    ring_capacity: int = 1 << 20            # run-queue records kept (48 B each)
+    device_ring_capacity: int = 1 << 17     # GPU/NPU records kept (224 B each)
     flight_min_interval_s: float = 60.0
     adaptive_launches: bool = True          # per-launch probes only after an alarm
     launch_burst_s: float = 120.0
@@ -95,6 +96,7 @@ def load_config(path: Path | None) -> DaemonConfig:
     cfg = DaemonConfig(**_coerce("top", DaemonConfig, {k: v for k, v in top.items()}))
     cfg.p99 = P99Settings(**_coerce("p99", P99Settings, doc.get("p99", {})))
     cfg.entropy = EntropySettings(**_coerce("entropy", EntropySettings, doc.get("entropy", {})))
-    if cfg.tick_s <= 0 or cfg.ring_seconds <= 0 or cfg.ring_capacity <= 0:
-        raise MmtraceError(f"config {path}: tick_s, ring_seconds and ring_capacity must be positive")
+    if min(cfg.tick_s, cfg.ring_seconds, cfg.ring_capacity, cfg.device_ring_capacity) <= 0:
+        raise MmtraceError(f"config {path}: tick_s, ring_seconds, ring_capacity and "
+                           "device_ring_capacity must be positive")
     return cfg

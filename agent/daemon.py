@@ -78,8 +78,8 @@ class Daemon:
         self.entropy_ring = EventRing(ENTROPY_SAMPLE, 1 << 16, age)
         self.request_ring = EventRing(REQUEST_SAMPLE, 1 << 16, age)
         infos = device_stream.default_infos()
-        self.aligner = Aligner(ApiRoles.from_infos(infos), capacity=config.ring_capacity,
-                               max_age_ns=age)
+        self.aligner = Aligner(ApiRoles.from_infos(infos),
+                               capacity=config.device_ring_capacity, max_age_ns=age)
         self.names = DeviceNames(infos)
         self.op_names: list[list] = []
         self.submitters = ls.Submitters()
@@ -92,8 +92,6 @@ class Daemon:
         self.anomalies: list[dict] = []
         self.hints_sent = 0
         self._hint_seq = 0
-        self._retired_mark = 0
-        self._next_retire_scan = 0.0
         self.loaded = None
         self.sources = None
         self.server = None
@@ -151,9 +149,6 @@ class Daemon:
         if self.server is not None:
             self._on_messages(self.server.poll(0))
         now_ns = now_ns or time.monotonic_ns()
-        if time.monotonic() >= self._next_retire_scan:
-            self._next_retire_scan = time.monotonic() + self.config.p99.window_s / 2
-            self._observe(ls.retire_series(self.p99.series_id, self._newly_retired()))
         self._act(self.p99.advance(now_ns - int(self.config.p99.window_s * 1e9 / 4)))
 
     def _device(self):
@@ -175,15 +170,7 @@ class Daemon:
         self.submitters.learn(batch)
         aligned = self.aligner.push(batch)
         self._observe(ls.sync_series(self.p99.series_id, aligned))
-
-    def _newly_retired(self) -> np.ndarray:
-        """Submissions retired since the last scan, from the aligned ring."""
-        since = self._retired_mark - int(self.config.ring_seconds * 1e9)
-        window = self.aligner.window(since_ns=max(since, 0))
-        fresh = window[window["retired_ns"] > self._retired_mark]
-        if len(fresh):
-            self._retired_mark = int(fresh["retired_ns"].max())
-        return fresh
+        self._observe(ls.retire_series(self.p99.series_id, self.aligner.last_retired))
 
     def _observe(self, series: ls.Series):
         if len(series):

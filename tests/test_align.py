@@ -94,6 +94,11 @@ def test_aligner_retires_submissions_of_earlier_batches():
     sync = aligner.push(events((120, "cuStreamSynchronize", 0, 5, 10)))
     assert sync["op_id"].tolist() == [2]
     assert aligner.window()["retired_ns"].tolist() == [130, 130, NONE]
+    # what that push retired, for the submit-to-retire series
+    assert aligner.last_retired["op_id"].tolist() == [1, 2]
+    assert aligner.last_retired["retired_ns"].tolist() == [130, 130]
+    aligner.push(events((200, "cudaMemcpy", 3, 0, 25), (210, "cuLaunchKernel", 4, 5)))
+    assert aligner.last_retired["op_id"].tolist() == [3]     # blocking: its own return
 
 
 def test_aligner_is_bounded_by_count_and_by_age():
