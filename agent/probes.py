@@ -95,9 +95,7 @@ class LoadedProbes:
 
     def learn_threads(self, tid_to_tgid: dict[int, int]):
         """Tell the kernel the process of threads it has not seen switch out."""
-        table = self.bpf["thread_tgid"]
-        for tid, tgid in tid_to_tgid.items():
-            table[table.Key(tid)] = table.Leaf(tgid)
+        set_thread_tgids(self.bpf, tid_to_tgid)
 
     def close(self):
         if self.device is not None:
@@ -205,15 +203,27 @@ def load(options: ProbeOptions = ProbeOptions()) -> LoadedProbes:
     return probes
 
 
+def set_thread_tgids(program, tid_to_tgid: dict[int, int]):
+    """Set the process of these threads in the per-thread map, keeping
+    whatever else the kernel already holds for them."""
+    table = program["threads"]
+    for tid, tgid in tid_to_tgid.items():
+        key = table.Key(tid)
+        try:
+            leaf = table[key]
+        except KeyError:
+            leaf = table.Leaf()
+        leaf.tgid = tgid
+        table[key] = leaf
+
+
 def _set_scope(program, pids):
     """Fill the scope, then mark it configured: the programs trace nothing
     until then, so no event from outside the scope slips in at start."""
     scope = program["scope_tgids"]
-    threads = program["thread_tgid"]
     for pid in pids:
         scope[scope.Key(pid)] = scope.Leaf(1)
-        for tid in threads_of(pid):
-            threads[threads.Key(tid)] = threads.Leaf(pid)
+        set_thread_tgids(program, {tid: pid for tid in threads_of(pid)})
     settings = program["settings"]
     leaf = settings.Leaf()
     leaf.filter_pids = 1 if pids else 0

@@ -47,11 +47,20 @@ struct settings {
 BPF_ARRAY(settings, struct settings, 1);
 
 /* Processes in scope when filter_pids is set; threads are mapped to their
- * process through thread_tgid below. */
+ * process through `threads` below. */
 BPF_HASH(scope_tgids, u32, u8, MMTRACE_MAX_SCOPE);
 
-/* thread id -> process id, learnt while a thread is current and at clone. */
-BPF_HASH(thread_tgid, u32, u32, MMTRACE_MAX_THREADS);
+/* Everything known about one thread, in one entry: a context switch costs
+ * two lookups and in-place stores, not an insert and a delete per wake-up.
+ * GPU/NPU probes stamp last_delay_ns onto each submission of the thread. */
+struct thread_state {
+    u64 enqueued_ns;    /* when it became runnable; 0: not waiting */
+    u64 last_delay_ns;  /* its latest run-queue delay (in scope only) */
+    u64 last_ts_ns;     /* when it got the CPU after that delay */
+    u32 tgid;           /* its process; 0 until learnt */
+    u32 reserved;
+};
+BPF_HASH(threads, u32, struct thread_state, MMTRACE_MAX_THREADS);
 
 static __always_inline int tgid_in_scope(u32 tgid)
 {
@@ -63,11 +72,3 @@ static __always_inline int tgid_in_scope(u32 tgid)
         return 1;
     return tgid && scope_tgids.lookup(&tgid) != 0;
 }
-
-/* The latest run-queue delay of a thread; GPU/NPU probes stamp it onto
- * each submission of that thread. */
-struct last_runq {
-    u64 delay_ns;
-    u64 ts_ns;          /* when the thread got the CPU after that delay */
-};
-BPF_HASH(thread_last_runq, u32, struct last_runq, MMTRACE_MAX_THREADS);

@@ -117,9 +117,9 @@ static __always_inline void dev_begin(struct dev_event *ev, u16 api, u8 kind)
     ev->kind = kind;
     ev->direction = DEV_NO_DIRECTION;
     ev->device = DEV_NO_DEVICE;
-    struct last_runq *last = thread_last_runq.lookup(&tid);
-    if (last)
-        ev->sched_delay_ns = last->delay_ns;
+    struct thread_state *t = threads.lookup(&tid);
+    if (t)
+        ev->sched_delay_ns = t->last_delay_ns;
     s32 *dev = thread_device.lookup(&tid);
     if (dev)
         ev->device = *dev;

@@ -20,28 +20,36 @@ struct runq_event {
 /* Checked against the numpy dtype at load time; never written. */
 BPF_ARRAY(layout_runq_event, struct runq_event, 1);
 
-BPF_HASH(runq_enqueued, u32, u64, MMTRACE_MAX_THREADS);
 /* log2 histogram of delays in microseconds, runqlat's buckets. */
 BPF_PERCPU_ARRAY(runq_hist_log2_us, u64, 64);
 BPF_RINGBUF_OUTPUT(runq_events, MMTRACE_RUNQ_RINGBUF_PAGES);
 
-static __always_inline void runq_enqueue(u32 tid, u64 now)
+/* Mark a thread runnable: in place when it has an entry, else a new one. */
+static __always_inline void runq_enqueue(u32 tid, u64 now, u32 tgid, u32 full_counter)
 {
     if (tid == 0)
         return;
-    if (runq_enqueued.update(&tid, &now) != 0)
-        count(CNT_ENQUEUE_MAP_FULL);
+    struct thread_state *t = threads.lookup(&tid);
+    if (t) {
+        t->enqueued_ns = now;
+        if (!t->tgid)
+            t->tgid = tgid;
+        return;
+    }
+    struct thread_state fresh = { .enqueued_ns = now, .tgid = tgid };
+    if (threads.update(&tid, &fresh) != 0)
+        count(full_counter);
 }
 
 TRACEPOINT_PROBE(sched, sched_wakeup)
 {
-    runq_enqueue(args->pid, bpf_ktime_get_ns());
+    runq_enqueue(args->pid, bpf_ktime_get_ns(), 0, CNT_ENQUEUE_MAP_FULL);
     return 0;
 }
 
 TRACEPOINT_PROBE(sched, sched_wakeup_new)
 {
-    runq_enqueue(args->pid, bpf_ktime_get_ns());
+    runq_enqueue(args->pid, bpf_ktime_get_ns(), 0, CNT_ENQUEUE_MAP_FULL);
     return 0;
 }
 
@@ -52,7 +60,13 @@ TRACEPOINT_PROBE(task, task_newtask)
     u32 tgid = tid;
     if (args->clone_flags & 0x00010000 /* CLONE_THREAD */)
         tgid = bpf_get_current_pid_tgid() >> 32;
-    if (thread_tgid.update(&tid, &tgid) != 0)
+    struct thread_state *t = threads.lookup(&tid);
+    if (t) {
+        t->tgid = tgid;
+        return 0;
+    }
+    struct thread_state fresh = { .tgid = tgid };
+    if (threads.update(&tid, &fresh) != 0)
         count(CNT_THREAD_MAP_FULL);
     return 0;
 }
@@ -61,9 +75,7 @@ TRACEPOINT_PROBE(task, task_newtask)
 TRACEPOINT_PROBE(sched, sched_process_free)
 {
     u32 tid = args->pid;
-    runq_enqueued.delete(&tid);
-    thread_last_runq.delete(&tid);
-    thread_tgid.delete(&tid);
+    threads.delete(&tid);
     device_forget_thread(tid);      /* bpf/device.h */
     return 0;
 }
@@ -74,26 +86,30 @@ TRACEPOINT_PROBE(sched, sched_switch)
     u32 prev = args->prev_pid;
 
     if (prev != 0) {
-        /* prev is still current: the one moment its process id is known. */
-        if (!thread_tgid.lookup(&prev)) {
-            u32 tgid = bpf_get_current_pid_tgid() >> 32;
-            if (thread_tgid.update(&prev, &tgid) != 0)
-                count(CNT_THREAD_MAP_FULL);
-        }
-        /* Preempted or yielding: still runnable, so it waits again. The
+        /* prev is still current: the one moment its process id is known.
+         * Preempted or yielding, it is still runnable and waits again; the
          * TASK_REPORT_MAX bit (0x100, "R+") marks preemption. */
-        if ((args->prev_state & 0xff) == 0)
-            runq_enqueue(prev, now);
+        u32 tgid = bpf_get_current_pid_tgid() >> 32;
+        struct thread_state *p = threads.lookup(&prev);
+        int runnable = (args->prev_state & 0xff) == 0;
+        if (p) {
+            if (!p->tgid)
+                p->tgid = tgid;
+            if (runnable)
+                p->enqueued_ns = now;
+        } else {
+            runq_enqueue(prev, runnable ? now : 0, tgid, CNT_THREAD_MAP_FULL);
+        }
     }
 
     u32 next = args->next_pid;
     if (next == 0)
         return 0;
-    u64 *enq = runq_enqueued.lookup(&next);
-    if (!enq)
+    struct thread_state *n = threads.lookup(&next);
+    if (!n || !n->enqueued_ns)
         return 0;       /* woken before tracing began */
-    u64 start = *enq;
-    runq_enqueued.delete(&next);
+    u64 start = n->enqueued_ns;
+    n->enqueued_ns = 0;
     /* The waker stamps the wake-up after the task is already runnable, so
      * another CPU can switch it in a moment before that stamp: it waited
      * no time at all. */
@@ -103,13 +119,11 @@ TRACEPOINT_PROBE(sched, sched_switch)
     else
         count(CNT_NEGATIVE_DELTA);
 
-    u32 *tgidp = thread_tgid.lookup(&next);
-    u32 tgid = tgidp ? *tgidp : 0;
+    u32 tgid = n->tgid;
     if (!tgid_in_scope(tgid))
         return 0;
-
-    struct last_runq last = { .delay_ns = delay, .ts_ns = now };
-    thread_last_runq.update(&next, &last);
+    n->last_delay_ns = delay;
+    n->last_ts_ns = now;
 
     u32 slot = bpf_log2l(delay / 1000);
     if (slot > 0)
