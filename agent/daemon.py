@@ -105,7 +105,6 @@ class Daemon:
                                             trace_launches=not cfg.adaptive_launches)
         self.sources = DeviceSources(cfg.libs, cfg.pids, discover=True)
         self.loaded = probe_loader.load(options)
-        probe_loader.favour_drain_thread()
         try:
             self.server = HintServer(cfg.socket)
         except OSError as exc:

@@ -46,17 +46,6 @@ class ProbeOptions:
     attach_mode: str | None = None      # "multi" / "single"; None: the best the kernel has
 
 
-def favour_drain_thread(niceness: int = -5):
-    """Raise the calling thread's priority a little: on an oversubscribed
-    host a drain loop starved for a second lets the ring fill, and events
-    are dropped (counted, but gone). Its CPU use is small, so this takes
-    little from the workloads it watches. Without the privilege, nothing."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, niceness)
-    except OSError:
-        pass
-
-
 def import_bcc():
     try:
         import bcc  # noqa: F401  (Debian's python3-bpfcc)

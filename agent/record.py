@@ -144,7 +144,6 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
     options = options or probe_loader.ProbeOptions(pids=tuple(pids))
     sources = DeviceSources(libs, options.pids, discover) if options.device else None
     loaded = probe_loader.load(options)
-    probe_loader.favour_drain_thread()
     threads = ThreadProcesses()
     own_stop = stop is None
     stop = stop or StopFlag()

@@ -145,7 +145,7 @@ TRACEPOINT_PROBE(sched, sched_switch)
     ev->tid = next;
     ev->cpu = bpf_get_smp_processor_id();
     ev->prev_tid = prev;
-    bpf_probe_read_kernel(&ev->comm, sizeof(ev->comm), args->next_comm);
+    __builtin_memcpy(ev->comm, args->next_comm, sizeof(ev->comm));   /* ctx memory */
     /* The consumer drains on a timer: no wake-up per event. */
     runq_events.ringbuf_submit(ev, BPF_RB_NO_WAKEUP);
     count(CNT_RUNQ_EVENTS);
