@@ -9,12 +9,9 @@
  * the probed address in userspace where cookies are not available. */
 static __always_inline int aclnn_launch(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    if (!in_scope())
-        return 0;
-    struct dev_event *ev = dev_reserve();
+    struct dev_event *ev = entry_event(api, DEV_LAUNCH);
     if (!ev)
         return 0;
-    dev_begin(ev, api, DEV_LAUNCH);
     ev->probe_ip = PT_REGS_IP(ctx);
     ev->symbol_id = bpf_get_attach_cookie(ctx) >> 32;    /* 0: attached without */
     ev->handle = PT_REGS_PARM3(ctx);
@@ -26,12 +23,9 @@ static __always_inline int aclnn_launch(struct pt_regs *ctx, u16 api, u32 slot)
 /* An aclop call: opType (const char *) first, the stream on the stack. */
 static __always_inline int aclop_launch(struct pt_regs *ctx, u16 api, u32 stack_slot)
 {
-    if (!in_scope())
-        return 0;
-    struct dev_event *ev = dev_reserve();
+    struct dev_event *ev = entry_event(api, DEV_LAUNCH);
     if (!ev)
         return 0;
-    dev_begin(ev, api, DEV_LAUNCH);
     read_name(ev, (const char *)PT_REGS_PARM1(ctx));
     read_user(ev, &ev->stream_handle, sizeof(ev->stream_handle),
               (void *)(PT_REGS_SP(ctx) + 8 * stack_slot));
@@ -58,12 +52,9 @@ static __always_inline int aclop_compile_execute(struct pt_regs *ctx, u16 api, u
  * aclmdlDataset *output, aclrtStream stream) */
 static __always_inline int model_execute_async(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    if (!in_scope())
-        return 0;
-    struct dev_event *ev = dev_reserve();
+    struct dev_event *ev = entry_event(api, DEV_MODEL_EXEC);
     if (!ev)
         return 0;
-    dev_begin(ev, api, DEV_MODEL_EXEC);
     ev->handle = (u32)PT_REGS_PARM1(ctx);
     ev->stream_handle = PT_REGS_PARM4(ctx);
     dev_submit(ev);
@@ -73,12 +64,9 @@ static __always_inline int model_execute_async(struct pt_regs *ctx, u16 api, u32
 /* aclmdlExecute(uint32_t modelId, input, output): blocks until done; timed. */
 static __always_inline int model_execute(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    if (!in_scope())
-        return 0;
-    struct dev_event *ev = call_begin();
+    struct dev_event *ev = call_event(api, DEV_MODEL_EXEC);
     if (!ev)
         return 0;
-    dev_begin(ev, api, DEV_MODEL_EXEC);
     ev->handle = (u32)PT_REGS_PARM1(ctx);
     call_store(ev, slot);
     return 0;
@@ -88,12 +76,9 @@ static __always_inline int model_execute(struct pt_regs *ctx, u16 api, u32 slot)
  * void *argsData, size_t argsSize, aclrtStream stream) */
 static __always_inline int acl_launch_kernel(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    if (!in_scope())
-        return 0;
-    struct dev_event *ev = dev_reserve();
+    struct dev_event *ev = entry_event(api, DEV_LAUNCH);
     if (!ev)
         return 0;
-    dev_begin(ev, api, DEV_LAUNCH);
     ev->handle = PT_REGS_PARM1(ctx);
     ev->grid_x = (u32)PT_REGS_PARM2(ctx);
     ev->grid_y = 1;
@@ -108,12 +93,9 @@ static __always_inline int acl_launch_kernel(struct pt_regs *ctx, u16 api, u32 s
  * numBlocks, stream, cfg, hostArgs, argsSize, ...): the stream third. */
 static __always_inline int acl_launch_kernel_cfg(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    if (!in_scope())
-        return 0;
-    struct dev_event *ev = dev_reserve();
+    struct dev_event *ev = entry_event(api, DEV_LAUNCH);
     if (!ev)
         return 0;
-    dev_begin(ev, api, DEV_LAUNCH);
     ev->handle = PT_REGS_PARM1(ctx);
     ev->grid_x = (u32)PT_REGS_PARM2(ctx);
     ev->grid_y = 1;
@@ -127,12 +109,9 @@ static __always_inline int acl_launch_kernel_cfg(struct pt_regs *ctx, u16 api, u
  * count, aclrtMemcpyKind kind, aclrtStream stream) */
 static __always_inline int acl_memcpy_async(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    if (!in_scope())
-        return 0;
-    struct dev_event *ev = dev_reserve();
+    struct dev_event *ev = entry_event(api, DEV_MEMCPY);
     if (!ev)
         return 0;
-    dev_begin(ev, api, DEV_MEMCPY);
     ev->bytes = PT_REGS_PARM4(ctx);
     ev->direction = (u8)PT_REGS_PARM5(ctx);
     ev->stream_handle = PT_REGS_PARM6(ctx);
@@ -144,12 +123,9 @@ static __always_inline int acl_memcpy_async(struct pt_regs *ctx, u16 api, u32 sl
  * aclrtMemcpyKind kind): blocks; timed. */
 static __always_inline int acl_memcpy(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    if (!in_scope())
-        return 0;
-    struct dev_event *ev = call_begin();
+    struct dev_event *ev = call_event(api, DEV_MEMCPY);
     if (!ev)
         return 0;
-    dev_begin(ev, api, DEV_MEMCPY);
     ev->bytes = PT_REGS_PARM4(ctx);
     ev->direction = (u8)PT_REGS_PARM5(ctx);
     call_store(ev, slot);

@@ -29,12 +29,9 @@ struct cu_launch_config {
  * stream): a 12-byte dim3 by value takes two registers (x | y << 32, z). */
 static __always_inline int launch_runtime(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    if (!in_scope())
-        return 0;
-    struct dev_event *ev = dev_reserve();
+    struct dev_event *ev = entry_event(api, DEV_LAUNCH);
     if (!ev)
         return 0;
-    dev_begin(ev, api, DEV_LAUNCH);
     u64 grid_xy = PT_REGS_PARM2(ctx), block_xy = PT_REGS_PARM4(ctx);
     ev->handle = PT_REGS_PARM1(ctx);
     ev->grid_x = (u32)grid_xy;
@@ -54,12 +51,9 @@ static __always_inline int launch_runtime(struct pt_regs *ctx, u16 api, u32 slot
 /* cudaLaunchKernelExC(const cudaLaunchConfig_t *config, const void *func, void **args) */
 static __always_inline int launch_runtime_ex(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    if (!in_scope())
-        return 0;
-    struct dev_event *ev = dev_reserve();
+    struct dev_event *ev = entry_event(api, DEV_LAUNCH);
     if (!ev)
         return 0;
-    dev_begin(ev, api, DEV_LAUNCH);
     ev->handle = PT_REGS_PARM2(ctx);
     struct cuda_launch_config cfg;
     read_user(ev, &cfg, sizeof(cfg), (void *)PT_REGS_PARM1(ctx));
@@ -80,12 +74,9 @@ static __always_inline int launch_runtime_ex(struct pt_regs *ctx, u16 api, u32 s
  * hStream, ...): 32-bit stack slots hold garbage in their upper halves. */
 static __always_inline int launch_driver(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    if (!in_scope())
-        return 0;
-    struct dev_event *ev = dev_reserve();
+    struct dev_event *ev = entry_event(api, DEV_LAUNCH);
     if (!ev)
         return 0;
-    dev_begin(ev, api, DEV_LAUNCH);
     ev->handle = PT_REGS_PARM1(ctx);
     ev->grid_x = (u32)PT_REGS_PARM2(ctx);
     ev->grid_y = (u32)PT_REGS_PARM3(ctx);
@@ -104,12 +95,9 @@ static __always_inline int launch_driver(struct pt_regs *ctx, u16 api, u32 slot)
 /* cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra) */
 static __always_inline int launch_driver_ex(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    if (!in_scope())
-        return 0;
-    struct dev_event *ev = dev_reserve();
+    struct dev_event *ev = entry_event(api, DEV_LAUNCH);
     if (!ev)
         return 0;
-    dev_begin(ev, api, DEV_LAUNCH);
     ev->handle = PT_REGS_PARM2(ctx);
     struct cu_launch_config cfg;
     read_user(ev, &cfg, sizeof(cfg), (void *)PT_REGS_PARM1(ctx));
@@ -129,12 +117,9 @@ static __always_inline int launch_driver_ex(struct pt_regs *ctx, u16 api, u32 sl
  * cudaEventRecord(event, stream). */
 static __always_inline int handle_and_stream(struct pt_regs *ctx, u16 api, u8 kind)
 {
-    if (!in_scope())
-        return 0;
-    struct dev_event *ev = dev_reserve();
+    struct dev_event *ev = entry_event(api, kind);
     if (!ev)
         return 0;
-    dev_begin(ev, api, kind);
     ev->handle = PT_REGS_PARM1(ctx);
     ev->stream_handle = PT_REGS_PARM2(ctx);
     dev_submit(ev);
@@ -154,12 +139,9 @@ static __always_inline int event_record(struct pt_regs *ctx, u16 api, u32 slot)
 /* cudaMemcpyAsync(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind, cudaStream_t stream) */
 static __always_inline int memcpy_runtime_async(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    if (!in_scope())
-        return 0;
-    struct dev_event *ev = dev_reserve();
+    struct dev_event *ev = entry_event(api, DEV_MEMCPY);
     if (!ev)
         return 0;
-    dev_begin(ev, api, DEV_MEMCPY);
     ev->bytes = PT_REGS_PARM3(ctx);
     ev->direction = (u8)PT_REGS_PARM4(ctx);
     ev->stream_handle = PT_REGS_PARM5(ctx);
@@ -171,12 +153,9 @@ static __always_inline int memcpy_runtime_async(struct pt_regs *ctx, u16 api, u3
  * size_t ByteCount, CUstream hStream): the direction is the function's. */
 static __always_inline int memcpy_driver(struct pt_regs *ctx, u16 api, u8 direction)
 {
-    if (!in_scope())
-        return 0;
-    struct dev_event *ev = dev_reserve();
+    struct dev_event *ev = entry_event(api, DEV_MEMCPY);
     if (!ev)
         return 0;
-    dev_begin(ev, api, DEV_MEMCPY);
     ev->bytes = PT_REGS_PARM3(ctx);
     ev->direction = direction;
     ev->stream_handle = PT_REGS_PARM4(ctx);
@@ -202,12 +181,9 @@ static __always_inline int memcpy_driver_async(struct pt_regs *ctx, u16 api, u32
 /* cudaMemcpy(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind): timed. */
 static __always_inline int memcpy_runtime(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    if (!in_scope())
-        return 0;
-    struct dev_event *ev = call_begin();
+    struct dev_event *ev = call_event(api, DEV_MEMCPY);
     if (!ev)
         return 0;
-    dev_begin(ev, api, DEV_MEMCPY);
     ev->bytes = PT_REGS_PARM3(ctx);
     ev->direction = (u8)PT_REGS_PARM4(ctx);
     call_store(ev, slot);
@@ -219,12 +195,9 @@ static __always_inline int memcpy_runtime(struct pt_regs *ctx, u16 api, u32 slot
  * is in memory) and written the handle. */
 static __always_inline int get_function(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    if (!in_scope())
-        return 0;
-    struct dev_event *ev = call_begin();
+    struct dev_event *ev = call_event(api, DEV_FUNCTION_NAME);
     if (!ev)
         return 0;
-    dev_begin(ev, api, DEV_FUNCTION_NAME);
     ev->handle = PT_REGS_PARM1(ctx);    /* the out-parameter until return */
     ev->name_addr = PT_REGS_PARM3(ctx);
     call_store(ev, slot);

@@ -211,6 +211,30 @@ static __always_inline struct dev_event *call_lookup(u64 *key, u32 slot)
     return ev;
 }
 
+/* The two ways a decoder starts an event, NULL when the caller is out of
+ * scope or there is no room: an entry-only event, built in the ring buffer
+ * and sent with dev_submit(); a call timed by a uretprobe, built in per-CPU
+ * scratch and kept with call_store() until its return. */
+static __always_inline struct dev_event *entry_event(u16 api, u8 kind)
+{
+    if (!in_scope())
+        return NULL;
+    struct dev_event *ev = dev_reserve();
+    if (ev)
+        dev_begin(ev, api, kind);
+    return ev;
+}
+
+static __always_inline struct dev_event *call_event(u16 api, u8 kind)
+{
+    if (!in_scope())
+        return NULL;
+    struct dev_event *ev = call_begin();
+    if (ev)
+        dev_begin(ev, api, kind);
+    return ev;
+}
+
 /* Emit the stored call with its duration and return code, and forget it. */
 static __always_inline int call_emit(struct pt_regs *ctx, u32 slot)
 {
@@ -236,12 +260,9 @@ static __always_inline int call_emit(struct pt_regs *ctx, u32 slot)
 /* Timed syncs: (stream), (event) or (void). */
 static __always_inline int sync_call(struct pt_regs *ctx, u16 api, u32 slot, int arg)
 {
-    if (!in_scope())
-        return 0;
-    struct dev_event *ev = call_begin();
+    struct dev_event *ev = call_event(api, DEV_SYNC);
     if (!ev)
         return 0;
-    dev_begin(ev, api, DEV_SYNC);
     if (arg == 1)
         ev->stream_handle = PT_REGS_PARM1(ctx);
     else if (arg == 2)
@@ -277,12 +298,9 @@ static __always_inline int timed_return(struct pt_regs *ctx, u16 api, u32 slot)
  * device once the call has succeeded; no event. */
 static __always_inline int set_device(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    if (!in_scope())
-        return 0;
-    struct dev_event *ev = call_begin();
+    struct dev_event *ev = call_event(api, 0);
     if (!ev)
         return 0;
-    dev_begin(ev, api, 0);
     ev->device = (s32)PT_REGS_PARM1(ctx);
     call_store(ev, slot);
     return 0;
