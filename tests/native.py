@@ -14,7 +14,9 @@ def build(source: Path, *, shared: bool = False, flags=(), out_dir: Path = BUILD
     """Compile `source` (cached by content and flags); return the binary."""
     source = Path(source)
     flags = list(flags)
-    digest = hashlib.sha1(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:10]
+    # The key covers the headers beside the source too, so editing one rebuilds.
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    digest = hashlib.sha1(source.read_bytes() + headers + " ".join(flags).encode()).hexdigest()[:10]
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = name or source.stem
     out = out_dir / (f"lib{stem}-{digest}.so" if shared else f"{stem}-{digest}")

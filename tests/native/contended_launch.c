@@ -9,6 +9,7 @@
  * Usage: contended_launch ROUNDS HOG_MS CPU SYNC_EVERY
  * Prints one JSON line: {"pid":..,"launcher_tid":..,"hog_tid":..} */
 #define _GNU_SOURCE
+#include "../workloads/threads.h"
 #include <pthread.h>
 #include <sched.h>
 #include <stddef.h>
@@ -33,38 +34,17 @@ static int rounds, cpu;
 static long hog_ns;
 static volatile pid_t hog_tid;
 
-static long now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1000000000L + ts.tv_nsec;
-}
-
-static void pin(int c)
-{
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET(c, &set);
-    pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
-}
-
 static void *hog(void *arg)
 {
     (void)arg;
     hog_tid = syscall(SYS_gettid);
     pin(cpu);
-    struct sched_param sp = { .sched_priority = 10 };
-    if (pthread_setschedparam(pthread_self(), SCHED_FIFO, &sp) != 0) {
-        fprintf(stderr, "contended_launch: SCHED_FIFO refused (needs CAP_SYS_NICE)\n");
-        exit(3);
-    }
+    become_fifo("contended_launch");
     char c;
     for (int i = 0; i < rounds; i++) {
         if (read(to_hog[0], &c, 1) != 1)
             break;
-        long end = now_ns() + hog_ns;
-        while (now_ns() < end)
-            ;
+        spin_for_ns(hog_ns);
     }
     return NULL;
 }

@@ -7,6 +7,7 @@
  * Usage: forced_delay MODE ROUNDS HOG_MS CPU   (MODE: preempt | wakeup)
  * Prints one JSON line: {"pid":..,"victim_tid":..,"hog_tid":..,"waits_ns":[..]} */
 #define _GNU_SOURCE
+#include "threads.h"
 #include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
@@ -23,40 +24,19 @@ static int preempt_mode;
 static volatile pid_t victim_tid, hog_tid;
 static long *waits;
 
-static long now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1000000000L + ts.tv_nsec;
-}
-
-static void pin(int c)
-{
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET(c, &set);
-    pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
-}
-
 static void *hog(void *arg)
 {
     (void)arg;
     hog_tid = syscall(SYS_gettid);
     pin(cpu);
-    struct sched_param sp = { .sched_priority = 10 };
-    if (pthread_setschedparam(pthread_self(), SCHED_FIFO, &sp) != 0) {
-        fprintf(stderr, "forced_delay: SCHED_FIFO refused (needs CAP_SYS_NICE)\n");
-        exit(3);
-    }
+    become_fifo("forced_delay");
     char c;
     for (int i = 0; i < rounds; i++) {
         if (read(to_hog[0], &c, 1) != 1)
             break;
         if (!preempt_mode && write(to_victim[1], &c, 1) != 1)
             break;
-        long end = now_ns() + hog_ns;
-        while (now_ns() < end)
-            ;
+        spin_for_ns(hog_ns);
     }
     return NULL;
 }

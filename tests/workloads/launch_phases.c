@@ -7,6 +7,7 @@
  * Prints one JSON line when contention starts and one at the end:
  * {"pid":..,"launcher_tid":..,"contention_ns":..} */
 #define _GNU_SOURCE
+#include "threads.h"
 #include <pthread.h>
 #include <sched.h>
 #include <stddef.h>
@@ -29,34 +30,13 @@ void work_stub(void) { }
 static volatile int stop;
 static int cpu;
 
-static long now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1000000000L + ts.tv_nsec;
-}
-
-static void pin(int c)
-{
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET(c, &set);
-    pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
-}
-
 static void *hog(void *arg)
 {
     (void)arg;
     pin(cpu);
-    struct sched_param sp = { .sched_priority = 10 };
-    if (pthread_setschedparam(pthread_self(), SCHED_FIFO, &sp) != 0) {
-        fprintf(stderr, "launch_phases: SCHED_FIFO refused (needs CAP_SYS_NICE)\n");
-        exit(3);
-    }
+    become_fifo("launch_phases");
     while (!stop) {
-        long end = now_ns() + 3000000;
-        while (now_ns() < end)
-            ;
+        spin_for_ns(3000000);
         usleep(2000);
     }
     return NULL;
