@@ -22,7 +22,10 @@ STANDIN_FLAGS = ["-O1", "-fno-ipa-icf", "-shared", "-fPIC"]
 
 def cudart_path() -> Path | None:
     """libcudart.so.12 of the installed nvidia-cuda-runtime-cu12 wheel."""
-    spec = importlib.util.find_spec("nvidia.cuda_runtime")
+    try:
+        spec = importlib.util.find_spec("nvidia.cuda_runtime")
+    except ModuleNotFoundError:     # no nvidia.* package at all
+        return None
     if spec is None or not spec.submodule_search_locations:
         return None
     for location in spec.submodule_search_locations:
