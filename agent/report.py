@@ -76,6 +76,20 @@ def device_rows(rec: Recording):
     return decode(events, DeviceContext.from_meta(rec.meta))
 
 
+def event_counts(rec: Recording, rows) -> dict[str, int]:
+    """Events by "<stream>.<kind>" (cpu.runq, gpu.launch, npu.sync, ...);
+    other recorded samples by their schema name."""
+    counts = {}
+    for name, records in rec.events.items():
+        if name != "dev.event" and len(records):
+            counts[name] = int(len(records))
+    if rows is not None:
+        keys, n = np.unique(np.char.add(np.char.add(rows.stream.astype(str), "."),
+                                        rows.kind.astype(str)), return_counts=True)
+        counts.update({str(k): int(c) for k, c in zip(keys, n)})
+    return dict(sorted(counts.items()))
+
+
 def top_ops(rows, limit: int = 20) -> list[dict]:
     """Submissions (not syncs, not copies) by (stream, api, op_name), most first."""
     if rows is None:
@@ -139,7 +153,7 @@ def summarize(rec: Recording) -> dict:
         "complete": rec.complete,
         "warnings": list(rec.warnings),
         "duration_s": round(duration_s(rec), 6),
-        "events": {name: int(len(a)) for name, a in rec.events.items()},
+        "events": event_counts(rec, rows),
         "lost_events": lost_events(rec),
         "kernel_counters": (rec.footer or {}).get("counters", {}),
         "runq": runq_summary(runq),

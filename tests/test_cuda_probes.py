@@ -296,6 +296,11 @@ def test_record_and_export_jsonl_end_to_end(natives, tmp_path, mmtrace_cli):
     assert waits["cuStreamSynchronize"]["p50_us"] >= 2000
     copied = {(b["stream"], b["direction"]): b["bytes"] for b in summary["bytes_by_direction"]}
     assert copied[("gpu", "h2d")] >= 101 + 777 + 4096
-    assert summary["events"]["dev.event"] >= 23
+    # counted by "<stream>.<kind>", as the interface names them
+    kinds = {o["kind"] for o in gpu}
+    for kind in kinds:
+        assert summary["events"][f"gpu.{kind}"] >= sum(o["kind"] == kind for o in gpu)
+    assert {"gpu.launch", "gpu.memcpy", "gpu.sync", "gpu.graph_launch"} <= set(summary["events"])
+    assert "dev.event" not in summary["events"]
     states = summary["device_probes"]["summary"]
     assert states["attached"] >= 20 and states["libraries"] >= 2
