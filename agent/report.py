@@ -40,11 +40,12 @@ def top_threads(runq: np.ndarray, limit: int = 10) -> list[dict]:
     total = np.bincount(inverse, weights=runq["delay_ns"].astype(np.float64))
     count = np.bincount(inverse)
     order = np.argsort(total)[::-1][:limit]
-    first = np.zeros(len(tids), dtype=np.int64)
-    first[inverse[::-1]] = np.arange(len(runq))[::-1]
+    # The thread's latest name: a process renames itself at exec.
+    latest = np.zeros(len(tids), dtype=np.int64)
+    np.maximum.at(latest, inverse, np.arange(len(runq)))
     out = []
     for i in order:
-        row = runq[first[i]]
+        row = runq[latest[i]]
         out.append({"pid": int(row["pid"]), "tid": int(tids[i]),
                     "comm": row["comm"].decode(errors="replace"),
                     "count": int(count[i]), "total_ms": round(float(total[i]) / 1e6, 3)})
