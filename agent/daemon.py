@@ -10,8 +10,10 @@ latencies, attention entropy), and acts on what the detectors say.
 import logging
 import os
 import platform
+import re
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 
@@ -41,6 +43,8 @@ SCHEMAS = {"cpu.runq": sched_stream.RUNQ_EVENT, "dev.event": device_stream.DEV_E
            "model.entropy": ENTROPY_SAMPLE, "request.latency": REQUEST_SAMPLE}
 MAX_CLIENT_SERIES = 256
 HINT_TTL_S = 30.0
+SWEEP_INTERVAL_S = 10.0
+PID_IN_SERIES = re.compile(r"\bpid=(\d+)")
 
 
 class Names:
@@ -96,6 +100,9 @@ class Daemon:
         self.sources = None
         self.server = None
         self.probe_states: list[dict] = [CPU_PROBE_STATE]
+        self.proc_root = Path("/proc")
+        self._next_sweep = 0.0
+        self.forgotten_series = 0
 
     # ------------------------------------------------------------ lifecycle
 
@@ -149,7 +156,20 @@ class Daemon:
         if self.server is not None:
             self._on_messages(self.server.poll(0))
         now_ns = now_ns or time.monotonic_ns()
+        if time.monotonic() >= self._next_sweep:
+            self._next_sweep = time.monotonic() + SWEEP_INTERVAL_S
+            self.forget_exited()
         self._act(self.p99.advance(now_ns - int(self.config.p99.window_s * 1e9 / 4)))
+
+    def forget_exited(self):
+        """Series of processes that have exited are reset: a pid's alarm must
+        not stay firing for ever, nor greet the next process given that pid."""
+        for name in self.p99.names:
+            match = PID_IN_SERIES.search(name)
+            if match and self.p99.state(name) != "normal" and \
+                    not (self.proc_root / match.group(1)).exists():
+                self.p99.reset(name)
+                self.forgotten_series += 1
 
     def _device(self):
         return self.loaded.device if self.loaded is not None else None

@@ -234,3 +234,24 @@ def test_report_lists_the_anomaly_with_its_evidence(tmp_path):
     assert firing[0]["evidence"]["p99"] > 3 * firing[0]["evidence"]["baseline"]
     text = CliRunner().invoke(cli, ["report", str(path)]).stdout
     assert "p99_drift runq_delay{pid=70} firing" in text and "top threads 77" in text
+
+
+def test_alarms_of_exited_processes_are_reset(tmp_path):
+    from mmtrace.agent.daemon import Daemon
+    cfg = config_mod.DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "s.sock")
+    daemon = Daemon(cfg)
+    daemon.proc_root = tmp_path / "proc"
+    (daemon.proc_root / "70").mkdir(parents=True)
+    rec = recording.read_recording(synthetic_recording(tmp_path / "s.mmtr"))
+    runq = rec.events["cpu.runq"]
+    dev = rec.events["dev.event"]
+    daemon.submitters.learn(dev)
+    daemon._on_runq(runq[runq["tid"] == 77])
+    daemon._act(daemon.p99.advance(int(runq["ts_ns"].max()) + 5 * 10**9))
+    assert daemon.p99.state("runq_delay{pid=70}") == "firing"
+    daemon.forget_exited()                       # still alive: kept
+    assert daemon.p99.state("runq_delay{pid=70}") == "firing"
+    (daemon.proc_root / "70").rmdir()
+    daemon.forget_exited()
+    assert daemon.p99.state("runq_delay{pid=70}") == "normal"
+    assert daemon.forgotten_series == 1
