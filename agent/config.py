@@ -50,8 +50,10 @@ def _coerce(section: str, cls, table: dict):
     out = {}
     for key, value in table.items():
         if key not in known:
-            raise MmtraceError(f"config [{section}]: unknown key {key!r}; "
-                               f"expected one of {', '.join(sorted(known))}")
+            where = "top level" if section == "top" else f"[{section}]"
+            keys = sorted(k for k, f in known.items() if f.default is not MISSING)
+            raise MmtraceError(f"config {where}: unknown key {key!r}; "
+                               f"expected one of {', '.join(keys)}")
         default = known[key].default
         if default is MISSING:
             raise MmtraceError(f"config: {key} is a section; write it as [{key}]")
