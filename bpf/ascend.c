@@ -72,20 +72,28 @@ static __always_inline int model_execute(struct pt_regs *ctx, u16 api, u32 slot)
     return 0;
 }
 
-/* aclrtLaunchKernel(aclrtFuncHandle funcHandle, uint32_t blockDim, const
- * void *argsData, size_t argsSize, aclrtStream stream) */
-static __always_inline int acl_launch_kernel(struct pt_regs *ctx, u16 api, u32 slot)
+/* The aclrtLaunchKernel family: handle and block count first, the stream
+ * where each signature puts it. */
+static __always_inline int acl_kernel_launch(u16 api, u64 handle, u32 blocks, u64 stream)
 {
     struct dev_event *ev = entry_event(api, DEV_LAUNCH);
     if (!ev)
         return 0;
-    ev->handle = PT_REGS_PARM1(ctx);
-    ev->grid_x = (u32)PT_REGS_PARM2(ctx);
+    ev->handle = handle;
+    ev->grid_x = blocks;
     ev->grid_y = 1;
     ev->grid_z = 1;
-    ev->stream_handle = PT_REGS_PARM5(ctx);
+    ev->stream_handle = stream;
     dev_submit(ev);
     return 0;
+}
+
+/* aclrtLaunchKernel(aclrtFuncHandle funcHandle, uint32_t blockDim, const
+ * void *argsData, size_t argsSize, aclrtStream stream) */
+static __always_inline int acl_launch_kernel(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    return acl_kernel_launch(api, PT_REGS_PARM1(ctx), (u32)PT_REGS_PARM2(ctx),
+                             PT_REGS_PARM5(ctx));
 }
 
 /* aclrtLaunchKernelWithConfig(funcHandle, blockDim, aclrtStream stream,
@@ -93,16 +101,8 @@ static __always_inline int acl_launch_kernel(struct pt_regs *ctx, u16 api, u32 s
  * numBlocks, stream, cfg, hostArgs, argsSize, ...): the stream third. */
 static __always_inline int acl_launch_kernel_cfg(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    struct dev_event *ev = entry_event(api, DEV_LAUNCH);
-    if (!ev)
-        return 0;
-    ev->handle = PT_REGS_PARM1(ctx);
-    ev->grid_x = (u32)PT_REGS_PARM2(ctx);
-    ev->grid_y = 1;
-    ev->grid_z = 1;
-    ev->stream_handle = PT_REGS_PARM3(ctx);
-    dev_submit(ev);
-    return 0;
+    return acl_kernel_launch(api, PT_REGS_PARM1(ctx), (u32)PT_REGS_PARM2(ctx),
+                             PT_REGS_PARM3(ctx));
 }
 
 /* aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t

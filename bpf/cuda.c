@@ -212,12 +212,8 @@ static __always_inline int get_function_return(struct pt_regs *ctx, u16 api, u32
     struct dev_event *entry = call_lookup(&key, slot);
     if (!entry)
         return 0;
-    struct dev_event *ev = dev_reserve();
+    struct dev_event *ev = returned_event(ctx, entry);
     if (ev) {
-        __builtin_memcpy(ev, entry, sizeof(*ev));
-        ev->duration_ns = bpf_ktime_get_ns() - entry->ts_ns;
-        ev->ret = (s32)PT_REGS_RC(ctx);
-        ev->flags |= DEV_RETURNED;
         u64 out = entry->handle;
         ev->handle = 0;
         if (ev->ret == 0) {

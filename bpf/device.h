@@ -236,20 +236,30 @@ static __always_inline struct dev_event *call_event(u16 api, u8 kind)
 }
 
 /* Emit the stored call with its duration and return code, and forget it. */
-static __always_inline int call_emit(struct pt_regs *ctx, u32 slot)
+/* The ring-buffer copy of a stored call, with its duration and return code
+ * filled in; NULL when the ring is full. The caller submits it. */
+static __always_inline struct dev_event *returned_event(struct pt_regs *ctx,
+                                                        struct dev_event *entry)
 {
-    u64 key;
-    struct dev_event *entry = call_lookup(&key, slot);
-    if (!entry)
-        return 0;
     struct dev_event *ev = dev_reserve();
     if (ev) {
         __builtin_memcpy(ev, entry, sizeof(*ev));
         ev->duration_ns = bpf_ktime_get_ns() - entry->ts_ns;
         ev->ret = (s32)PT_REGS_RC(ctx);
         ev->flags |= DEV_RETURNED;
-        dev_submit(ev);
     }
+    return ev;
+}
+
+static __always_inline int call_emit(struct pt_regs *ctx, u32 slot)
+{
+    u64 key;
+    struct dev_event *entry = call_lookup(&key, slot);
+    if (!entry)
+        return 0;
+    struct dev_event *ev = returned_event(ctx, entry);
+    if (ev)
+        dev_submit(ev);
     calls_in_flight.delete(&key);
     return 0;
 }
