@@ -82,8 +82,62 @@ def wait_for_no_sched_tracers(timeout=30.0):
                          f"stop them first: {tracers}")
 
 
+class IntervalHistograms:
+    """runqlat in interval mode (`runqlat-bpfcc 1`): one histogram a second,
+    each stamped with CLOCK_MONOTONIC when its header arrives. runqlat reads
+    its map just before printing the header and clears it just after the
+    rows, so a histogram covers the second before its stamp, give or take
+    the milliseconds of printing."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen(["runqlat-bpfcc", "1"], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.blocks = []            # [(stamp_ns, {low_us: count})]
+        self.lock = threading.Condition()
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            if line.startswith("Tracing run queue latency"):
+                self.ready.set()
+            elif "usecs" in line and "count" in line:
+                with self.lock:
+                    self.blocks.append((time.monotonic_ns(), {}))
+                    self.lock.notify_all()
+            elif self.blocks and (row := parse_runqlat(line)):
+                with self.lock:
+                    self.blocks[-1][1].update(row)
+
+    def next_stamp_after(self, t_ns: int, timeout=10.0) -> int:
+        with self.lock:
+            assert self.lock.wait_for(lambda: self.blocks and self.blocks[-1][0] > t_ns,
+                                      timeout), "runqlat printed no histogram"
+            return next(stamp for stamp, _ in self.blocks if stamp > t_ns)
+
+    def between(self, start_ns: int, end_ns: int) -> dict:
+        """The summed histogram of the seconds (start_ns, end_ns]: both must
+        be stamps. Waits for the rows of the last block to arrive."""
+        time.sleep(0.2)
+        total = {}
+        with self.lock:
+            for stamp, hist in self.blocks:
+                if start_ns < stamp <= end_ns:
+                    for low, count in hist.items():
+                        total[low] = total.get(low, 0) + count
+        return total
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
 def test_agrees_with_bcc_runqlat(tmp_path, workloads):
-    """Both tools over the same seconds.
+    """Both tools over the same seconds: runqlat's per-second histograms
+    from the first stamp after mmtrace is recording to the first stamp after
+    the workload ends, and mmtrace's events switched in between those stamps.
 
     On each tracepoint the tools' programs run one after the other, in the
     order they attached, and each stamps time after the programs ahead of it
@@ -100,23 +154,26 @@ def test_agrees_with_bcc_runqlat(tmp_path, workloads):
     300 ns shift moved up to 18 percentage points across an edge."""
     wait_for_no_sched_tracers()
     ctx = workloads.path("ctxswitch")
-    runqlat = subprocess.Popen(["runqlat-bpfcc"], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    runqlat = IntervalHistograms()
     try:
-        wait_for_line(runqlat, "Tracing run queue latency")
-        assert [t.split()[0] for t in sched_tracers()] == [str(runqlat.pid)]
+        assert runqlat.ready.wait(60), "runqlat-bpfcc did not start tracing"
+        assert [t.split()[0] for t in sched_tracers()] == [str(runqlat.proc.pid)]
         path = tmp_path / "side.mmtr"
         recorder = start_recorder(path)
+        start_ns = runqlat.next_stamp_after(time.monotonic_ns())
         subprocess.run([ctx, "3", "32", "0"], check=True, capture_output=True)
+        end_ns = runqlat.next_stamp_after(time.monotonic_ns())
         stop(recorder)
-        theirs = parse_runqlat(stop(runqlat))
+        theirs = runqlat.between(start_ns, end_ns)
     finally:
-        if runqlat.poll() is None:
-            runqlat.kill()
+        runqlat.close()
     assert recorder.returncode == 0
     rec = recording.read_recording(path)
-    delays = rec.events["cpu.runq"]["delay_ns"]
-    us = delays // 1000
+    lost = {k: v for k, v in rec.footer["counters"].items() if v}
+    assert rec.footer["lost_events"] == 0, lost
+    runq = rec.events["cpu.runq"]
+    same_seconds = (runq["ts_ns"] > start_ns) & (runq["ts_ns"] <= end_ns)
+    us = runq["delay_ns"][same_seconds] // 1000
     buckets = np.where(us < 2, 0, np.floor(np.log2(np.maximum(us, 1))).astype(int))
     ours = {0 if k == 0 else 1 << k: int(c) for k, c in enumerate(np.bincount(buckets))}
     total_ours, total_theirs = sum(ours.values()), sum(theirs.values())
@@ -126,8 +183,6 @@ def test_agrees_with_bcc_runqlat(tmp_path, workloads):
         share_ours = ours.get(low, 0) / total_ours
         share_theirs = theirs.get(low, 0) / total_theirs
         assert abs(share_ours - share_theirs) < 0.03, (low, share_ours, share_theirs)
-    lost = {k: v for k, v in rec.footer["counters"].items() if v}
-    assert rec.footer["lost_events"] == 0, lost
 
 
 @pytest.mark.parametrize("mode", ["preempt", "wakeup"])
