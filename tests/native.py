@@ -29,5 +29,27 @@ def build(source: Path, *, shared: bool = False, flags=(), out_dir: Path = BUILD
     return out
 
 
+def compile_text(out: Path, source: str, *flags: str, suffix: str = ".c") -> Path:
+    """Compile a C (or, with suffix ".cpp", C++) source given as text to
+    `out`, unoptimised: the tests read its symbols as written."""
+    src = out.with_name(out.name + suffix)
+    src.write_text(source)
+    compiler = "g++" if suffix == ".cpp" else "gcc"
+    subprocess.run([compiler, "-O0", "-o", str(out), str(src), *flags], check=True,
+                   capture_output=True)
+    return out
+
+
+def finish(proc: subprocess.Popen, timeout: float = 5.0):
+    """End a child that runs until its stdin closes; kill it if it lingers."""
+    if proc.poll() is None:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def workload(name: str) -> Path:
     return build(WORKLOADS / f"{name}.c")

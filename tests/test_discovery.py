@@ -5,13 +5,13 @@ fake /proc trees for the failure cases."""
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from native import compile_text, finish
 from mmtrace.agent.discovery import Discoverer, LibraryTarget, doctor_checks, find_targets
 from mmtrace.agent.doctor import Check, Host
 
@@ -52,19 +52,11 @@ WAIT_FOR_STDIN = ("import ctypes, sys\n"
                   "sys.stdin.read()\n")
 
 
-def compile_c(out: Path, source: str, *flags: str) -> Path:
-    src = out.with_name(out.name + ".c")
-    src.write_text(source)
-    subprocess.run(["gcc", "-O0", "-o", str(out), str(src), *flags], check=True,
-                   capture_output=True)
-    return out
-
-
 @pytest.fixture(scope="module")
 def stand_in(tmp_path_factory):
     if shutil.which("gcc") is None:
         pytest.skip("needs gcc")
-    return compile_c(tmp_path_factory.mktemp("standin") / "libopapi.so", STAND_IN_C,
+    return compile_text(tmp_path_factory.mktemp("standin") / "libopapi.so", STAND_IN_C,
                      "-shared", "-fPIC")
 
 
@@ -79,13 +71,7 @@ class Waiting:
         self.pid = self.proc.pid
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.send_signal(signal.SIGKILL)
-                self.proc.wait()
+        finish(self.proc)
 
 
 @pytest.fixture
@@ -148,7 +134,7 @@ def test_venv_site_packages_found_before_the_library_is_loaded(tmp_path, childre
 
 @NEEDS_GCC
 def test_runtime_linked_into_an_executable_is_found(tmp_path, children):
-    exe = compile_c(tmp_path / "encoder_server", STATIC_RUNTIME_C)
+    exe = compile_text(tmp_path / "encoder_server", STATIC_RUNTIME_C)
     dynsym = subprocess.run(["nm", "-D", "--defined-only", str(exe)], capture_output=True,
                             text=True).stdout
     assert "cudaLaunchKernel" not in dynsym     # only .symtab has it

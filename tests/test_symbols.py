@@ -3,7 +3,6 @@ here with gcc/g++, NVIDIA's real libcudart and live child processes."""
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from native import compile_text, finish
 from mmtrace.agent.symbols import (AddressResolver, ElfError, ElfSymbols, NotElfError,
                                    demangle, parse_maps)
 
@@ -83,24 +83,15 @@ int main(void) {
 LONG_NAME = "encoder_" + "x" * 5000
 
 
-def compile_(out: Path, source: str, suffix: str, *flags: str) -> Path:
-    src = out.with_name(out.name + suffix)
-    src.write_text(source)
-    compiler = "g++" if suffix == ".cpp" else "gcc"
-    subprocess.run([compiler, "-O0", "-o", str(out), str(src), *flags], check=True,
-                   capture_output=True)
-    return out
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     if not (shutil.which("gcc") and shutil.which("g++")):
         pytest.skip("needs gcc and g++")
     d = tmp_path_factory.mktemp("symbols")
-    stubs = compile_(d / "libstubs.so", STUBS_C, ".c", "-shared", "-fPIC")
-    encoders = compile_(d / "libencoders.so", ENCODERS_CPP, ".cpp", "-shared", "-fPIC")
-    main = compile_(d / "launcher", MAIN_C.replace("LONG_NAME", LONG_NAME), ".c",
-                    f"-L{d}", "-lstubs", "-lencoders", "-lstdc++", f"-Wl,-rpath,{d}")
+    stubs = compile_text(d / "libstubs.so", STUBS_C, "-shared", "-fPIC")
+    encoders = compile_text(d / "libencoders.so", ENCODERS_CPP, "-shared", "-fPIC", suffix=".cpp")
+    main = compile_text(d / "launcher", MAIN_C.replace("LONG_NAME", LONG_NAME),
+                        f"-L{d}", "-lstubs", "-lencoders", "-lstdc++", f"-Wl,-rpath,{d}")
     return {"dir": d, "stubs": stubs, "encoders": encoders, "main": main}
 
 
@@ -123,13 +114,7 @@ class Child:
         return self.proc.pid
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.send_signal(signal.SIGKILL)
-                self.proc.wait()
+        finish(self.proc)
 
 
 @pytest.fixture
@@ -187,8 +172,8 @@ def test_static_runtime_in_an_executable_is_found_in_symtab_only(built):
 def test_version_suffixes_are_stripped(tmp_path):
     script = tmp_path / "vers.map"
     script.write_text("LIBDEMO_1 { global: demo_launch; local: *; };\n")
-    lib = compile_(tmp_path / "libvers.so", "void demo_launch(void) {}\n", ".c", "-shared",
-                   "-fPIC", f"-Wl,--version-script={script}")
+    lib = compile_text(tmp_path / "libvers.so", "void demo_launch(void) {}\n", "-shared",
+                       "-fPIC", f"-Wl,--version-script={script}")
     assert "demo_launch@@LIBDEMO_1" in subprocess.run(
         ["nm", "-D", str(lib)], capture_output=True, text=True).stdout
     assert ElfSymbols.read(lib).defined_dynamic_functions() == {"demo_launch"}
@@ -247,9 +232,9 @@ def test_truncated_and_non_elf_files_raise_errors_that_name_the_file(tmp_path):
 
 @NEEDS_GCC
 def test_garbage_symbol_names_are_readable_strings(tmp_path):
-    lib = compile_(tmp_path / "libgarbage.so",
-                   "void zzgarbagezz_marker(void) {}\nvoid plain_one(void) {}\n", ".c",
-                   "-shared", "-fPIC")
+    lib = compile_text(tmp_path / "libgarbage.so",
+                       "void zzgarbagezz_marker(void) {}\nvoid plain_one(void) {}\n",
+                       "-shared", "-fPIC")
     data = lib.read_bytes()
     assert data.count(b"zzgarbagezz") >= 1
     lib.write_bytes(data.replace(b"zzgarbagezz", b"\xff\xfe\x80garbag\xc3("))
