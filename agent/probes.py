@@ -140,9 +140,20 @@ def cflags(options: ProbeOptions) -> list[str]:
         f"-DMMTRACE_DEV_RINGBUF_PAGES={options.dev_ringbuf_pages}",
         f"-DMMTRACE_MAX_CALLS={options.max_calls_in_flight}",
         f"-DMMTRACE_CALL_SLOTS={device_stream.default_table().call_slots}",
+        f"-DMMTRACE_MAX_CPUS={possible_cpu_slots()}",
         "-Wno-macro-redefined",
     ]
     return flags + list(options.extra_cflags)
+
+
+def possible_cpu_slots(path: Path = Path("/sys/devices/system/cpu/possible")) -> int:
+    """One more than the highest CPU id the kernel may bring online, from
+    its "0-3,8-11" list; 4096 where the file cannot be read."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return 4096
+    return max(int(part.split("-")[-1]) for part in text.split(",")) + 1
 
 
 def threads_of(pid: int, proc_root: Path = Path("/proc")) -> list[int]:

@@ -27,6 +27,8 @@ enum mmtrace_counter {
     CNT_CALL_ABANDONED,         /* thread freed inside a timed call: no event */
     CNT_NAME_TRUNCATED,         /* op / kernel name longer than the event's field */
     CNT_OP_SEQ_MAP_FULL,        /* submission without op_id: process map full */
+    CNT_SWITCH_IN_UNSEEN,       /* a waiting thread ran, but the kernel did not
+                                 * report its switch-in: one runq event lost */
     MMTRACE_N_COUNTERS
 };
 

@@ -14,6 +14,7 @@ COUNTER_NAMES = (
     "call_abandoned",
     "name_truncated",
     "op_seq_map_full",
+    "switch_in_unseen",
 )
 
 # Counters that mean an event or a fact was lost, not merely counted.
@@ -26,6 +27,7 @@ LOSS_COUNTERS = (
     "user_read_failed",
     "call_abandoned",
     "op_seq_map_full",
+    "switch_in_unseen",
 )
 
 

@@ -6,6 +6,9 @@
 #ifndef MMTRACE_RUNQ_RINGBUF_PAGES
 #define MMTRACE_RUNQ_RINGBUF_PAGES 4096
 #endif
+#ifndef MMTRACE_MAX_CPUS
+#define MMTRACE_MAX_CPUS 4096
+#endif
 
 struct runq_event {
     u64 ts_ns;          /* switch-in, CLOCK_MONOTONIC */
@@ -20,18 +23,27 @@ struct runq_event {
 /* Checked against the numpy dtype at load time; never written. */
 BPF_ARRAY(layout_runq_event, struct runq_event, 1);
 
+/* The thread each CPU runs now (0: idle or not yet seen): a wake-up of a
+ * running thread (woken before it got to sleep) starts no wait. */
+BPF_ARRAY(cpu_current, u32, MMTRACE_MAX_CPUS);
+
 /* log2 histogram of delays in microseconds, runqlat's buckets. */
 BPF_PERCPU_ARRAY(runq_hist_log2_us, u64, 64);
 BPF_RINGBUF_OUTPUT(runq_events, MMTRACE_RUNQ_RINGBUF_PAGES);
 
-/* Mark a thread runnable: in place when it has an entry, else a new one. */
+/* Mark a thread runnable: in place when it has an entry, else a new one.
+ * A thread already waiting keeps the stamp of when its wait began: the
+ * kernel also reports a wake-up of a task still on the run queue (woken
+ * while preempted on its way to sleep, or while its dequeue was delayed),
+ * and that does not start a new wait. */
 static __always_inline void runq_enqueue(u32 tid, u64 now, u32 tgid, u32 full_counter)
 {
     if (tid == 0)
         return;
     struct thread_state *t = threads.lookup(&tid);
     if (t) {
-        t->enqueued_ns = now;
+        if (!t->enqueued_ns)
+            t->enqueued_ns = now;
         if (!t->tgid)
             t->tgid = tgid;
         return;
@@ -43,6 +55,10 @@ static __always_inline void runq_enqueue(u32 tid, u64 now, u32 tgid, u32 full_co
 
 TRACEPOINT_PROBE(sched, sched_wakeup)
 {
+    u32 cpu = args->target_cpu;
+    u32 *running = cpu_current.lookup(&cpu);
+    if (running && *running == args->pid)
+        return 0;
     runq_enqueue(args->pid, bpf_ktime_get_ns(), 0, CNT_ENQUEUE_MAP_FULL);
     return 0;
 }
@@ -95,14 +111,21 @@ TRACEPOINT_PROBE(sched, sched_switch)
         if (p) {
             if (!p->tgid)
                 p->tgid = tgid;
-            if (runnable)
-                p->enqueued_ns = now;
+            /* Marked waiting, yet it was running: the kernel now and then
+             * drops a sched_switch (for every program, not only ours). */
+            if (p->enqueued_ns)
+                count(CNT_SWITCH_IN_UNSEEN);
+            p->enqueued_ns = runnable ? now : 0;
         } else {
             runq_enqueue(prev, runnable ? now : 0, tgid, CNT_THREAD_MAP_FULL);
         }
     }
 
     u32 next = args->next_pid;
+    u32 cpu = bpf_get_smp_processor_id();
+    u32 *current = cpu_current.lookup(&cpu);
+    if (current)
+        *current = next;
     if (next == 0)
         return 0;
     struct thread_state *n = threads.lookup(&next);
@@ -143,7 +166,7 @@ TRACEPOINT_PROBE(sched, sched_switch)
     ev->delay_ns = delay;
     ev->pid = tgid;
     ev->tid = next;
-    ev->cpu = bpf_get_smp_processor_id();
+    ev->cpu = cpu;
     ev->prev_tid = prev;
     __builtin_memcpy(ev->comm, args->next_comm, sizeof(ev->comm));   /* ctx memory */
     /* The consumer drains on a timer: no wake-up per event. */

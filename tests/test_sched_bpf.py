@@ -169,9 +169,12 @@ def test_agrees_with_bcc_runqlat(tmp_path, workloads):
         runqlat.close()
     assert recorder.returncode == 0
     rec = recording.read_recording(path)
-    lost = {k: v for k, v in rec.footer["counters"].items() if v}
-    assert rec.footer["lost_events"] == 0, lost
+    # Switch-ins the kernel did not report are lost to runqlat alike.
+    counters = rec.footer["counters"]
+    unseen = counters["switch_in_unseen"]
+    assert rec.footer["lost_events"] == unseen, counters
     runq = rec.events["cpu.runq"]
+    assert unseen < 1e-4 * len(runq), counters
     same_seconds = (runq["ts_ns"] > start_ns) & (runq["ts_ns"] <= end_ns)
     us = runq["delay_ns"][same_seconds] // 1000
     buckets = np.where(us < 2, 0, np.floor(np.log2(np.maximum(us, 1))).astype(int))
@@ -187,26 +190,34 @@ def test_agrees_with_bcc_runqlat(tmp_path, workloads):
 
 @pytest.mark.parametrize("mode", ["preempt", "wakeup"])
 def test_forced_delay_is_found_with_its_thread(tmp_path, workloads, mode):
-    hog_ms = 15
+    """Each of 20 rounds leaves the victim runnable behind a 15 ms spin.
+
+    Now and then the kernel reports no sched_switch for a switch-in (seen
+    here for every attached program alike, bcc's included, when the thread
+    switched out was the host's own init); mmtrace counts each such loss as
+    switch_in_unseen, and a round lost that way must be counted."""
+    hog_ms, rounds = 15, 20
     path = tmp_path / f"{mode}.mmtr"
     recorder = start_recorder(path)
-    run = subprocess.run([workloads.path("forced_delay"), mode, "20", str(hog_ms), "1"],
+    run = subprocess.run([workloads.path("forced_delay"), mode, str(rounds), str(hog_ms), "1"],
                          check=True, capture_output=True, text=True)
     stop(recorder)
     truth = json.loads(run.stdout)
-    runq = recording.read_recording(path).events["cpu.runq"]
+    rec = recording.read_recording(path)
+    runq = rec.events["cpu.runq"]
     mine = runq[runq["tid"] == truth["victim_tid"]]
-    assert len(mine) >= 20
     assert set(mine["pid"].tolist()) == {truth["pid"]}
-    longest = np.argsort(mine["delay_ns"])[-20:]
+    # Each round left the victim runnable behind the hog's spin.
+    long_waits = mine[mine["delay_ns"] > 0.8 * hog_ms * 1e6]
+    unseen = rec.footer["counters"]["switch_in_unseen"]
+    assert rounds - unseen <= len(long_waits) <= rounds, (len(long_waits), unseen)
+    assert len(long_waits) >= rounds - 2
     # comm is the 15-byte kernel name of the built binary, forced_delay-<hash>
-    assert all(c.startswith(b"forced_delay") for c in mine["comm"][longest].tolist())
-    long_waits = mine["delay_ns"][longest]
-    # Each of the 20 rounds left the victim runnable behind the hog's spin.
-    assert long_waits.min() > 0.8 * hog_ms * 1e6
-    assert long_waits.max() < 3 * hog_ms * 1e6
+    assert all(c.startswith(b"forced_delay") for c in long_waits["comm"].tolist())
+    assert long_waits["delay_ns"].max() < 3 * hog_ms * 1e6
     # And what the victim measured itself agrees with the kernel's view.
-    assert np.median(long_waits) == pytest.approx(np.median(truth["waits_ns"]), rel=0.1)
+    assert np.median(long_waits["delay_ns"]) == pytest.approx(np.median(truth["waits_ns"]),
+                                                              rel=0.1)
 
 
 def test_pid_scope_keeps_only_that_process_and_its_new_threads(tmp_path, workloads):
