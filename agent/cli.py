@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import click
 
 from .errors import MmtraceError
+from .priority import DEFAULT_NICE, set_niceness
 
 
 @dataclass
@@ -81,7 +82,10 @@ def _positive(ctx, param, value):
               help="Only these processes (all their threads); repeatable.")
 @click.option("--lib", "libs", type=click.Path(exists=True, dir_okay=False), multiple=True,
               help="Also probe this library or executable; repeatable.")
-def record(output, duration, pids, libs):
+@click.option("--nice", type=click.IntRange(-20, 19), default=DEFAULT_NICE, show_default=True,
+              help="The recorder's niceness: it must keep draining while the CPUs it "
+                   "watches are contended.")
+def record(output, duration, pids, libs, nice):
     """Record the CPU, GPU and NPU streams to a file for later analysis.
 
     A progress line on stderr shows elapsed time, events and losses.
@@ -102,6 +106,11 @@ def record(output, duration, pids, libs):
     for pid in pids:
         if not os.path.exists(f"/proc/{pid}"):
             raise MmtraceError(f"--pid {pid}: no such process")
+    from .probes import require_privileges
+    require_privileges()        # the one clear line comes before any warning
+    why_not = set_niceness(nice)
+    if why_not:
+        click.echo(f"mmtrace: warning: {why_not}", err=True)
     result = recorder.record(output, duration, pids=pids, libs=libs,
                              progress=recorder.Progress())
     click.echo(f"wrote {output}: {result.events:,} events, {result.lost:,} lost, "
@@ -222,6 +231,9 @@ def run(config_path, pids, libs, state_dir, socket_path, trace_launches, log_lev
         cfg.socket = Path(socket_path)
     if trace_launches is not None:
         cfg.adaptive_launches = not trace_launches
+    why_not = set_niceness(cfg.nice)
+    if why_not:
+        logging.getLogger("mmtrace.daemon").warning(why_not)
     daemon = Daemon(cfg)
     daemon.stop.install()
     daemon.run()

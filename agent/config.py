@@ -5,6 +5,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 from .errors import MmtraceError
+from .priority import DEFAULT_NICE
 
 
 @dataclass
@@ -41,6 +42,7 @@ class DaemonConfig:
     adaptive_launches: bool = True          # per-launch probes only after an alarm
     launch_burst_s: float = 120.0
     discover_interval_s: float = 2.0
+    nice: int = DEFAULT_NICE                # the daemon's own CPU priority
     p99: P99Settings = field(default_factory=P99Settings)
     entropy: EntropySettings = field(default_factory=EntropySettings)
 
@@ -98,6 +100,8 @@ def load_config(path: Path | None) -> DaemonConfig:
     cfg = DaemonConfig(**_coerce("top", DaemonConfig, {k: v for k, v in top.items()}))
     cfg.p99 = P99Settings(**_coerce("p99", P99Settings, doc.get("p99", {})))
     cfg.entropy = EntropySettings(**_coerce("entropy", EntropySettings, doc.get("entropy", {})))
+    if not -20 <= cfg.nice <= 19:
+        raise MmtraceError(f"config {path}: nice must be within -20..19, got {cfg.nice}")
     if min(cfg.tick_s, cfg.ring_seconds, cfg.ring_capacity, cfg.device_ring_capacity) <= 0:
         raise MmtraceError(f"config {path}: tick_s, ring_seconds, ring_capacity and "
                            "device_ring_capacity must be positive")

@@ -3,6 +3,8 @@ event ring, the flight recorder, and the detectors over a recording."""
 
 import json
 import socket
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -255,3 +257,24 @@ def test_alarms_of_exited_processes_are_reset(tmp_path):
     daemon.forget_exited()
     assert daemon.p99.state("runq_delay{pid=70}") == "normal"
     assert daemon.forgotten_series == 1
+
+
+def test_niceness_outside_the_kernels_range_is_refused(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("nice = -40")
+    with pytest.raises(MmtraceError, match=r"nice must be within -20..19, got -40"):
+        config_mod.load_config(path)
+
+
+def test_renicing_without_privileges_is_a_reason_not_an_error():
+    """As nobody, raising priority is refused: set_niceness says why and
+    the caller records on at the normal weight."""
+    code = ("from mmtrace.agent.priority import set_niceness; "
+            "print(set_niceness(-10)); print(set_niceness(5))")
+    out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                          "--inh-caps=-all", "--bounding-set=-all", sys.executable, "-c", code],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    refused, lowered = out.stdout.splitlines()
+    assert refused.startswith("could not set niceness -10") and "events may drop" in refused
+    assert lowered == "None"        # lowering one's own priority needs no privilege

@@ -286,6 +286,20 @@ def test_sigterm_closes_the_file_and_exits_0(tmp_path):
     assert rec.footer["stopped_by"] == "SIGTERM"
 
 
+def test_recorder_runs_every_thread_at_its_niceness(tmp_path):
+    """Under CPU load the recorder must still drain: it renices itself
+    (default -10) before starting its threads, which inherit it."""
+    for flags, expected in (((), -10), (("--nice", "3"), 3)):
+        recorder = start_recorder(tmp_path / "nice.mmtr", *flags)
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{recorder.pid}/task")]
+            assert len(tids) >= 2           # the discovery thread too
+            assert {os.getpriority(os.PRIO_PROCESS, t) for t in tids} == {expected}
+        finally:
+            stop(recorder)
+        assert recorder.returncode == 0
+
+
 def test_without_privileges_record_says_so_in_one_line(tmp_path):
     out = subprocess.run(
         ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
