@@ -24,6 +24,18 @@ struct cu_launch_config {
     u64 stream;
 };
 
+/* Grid and block sizes of the Ex launches' config structs. */
+static __always_inline void set_shape(struct dev_event *ev, const u32 grid[3],
+                                      const u32 block[3])
+{
+    ev->grid_x = grid[0];
+    ev->grid_y = grid[1];
+    ev->grid_z = grid[2];
+    ev->block_x = block[0];
+    ev->block_y = block[1];
+    ev->block_z = block[2];
+}
+
 /* cudaLaunchKernel / cudaLaunchCooperativeKernel (const void *func, dim3
  * gridDim, dim3 blockDim, void **args, size_t sharedMem, cudaStream_t
  * stream): a 12-byte dim3 by value takes two registers (x | y << 32, z). */
@@ -57,12 +69,7 @@ static __always_inline int launch_runtime_ex(struct pt_regs *ctx, u16 api, u32 s
     ev->handle = PT_REGS_PARM2(ctx);
     struct cuda_launch_config cfg;
     read_user(ev, &cfg, sizeof(cfg), (void *)PT_REGS_PARM1(ctx));
-    ev->grid_x = cfg.grid[0];
-    ev->grid_y = cfg.grid[1];
-    ev->grid_z = cfg.grid[2];
-    ev->block_x = cfg.block[0];
-    ev->block_y = cfg.block[1];
-    ev->block_z = cfg.block[2];
+    set_shape(ev, cfg.grid, cfg.block);
     ev->shared_mem_bytes = cfg.shared_mem;
     ev->stream_handle = cfg.stream;
     dev_submit(ev);
@@ -101,12 +108,7 @@ static __always_inline int launch_driver_ex(struct pt_regs *ctx, u16 api, u32 sl
     ev->handle = PT_REGS_PARM2(ctx);
     struct cu_launch_config cfg;
     read_user(ev, &cfg, sizeof(cfg), (void *)PT_REGS_PARM1(ctx));
-    ev->grid_x = cfg.grid[0];
-    ev->grid_y = cfg.grid[1];
-    ev->grid_z = cfg.grid[2];
-    ev->block_x = cfg.block[0];
-    ev->block_y = cfg.block[1];
-    ev->block_z = cfg.block[2];
+    set_shape(ev, cfg.grid, cfg.block);
     ev->shared_mem_bytes = cfg.shared_mem;
     ev->stream_handle = cfg.stream;
     dev_submit(ev);
@@ -206,8 +208,6 @@ static __always_inline int get_function(struct pt_regs *ctx, u16 api, u32 slot)
 
 static __always_inline int get_function_return(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    if (!in_scope())
-        return 0;
     u64 key;
     struct dev_event *entry = call_lookup(&key, slot);
     if (!entry)

@@ -200,10 +200,13 @@ static __always_inline void call_store(struct dev_event *ev, u32 slot)
         count(CNT_CALL_MAP_FULL);
 }
 
-/* The entry of this thread's call in `slot`, or NULL (counted) when the
- * entry was not seen: attached mid-call, or dropped. */
+/* At a return: the entry of this thread's call in `slot`. NULL when the
+ * caller is out of scope, or (counted) when the entry was not seen:
+ * attached mid-call, or dropped. */
 static __always_inline struct dev_event *call_lookup(u64 *key, u32 slot)
 {
+    if (!in_scope())
+        return NULL;
     *key = call_key((u32)bpf_get_current_pid_tgid(), slot);
     struct dev_event *ev = calls_in_flight.lookup(key);
     if (!ev)
@@ -235,7 +238,6 @@ static __always_inline struct dev_event *call_event(u16 api, u8 kind)
     return ev;
 }
 
-/* Emit the stored call with its duration and return code, and forget it. */
 /* The ring-buffer copy of a stored call, with its duration and return code
  * filled in; NULL when the ring is full. The caller submits it. */
 static __always_inline struct dev_event *returned_event(struct pt_regs *ctx,
@@ -251,18 +253,6 @@ static __always_inline struct dev_event *returned_event(struct pt_regs *ctx,
     return ev;
 }
 
-static __always_inline int call_emit(struct pt_regs *ctx, u32 slot)
-{
-    u64 key;
-    struct dev_event *entry = call_lookup(&key, slot);
-    if (!entry)
-        return 0;
-    struct dev_event *ev = returned_event(ctx, entry);
-    if (ev)
-        dev_submit(ev);
-    calls_in_flight.delete(&key);
-    return 0;
-}
 
 /* Decoders shared by the CUDA and Ascend programs; (ctx, api, slot) as
  * every decoder. */
@@ -296,12 +286,19 @@ static __always_inline int sync_device(struct pt_regs *ctx, u16 api, u32 slot)
     return sync_call(ctx, api, slot, 0);
 }
 
-/* The return of every timed call that has nothing else to read. */
+/* The return of every timed call that has nothing else to read: emit the
+ * stored call with its duration and return code, and forget it. */
 static __always_inline int timed_return(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    if (!in_scope())
+    u64 key;
+    struct dev_event *entry = call_lookup(&key, slot);
+    if (!entry)
         return 0;
-    return call_emit(ctx, slot);
+    struct dev_event *ev = returned_event(ctx, entry);
+    if (ev)
+        dev_submit(ev);
+    calls_in_flight.delete(&key);
+    return 0;
 }
 
 /* cudaSetDevice(int device) / aclrtSetDevice(int32_t deviceId): the thread's
@@ -318,8 +315,6 @@ static __always_inline int set_device(struct pt_regs *ctx, u16 api, u32 slot)
 
 static __always_inline int set_device_return(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    if (!in_scope())
-        return 0;
     u64 key;
     struct dev_event *entry = call_lookup(&key, slot);
     if (!entry)
