@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-NATIVE = Path(__file__).resolve().parent / "native"
+from native import NATIVE
 STANDIN_FLAGS = ["-O1", "-fno-ipa-icf", "-shared", "-fPIC"]
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ROOT / "tests" / "workloads"
+NATIVE = ROOT / "tests" / "native"
 BUILD = ROOT / "tests" / "_build"
 
 
@@ -14,8 +15,10 @@ def build(source: Path, *, shared: bool = False, flags=(), out_dir: Path = BUILD
     """Compile `source` (cached by content and flags); return the binary."""
     source = Path(source)
     flags = list(flags)
-    # The key covers the headers beside the source too, so editing one rebuilds.
-    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    # The key covers the headers a source may include (those beside it and
+    # the shared API headers in tests/native), so editing one rebuilds.
+    header_paths = set(source.parent.glob("*.h")) | set(NATIVE.glob("*.h"))
+    headers = b"".join(h.read_bytes() for h in sorted(header_paths))
     digest = hashlib.sha1(source.read_bytes() + headers + " ".join(flags).encode()).hexdigest()[:10]
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = name or source.stem

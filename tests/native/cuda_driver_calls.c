@@ -10,36 +10,7 @@
 #include <string.h>
 #include <unistd.h>
 
-typedef int CUresult;
-typedef struct CUfunc_st *CUfunction;
-typedef struct CUmod_st *CUmodule;
-typedef struct CUstream_st *CUstream;
-typedef struct CUgraphExec_st *CUgraphExec;
-typedef unsigned long long CUdeviceptr;
-typedef struct CUlaunchAttribute_st CUlaunchAttribute;
-typedef struct CUlaunchConfig_st {
-    unsigned int gridDimX, gridDimY, gridDimZ;
-    unsigned int blockDimX, blockDimY, blockDimZ;
-    unsigned int sharedMemBytes;
-    CUstream hStream;
-    CUlaunchAttribute *attrs;
-    unsigned int numAttrs;
-} CUlaunchConfig;
-
-CUresult cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                        unsigned, CUstream, void **, void **);
-CUresult cuLaunchKernel_ptsz(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
-                             unsigned, unsigned, CUstream, void **, void **);
-CUresult cuLaunchKernelEx(const CUlaunchConfig *, CUfunction, void **, void **);
-CUresult cuLaunchCooperativeKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
-                                   unsigned, unsigned, CUstream, void **);
-CUresult cuGraphLaunch(CUgraphExec, CUstream);
-CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr, const void *, size_t, CUstream);
-CUresult cuMemcpyDtoHAsync_v2(void *, CUdeviceptr, size_t, CUstream);
-CUresult cuMemcpyAsync(CUdeviceptr, CUdeviceptr, size_t, CUstream);
-CUresult cuStreamSynchronize(CUstream);
-CUresult cuCtxSynchronize(void);
-CUresult cuModuleGetFunction(CUfunction *, CUmodule, const char *);
+#include "cuda_driver_api.h"
 
 #define S(v) ((CUstream)(unsigned long)(v))
 /* 80 characters: longer than the event's 64-byte name field. */

@@ -8,21 +8,7 @@
 #include <stdint.h>
 #include <unistd.h>
 
-typedef int CUresult;                           /* enum cudaError_enum */
-typedef struct CUfunc_st *CUfunction;
-typedef struct CUmod_st *CUmodule;
-typedef struct CUstream_st *CUstream;
-typedef struct CUgraphExec_st *CUgraphExec;
-typedef unsigned long long CUdeviceptr;         /* CUdeviceptr_v2 */
-typedef struct CUlaunchAttribute_st CUlaunchAttribute;
-typedef struct CUlaunchConfig_st {
-    unsigned int gridDimX, gridDimY, gridDimZ;
-    unsigned int blockDimX, blockDimY, blockDimZ;
-    unsigned int sharedMemBytes;
-    CUstream hStream;
-    CUlaunchAttribute *attrs;
-    unsigned int numAttrs;
-} CUlaunchConfig;
+#include "cuda_driver_api.h"
 
 static volatile unsigned long calls;
 static unsigned long next_function = 0xf000;
