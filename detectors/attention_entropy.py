@@ -691,10 +691,15 @@ class AttentionWatch:
         if state.pending is None:
             return
         state.measured.add(module)
+        self._measure_safely(name, lambda: self._measure_kernel_call(
+            name, module, _kernel_arguments(kernel, args, kwargs), implementation, is_eager, state))
+
+    def _measure_safely(self, name, measure) -> None:
+        """Run one measurement without gradients; whatever goes wrong is
+        counted and warned about once, and never fails the model's forward."""
         try:
             with torch.no_grad():
-                bound = _kernel_arguments(kernel, args, kwargs)
-                self._measure_kernel_call(name, module, bound, implementation, is_eager, state)
+                measure()
         except _Unsupported as exc:
             self.unmeasured += 1
             self._warn_once(name, f"attention entropy of {name} not measured: unsupported {exc}")
@@ -741,15 +746,7 @@ class AttentionWatch:
             state = self._state()
             if state.pending is None:
                 return
-            try:
-                with torch.no_grad():
-                    self._measure_mha(name, module, args, kwargs, state)
-            except _Unsupported as exc:
-                self.unmeasured += 1
-                self._warn_once(name, f"attention entropy of {name} not measured: unsupported {exc}")
-            except Exception as exc:
-                self.errors += 1
-                self._warn_once(name, f"attention entropy of {name} failed: {type(exc).__name__}: {exc}")
+            self._measure_safely(name, lambda: self._measure_mha(name, module, args, kwargs, state))
 
         return hook
 
