@@ -15,7 +15,7 @@ import threading
 import time
 from concurrent.futures import Future
 
-from .agent_link import DEFAULT_RECONNECT_MAX_S, DEFAULT_SERIES, AgentLink
+from .agent_link import DEFAULT_CAPACITY, DEFAULT_RECONNECT_MAX_S, DEFAULT_SERIES, AgentLink
 from .batching import ModalityQueue, Request
 from .hints import HintBook
 from .order import DEFAULT_STARVATION_LIMIT, BatchOrder
@@ -57,14 +57,17 @@ class Dispatcher:
 
     Reports to the agent, per request that succeeded, a `sample` with
     series "e2e" (`series=`), its modality, and value_ms from submit() to
-    the result. `entropy_sink` forwards watch() samples.
+    the result. `entropy_sink` forwards watch() samples. Reports wait in a
+    queue of `telemetry_capacity` entries; when it is full (no agent, or
+    one that does not read) new ones are dropped and counted in
+    state()["agent"]["dropped"].
     """
 
     def __init__(self, devices, handler, *, socket=DEFAULT_SOCKET, queues=None,
                  starvation_limit: int = DEFAULT_STARVATION_LIMIT,
                  imbalance_abs: int = DEFAULT_IMBALANCE_ABS, imbalance_rel: float = DEFAULT_IMBALANCE_REL,
                  client: str = "mmtrace.dispatch", series: str = DEFAULT_SERIES,
-                 reconnect_max_s: float = DEFAULT_RECONNECT_MAX_S):
+                 reconnect_max_s: float = DEFAULT_RECONNECT_MAX_S, telemetry_capacity: int = DEFAULT_CAPACITY):
         devices = list(devices) if not isinstance(devices, str) else None
         if not devices or not all(isinstance(d, str) and d for d in devices) or len(set(devices)) != len(devices):
             raise ValueError(f"devices: expected a non-empty list of distinct names, got {devices!r}")
@@ -83,7 +86,7 @@ class Dispatcher:
         self._link = None
         if socket is not None:
             self._link = AgentLink(socket, self.apply_hint, client=client, series=series,
-                                   reconnect_max_s=reconnect_max_s)
+                                   reconnect_max_s=reconnect_max_s, capacity=telemetry_capacity)
         for dev in self._devices.values():
             dev.thread = threading.Thread(target=self._work, args=(dev,), daemon=True,
                                           name=f"mmtrace-dispatch-{dev.name}")
