@@ -228,7 +228,7 @@ class Dispatcher:
 
     def _run(self, device: str, modality: str, batch: list[Request]):
         live = [r for r in batch if r.future.set_running_or_notify_cancel()]
-        failed = 0
+        results, error = None, None
         if live:
             try:
                 results = self._handler(device, modality, [r.item for r in live])
@@ -239,23 +239,28 @@ class Dispatcher:
                                         else type(results).__name__))
             except Exception as exc:
                 log.debug("handler failed on %s/%s: %r", device, modality, exc)
-                for r in live:
-                    r.future.set_exception(exc)
-                failed = len(live)
-            else:
-                done = time.monotonic_ns()
-                link = self._link
-                for r, result in zip(live, results):
-                    r.future.set_result(result)
-                    if link is not None:
-                        link.offer(("sample", modality, (done - r.submitted_ns) / 1e6, done))
+                error = exc
+        done = time.monotonic_ns()
         with self._lock:
             self._placement.load[device] -= len(batch)
             counts = self.counts
             counts["batches"] += 1
             counts["cancelled"] += len(batch) - len(live)
-            counts["failed"] += failed
-            counts["completed"] += len(live) - failed
+            counts["failed" if error is not None else "completed"] += len(live)
+        # Futures settle last: a caller woken by its result then finds this
+        # thread about to wait, not still busy with bookkeeping.
+        if error is not None:
+            for r in live:
+                r.future.set_exception(error)
+            return
+        if not live:
+            return
+        link = self._link
+        if link is not None:
+            for r in live:
+                link.offer(("sample", modality, (done - r.submitted_ns) / 1e6, done))
+        for r, result in zip(live, results):
+            r.future.set_result(result)
 
     # ---- shutdown
 
