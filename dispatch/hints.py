@@ -122,6 +122,7 @@ class HintBook:
                     issued_ns=issued if isinstance(issued, int) and not isinstance(issued, bool) else None,
                     applied_ns=now_ns, expires_ns=now_ns + int(ttl * 1e9))
         key = (kind, target)
+        before = dict(self.active)
         if key not in self.active and len(self.active) >= MAX_HINTS:
             del self.active[min(self.active, key=lambda k: self.active[k].expires_ns)]
         self.active.pop(key, None)          # re-inserted last: newest applies last
@@ -129,7 +130,7 @@ class HintBook:
         try:
             self._recompute()
         except ValueError:
-            del self.active[key]
+            self.active = before            # a refused hint changes nothing
             self._recompute()
             raise
         self.applied += 1

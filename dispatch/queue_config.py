@@ -48,7 +48,7 @@ def check_batch_max(value, where: str) -> int:
 
 
 def check_priority(value, where: str) -> str:
-    if value not in PRIORITIES:
+    if not isinstance(value, str) or value not in PRIORITIES:
         raise ValueError(f"{where}: expected priority one of {list(PRIORITIES)}, got {value!r}")
     return value
 

@@ -267,6 +267,15 @@ def test_device_weight_hints_combine_and_devices_no_hint_names_weigh_one():
     assert b.effects.weights == {"a": 5.0, "b": 0.0, "c": 1.0}
 
 
+def test_a_refused_replacement_keeps_the_hint_it_would_have_replaced():
+    b = book()
+    b.apply(hint("prefer_device", "gpu1", 0), 0)
+    b.apply(hint("prefer_device", "gpu0", 2), 0)
+    with pytest.raises(ValueError, match="at least one device with a weight above 0"):
+        b.apply(hint("prefer_device", "gpu0", 0), 0)
+    assert b.effects.weights == {"gpu0": 2.0, "gpu1": 0.0} and len(b.active) == 2
+
+
 def test_ttl_is_capped():
     b = book()
     h = b.apply(hint("degrade", "text", 1, ttl_s=1e9), 0)
@@ -281,6 +290,7 @@ def test_ttl_is_capped():
     (hint("priority", "text", "high", ttl_s=float("inf")), "ttl_s: expected a number"),
     (hint("priority", "audio", "high"), "expected target one of ['vision', 'text'], got 'audio'"),
     (hint("priority", "text", "now"), "priority hint value: expected priority one of"),
+    (hint("priority", "text", ["high"]), "got ['high']"),
     (hint("modality_batch", "vision", 0), "batch_max as an integer in 1..4096, got 0"),
     (hint("modality_batch", "vision", 2.5), "got 2.5"),
     (hint("route_affinity", "text", []), "a device name or a non-empty list, got []"),
