@@ -9,7 +9,7 @@ exponential backoff (first retry after BACKOFF_FIRST_S, doubling up to
 `reconnect_max_s`), so an agent that is absent or restarting costs the
 server nothing but a failed connect now and then; on every connection it
 says hello (client name, pid) and subscribes to hints, which it hands to
-`on_hint` as they arrive.
+`on_hint` as they arrive. `on_tick` runs on every flush while connected.
 """
 
 import json
@@ -34,11 +34,12 @@ DEFAULT_SERIES = "e2e"
 
 
 class AgentLink:
-    def __init__(self, path, on_hint, *, client: str = "mmtrace.dispatch", series: str = DEFAULT_SERIES,
+    def __init__(self, path, on_hint, *, on_tick=None, client: str = "mmtrace.dispatch", series: str = DEFAULT_SERIES,
                  capacity: int = DEFAULT_CAPACITY, flush_s: float = DEFAULT_FLUSH_S,
                  reconnect_max_s: float = DEFAULT_RECONNECT_MAX_S):
         self.path = str(path)
         self.on_hint = on_hint
+        self.on_tick = on_tick          # called every flush, e.g. to expire hints
         self.client = client
         self.series = series
         self.capacity = capacity
@@ -49,6 +50,7 @@ class AgentLink:
         self._stop = threading.Event()
         self._drop_lock = threading.Lock()
         self._sock: socket.socket | None = None
+        self._selector: selectors.BaseSelector | None = None
         self._inbox = bytearray()
         self._discarding = False
         self.stats = {"connected": False, "connects": 0, "connect_failures": 0, "disconnects": 0,
@@ -68,6 +70,9 @@ class AgentLink:
         self._queue.append(entry)
         return True
 
+    def flush_interval(self) -> float:
+        return self.flush_s * (CONTENDED_FLUSH_FACTOR if self.contended else 1)
+
     # ---- the sender thread
 
     def close(self, timeout: float = 1.0):
@@ -85,9 +90,10 @@ class AgentLink:
                     self._stop.wait(backoff)
                     backoff = min(backoff * 2, self.reconnect_max_s)
                     continue
-            wait = self.flush_s * (CONTENDED_FLUSH_FACTOR if self.contended else 1)
             try:
-                self._receive(wait)
+                self._receive(self.flush_interval())
+                if self.on_tick is not None:
+                    self.on_tick()
                 self._flush()
             except OSError as exc:
                 self._disconnect(exc)
@@ -111,6 +117,8 @@ class AgentLink:
             self.stats["last_error"] = f"connect {self.path}: {exc}"
             return False
         self._sock = sock
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(sock, selectors.EVENT_READ)
         self._inbox.clear()
         self._discarding = False
         self.stats["connects"] += 1
@@ -123,15 +131,14 @@ class AgentLink:
             self.stats["disconnects"] += 1
             self.stats["last_error"] = f"agent connection lost: {exc}"
             log.info("agent at %s went away (%s); reconnecting", self.path, exc)
+        self._selector.close()
         self._sock.close()
         self._sock = None
         self.stats["connected"] = False
 
     def _receive(self, timeout: float):
-        with selectors.DefaultSelector() as sel:
-            sel.register(self._sock, selectors.EVENT_READ)
-            if not sel.select(timeout):
-                return
+        if not self._selector.select(timeout):
+            return
         data = self._sock.recv(1 << 16)
         if not data:
             raise ConnectionResetError("the agent closed the connection")

@@ -85,8 +85,9 @@ class Dispatcher:
                        "batches": 0, "hints_refused": 0}
         self._link = None
         if socket is not None:
-            self._link = AgentLink(socket, self.apply_hint, client=client, series=series,
-                                   reconnect_max_s=reconnect_max_s, capacity=telemetry_capacity)
+            self._link = AgentLink(socket, self.apply_hint, on_tick=self._expire_due, client=client,
+                                   series=series, reconnect_max_s=reconnect_max_s,
+                                   capacity=telemetry_capacity)
         for dev in self._devices.values():
             dev.thread = threading.Thread(target=self._work, args=(dev,), daemon=True,
                                           name=f"mmtrace-dispatch-{dev.name}")
@@ -176,8 +177,18 @@ class Dispatcher:
                 "imbalance_overrides": placement.overrides,
                 "counts": dict(self.counts),
                 "hints_applied": self._hints.applied, "hints_expired": self._hints.expired,
-                "agent": dict(self._link.stats) if self._link is not None else None,
+                "agent": ({**self._link.stats, "flush_s": self._link.flush_interval()}
+                          if self._link is not None else None),
             }
+
+    def _expire_due(self):
+        """Expire hints on time even when no request comes (the link's
+        reporting pace depends on them)."""
+        now = time.monotonic_ns()
+        due = self._hints.next_expiry_ns
+        if due is not None and now >= due:
+            with self._lock:
+                self._expire(now)
 
     def _expire(self, now: int):
         if self._hints.expire(now):

@@ -222,6 +222,24 @@ def test_when_the_agent_dies_the_hints_expire_to_defaults(sock_path, cleanup):
     assert s["weights"] == {"gpu0": 1.0, "gpu1": 1.0}
 
 
+def test_cpu_contention_slows_the_reporter_until_it_expires(sock_path, cleanup):
+    agent = Agent(sock_path)
+    cleanup(agent)
+    d = Dispatcher(["gpu0"], echo, socket=sock_path)
+    cleanup(d)
+    wait_for(lambda: agent.of("subscribe"))
+    normal = d.state()["agent"]["flush_s"]
+    agent.send(hint("cpu_contention", "runq_delay{pid=42}", 3.0, ttl_s=0.3))
+    wait_for(lambda: d.state()["agent"]["flush_s"] == 4 * normal, timeout=1.0)
+    for i in range(10):
+        d.submit(i, modality="text").result(5)
+    wait_for(lambda: len(agent.of("sample")) == 10)      # reports still flow, less often
+    link = d._link
+    # Undone on time by the link itself, with no request and no state() call.
+    wait_for(lambda: link.flush_interval() == normal, timeout=1.0)
+    assert d.state()["hints"] == []
+
+
 def test_an_agent_that_restarts_is_found_again(sock_path, cleanup):
     first = Agent(sock_path)
     d = Dispatcher(["gpu0"], echo, socket=sock_path, reconnect_max_s=0.2)
