@@ -99,8 +99,13 @@ def test_urgent_first_and_high_served_after_at_most_four_urgent_batches(make):
 
 
 def test_vision_makes_progress_under_continuous_text_load(make):
-    rec = Recorder(delay_s=0.001)
-    d = make(rec, queues={"vision": {"wait_ms": 20}})
+    log = []                    # (modality, vision requests queued when the batch ran)
+
+    def handler(device, modality, items):
+        log.append((modality, d.state()["queues"]["vision"]["depth"]))
+        time.sleep(0.001)
+        return list(items)
+    d = make(handler, queues={"vision": {"wait_ms": 20}})
     stop = threading.Event()
 
     def flood():
@@ -121,19 +126,18 @@ def test_vision_makes_progress_under_continuous_text_load(make):
     finally:
         stop.set()
         flooder.join()
-    mods = rec.modalities()
-    first, last = mods.index("vision"), len(mods) - 1 - mods[::-1].index("vision")
-    # Between vision batches while vision is queued, text batches are bounded by
-    # the starvation limit (+1: a batch picked just before vision became ready).
+    # Text batches that ran while a full vision batch waited, in a row: at most
+    # the starvation limit, +1 for a text batch picked just before vision filled.
     runs, run = [], 0
-    for m in mods[first:last + 1]:
-        if m == "text":
-            run += 1
-        else:
+    for modality, vision_queued in log:
+        if modality == "vision":
             runs.append(run)
             run = 0
-    assert max(runs) <= 5, runs
-    assert mods.count("text") > 20 and took < 2.0
+        elif vision_queued >= 8:
+            run += 1
+    assert len(runs) >= 3 and max(runs) <= 5, runs
+    first_vision = [m for m, _ in log].index("vision")
+    assert any(m == "text" for m, _ in log[first_vision:]) and took < 2.0
 
 
 def test_a_short_batch_leaves_at_its_maximum_wait_and_a_full_one_at_once(make):
@@ -145,7 +149,7 @@ def test_a_short_batch_leaves_at_its_maximum_wait_and_a_full_one_at_once(make):
         f.result(5)
     waited_ms = (rec.batches[0][3] - t0) / 1e6
     assert rec.batches[0][2] == [0, 1, 2]
-    assert 100 <= waited_ms < 100 + 80, waited_ms
+    assert 100 <= waited_ms < 100 + 150, waited_ms
 
     t1 = time.monotonic_ns()
     full = [d.submit(i, modality="vision") for i in range(11)]
@@ -154,7 +158,7 @@ def test_a_short_batch_leaves_at_its_maximum_wait_and_a_full_one_at_once(make):
     (_, _, first, s1), (_, _, rest, s2) = rec.batches[1:]
     assert first == list(range(8)) and rest == [8, 9, 10]
     assert (s1 - t1) / 1e6 < 50
-    assert 100 <= (s2 - t1) / 1e6 < 100 + 80
+    assert 100 <= (s2 - t1) / 1e6 < 100 + 150
 
 
 def test_text_goes_one_at_a_time_without_waiting(make):

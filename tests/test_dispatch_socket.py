@@ -83,6 +83,19 @@ def cleanup():
         (thing.close if hasattr(thing, "close") and not isinstance(thing, Agent) else thing.stop)()
 
 
+@pytest.fixture
+def linked(sock_path, cleanup):
+    """An agent and a dispatcher subscribed to it: linked(devices, handler, **options)."""
+    def build(devices=("gpu0",), handler=echo, **options):
+        agent = Agent(sock_path)
+        cleanup(agent)
+        d = Dispatcher(list(devices), handler, socket=sock_path, **options)
+        cleanup(d)
+        wait_for(lambda: agent.of("subscribe"))
+        return agent, d
+    return build
+
+
 def connected(d):
     return d.state()["agent"]["connected"]
 
@@ -107,17 +120,11 @@ def test_without_an_agent_the_dispatcher_runs_on_defaults(sock_path, cleanup):
     assert s["hints"] == [] and s["queues"]["vision"]["batch_max"] == 8
 
 
-def test_hello_subscribe_and_one_strict_sample_per_request(sock_path, cleanup):
-    agent = Agent(sock_path)
-    cleanup(agent)
-
+def test_hello_subscribe_and_one_strict_sample_per_request(linked):
     def slow(device, modality, items):
         time.sleep(0.002)
         return list(items)
-    d = Dispatcher(["gpu0", "gpu1"], slow, socket=sock_path, client="vlm-server",
-                   queues={"vision": {"wait_ms": 10}})
-    cleanup(d)
-    wait_for(lambda: agent.of("subscribe"))
+    agent, d = linked(["gpu0", "gpu1"], slow, client="vlm-server", queues={"vision": {"wait_ms": 10}})
     t0 = time.monotonic_ns()
     futures = [d.submit(i, modality="text") for i in range(10)]
     futures += [d.submit(i, modality="vision") for i in range(5)]
@@ -133,14 +140,11 @@ def test_hello_subscribe_and_one_strict_sample_per_request(sock_path, cleanup):
     assert min(m["value_ms"] for m in samples if m["modality"] == "vision") >= 10
 
 
-def test_entropy_from_watch_reaches_the_agent(sock_path, cleanup):
+def test_entropy_from_watch_reaches_the_agent(linked):
     torch = pytest.importorskip("torch")
     from mmtrace.detectors.attention_entropy import watch
 
-    agent = Agent(sock_path)
-    cleanup(agent)
-    d = Dispatcher(["cpu"], echo, socket=sock_path)
-    cleanup(d)
+    agent, d = linked(["cpu"])
 
     class Tower(torch.nn.Module):
         def __init__(self):
@@ -167,14 +171,10 @@ def test_entropy_from_watch_reaches_the_agent(sock_path, cleanup):
     assert all(set(v) == {"layer", "head", "value"} and 0 <= v["value"] <= 1 for v in values)
 
 
-def test_a_hint_from_the_agent_is_applied_and_shown(sock_path, cleanup):
-    agent = Agent(sock_path)
-    cleanup(agent)
+def test_a_hint_from_the_agent_is_applied_and_shown(linked):
     rec = []
-    d = Dispatcher(["gpu0"], lambda dev, m, items: rec.append(len(items)) or list(items),
-                   socket=sock_path, queues={"vision": {"wait_ms": 2000}})
-    cleanup(d)
-    wait_for(lambda: agent.of("subscribe"))
+    agent, d = linked(["gpu0"], lambda dev, m, items: rec.append(len(items)) or list(items),
+                      queues={"vision": {"wait_ms": 2000}})
     sent = time.monotonic()
     agent.send(hint("modality_batch", "vision", 2, ttl_s=5))
     wait_for(lambda: d.state()["queues"]["vision"]["batch_max"] == 2, timeout=1.0)
@@ -186,12 +186,8 @@ def test_a_hint_from_the_agent_is_applied_and_shown(sock_path, cleanup):
     assert shown["reason"] == "text p99 drifted" and shown["evidence"] == {"p99_ms": 80}
 
 
-def test_a_bad_hint_is_refused_and_counted_and_the_next_one_works(sock_path, cleanup):
-    agent = Agent(sock_path)
-    cleanup(agent)
-    d = Dispatcher(["gpu0"], echo, socket=sock_path)
-    cleanup(d)
-    wait_for(lambda: agent.of("subscribe"))
+def test_a_bad_hint_is_refused_and_counted_and_the_next_one_works(linked):
+    agent, d = linked()
     agent.send(hint("priority", "audio", "urgent"))
     agent.send(hint("priority", "vision", "urgent"))
     wait_for(lambda: d.state()["queues"]["vision"]["priority"] == "urgent", timeout=1.0)
@@ -201,12 +197,8 @@ def test_a_bad_hint_is_refused_and_counted_and_the_next_one_works(sock_path, cle
     assert d.submit(1, modality="text").result(5) == 1
 
 
-def test_when_the_agent_dies_the_hints_expire_to_defaults(sock_path, cleanup):
-    agent = Agent(sock_path)
-    cleanup(agent)
-    d = Dispatcher(["gpu0", "gpu1"], echo, socket=sock_path)
-    cleanup(d)
-    wait_for(lambda: agent.of("subscribe"))
+def test_when_the_agent_dies_the_hints_expire_to_defaults(linked):
+    agent, d = linked(["gpu0", "gpu1"])
     agent.send(hint("modality_batch", "vision", 2, ttl_s=0.6, hid="a"))
     agent.send(hint("prefer_device", "*", {"gpu0": 0, "gpu1": 4}, ttl_s=0.6, hid="b"))
     agent.send(hint("degrade", "*", 1, ttl_s=0.6, hid="c"))
@@ -222,12 +214,8 @@ def test_when_the_agent_dies_the_hints_expire_to_defaults(sock_path, cleanup):
     assert s["weights"] == {"gpu0": 1.0, "gpu1": 1.0}
 
 
-def test_cpu_contention_slows_the_reporter_until_it_expires(sock_path, cleanup):
-    agent = Agent(sock_path)
-    cleanup(agent)
-    d = Dispatcher(["gpu0"], echo, socket=sock_path)
-    cleanup(d)
-    wait_for(lambda: agent.of("subscribe"))
+def test_cpu_contention_slows_the_reporter_until_it_expires(linked):
+    agent, d = linked()
     normal = d.state()["agent"]["flush_s"]
     agent.send(hint("cpu_contention", "runq_delay{pid=42}", 3.0, ttl_s=0.3))
     wait_for(lambda: d.state()["agent"]["flush_s"] == 4 * normal, timeout=1.0)
@@ -260,7 +248,8 @@ def test_an_agent_that_restarts_is_found_again(sock_path, cleanup):
     second.send(hint("priority", "text", "low", ttl_s=5))
     wait_for(lambda: d.state()["queues"]["text"]["priority"] == "low", timeout=1.0)
     a = d.state()["agent"]
-    assert a["connects"] == 2 and a["disconnects"] == 1
+    # The first agent may still accept one connection while it shuts down.
+    assert a["connects"] >= 2 and a["connects"] == a["disconnects"] + 1 and a["connected"]
 
 
 def test_an_agent_that_never_reads_costs_requests_nothing(sock_path, cleanup):
