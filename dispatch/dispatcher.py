@@ -103,12 +103,12 @@ class Dispatcher:
         with self._lock:
             if self._closed:
                 raise DispatcherClosed("dispatcher is closed; submit() refused")
-            cfg = self._effective.get(modality)
-            if cfg is None:
+            if modality not in self._base:
                 raise ValueError(f"modality: expected one of {list(self._base)}, got {modality!r}")
             hints = self._hints
             if hints.next_expiry_ns is not None and now >= hints.next_expiry_ns:
                 self._expire(now)
+            cfg = self._effective[modality]
             self.counts["submitted"] += 1
             fx = hints.effects
             if not core and fx.degraded(modality):
