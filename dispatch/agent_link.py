@@ -160,7 +160,7 @@ class AgentLink:
     def _take(self, line: bytes):
         try:
             msg = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):     # RecursionError: absurdly deep nesting
             self.stats["errors_received"] += 1
             self.stats["last_error"] = f"agent sent a line that is not JSON: {line[:80]!r}"
             return
@@ -169,10 +169,10 @@ class AgentLink:
             self.stats["hints_received"] += 1
             try:
                 self.on_hint(msg)
-            except ValueError as exc:
+            except Exception as exc:     # counted and logged: the link must outlive a bad hint
                 self.stats["hints_rejected"] += 1
-                self.stats["last_error"] = f"hint refused: {exc}"
-                log.warning("hint refused: %s", exc)
+                self.stats["last_error"] = f"hint refused: {type(exc).__name__}: {exc}"
+                log.warning("hint refused: %s: %s", type(exc).__name__, exc)
         elif kind == "error":
             self.stats["errors_received"] += 1
             self.stats["last_error"] = f"agent: {msg.get('message')}"

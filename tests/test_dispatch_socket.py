@@ -3,6 +3,7 @@
 the test, on a real Unix socket. No agent, an agent that restarts, one that
 never reads; samples and entropy out, hints in, end to end."""
 
+import json
 import math
 import os
 import queue
@@ -270,6 +271,33 @@ def test_an_agent_that_never_reads_costs_requests_nothing(sock_path, cleanup):
     assert s["dropped"] > 0, s
     # The median request costs well under a millisecond although nothing drains.
     assert took[len(took) // 2] < 0.001, took[len(took) // 2]
+
+
+def test_garbage_from_the_agent_is_counted_and_the_link_goes_on(sock_path, cleanup):
+    """A raw listener (not the HintServer, which only sends valid JSON)
+    answers with lines that are not JSON, nested too deep to parse, longer
+    than a message, and not a hint; then a valid hint."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(sock_path))
+    listener.listen(1)
+    cleanup(listener)
+    d = Dispatcher(["gpu0"], echo, socket=sock_path)
+    cleanup(d)
+    conn, _ = listener.accept()
+    cleanup(conn)
+    conn.settimeout(5)
+    hello_and_subscribe = b""
+    while hello_and_subscribe.count(b"\n") < 2:
+        hello_and_subscribe += conn.recv(4096)
+    good = hint("priority", "vision", "urgent", ttl_s=5)
+    conn.sendall(b"not json\n" + b"[" * 60000 + b"\n" + b'{"x":"' + b"a" * 70000 + b'"}\n'
+                 + b'[1, 2]\n{"v":1,"type":"hint","kind":"degrade"}\n'
+                 + json.dumps(good).encode() + b"\n")
+    wait_for(lambda: d.state()["queues"]["vision"]["priority"] == "urgent", timeout=2.0)
+    a = d.state()["agent"]
+    assert a["connected"] and a["connects"] == 1
+    assert a["errors_received"] == 2 and a["hints_received"] == 2 and a["hints_rejected"] == 1
+    assert d.submit(1, modality="text").result(5) == 1
 
 
 def test_a_full_queue_drops_and_counts_exactly():
