@@ -20,7 +20,8 @@ expiry:
   (or null) with value {device: weight, ...}, or target a device with
   value a number, that device's weight. Weights are finite numbers in
   0..MAX_WEIGHT; a device no hint names weighs 1; a hint that would leave
-  every device at 0 is refused. A device may also be named by its ordinal
+  every device at 0 is refused. (Should the expiry of one hint leave the
+  others weighing every device 0, placement treats them all alike.) A device may also be named by its ordinal
   in the dispatcher's device list ("0", "1", ...), as the agent's
   `mmtrace_gpu_device_weight{gpu=...}` gauge does.
 - degrade: target a modality or "*", value an integer level 0..MAX_DEGRADE.
@@ -127,12 +128,12 @@ class HintBook:
             del self.active[min(self.active, key=lambda k: self.active[k].expires_ns)]
         self.active.pop(key, None)          # re-inserted last: newest applies last
         self.active[key] = hint
-        try:
-            self._recompute()
-        except ValueError:
+        self._recompute()
+        if self.effects.weights and not any(self.effects.weights.values()):
             self.active = before            # a refused hint changes nothing
             self._recompute()
-            raise
+            raise ValueError("prefer_device hint: expected at least one device with a weight "
+                             f"above 0 once applied, got {dict.fromkeys(self.devices, 0.0)}")
         self.applied += 1
         return hint
 
@@ -166,11 +167,7 @@ class HintBook:
             elif h.kind == "cpu_contention":
                 fx.cpu_contention = True
         if weights:
-            full = {d: weights.get(d, 1.0) for d in self.devices}
-            if not any(full.values()):
-                raise ValueError("prefer_device hint: expected at least one device with a weight "
-                                 f"above 0, got {full}")
-            fx.weights = full
+            fx.weights = {d: weights.get(d, 1.0) for d in self.devices}
         self.effects = fx
         self.next_expiry_ns = min((h.expires_ns for h in self.active.values()), default=None)
 

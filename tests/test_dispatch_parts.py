@@ -276,6 +276,18 @@ def test_a_refused_replacement_keeps_the_hint_it_would_have_replaced():
     assert b.effects.weights == {"gpu0": 2.0, "gpu1": 0.0} and len(b.active) == 2
 
 
+def test_an_expiry_that_leaves_every_weight_at_zero_is_not_an_error():
+    b = book()
+    b.apply(hint("prefer_device", "gpu1", 0, ttl_s=10), 0)
+    b.apply(hint("prefer_device", "*", {"gpu0": 0, "gpu1": 4}, ttl_s=1), 0)
+    b.apply(hint("prefer_device", "gpu0", 0, ttl_s=10), 0)
+    assert b.effects.weights == {"gpu0": 0.0, "gpu1": 4.0}
+    assert b.expire(1_000_000_000)
+    assert b.effects.weights == {"gpu0": 0.0, "gpu1": 0.0}
+    p = Placement(["gpu0", "gpu1"])
+    assert {p.place(None, b.effects.weights) for _ in range(4)} == {"gpu0", "gpu1"}
+
+
 def test_ttl_is_capped():
     b = book()
     h = b.apply(hint("degrade", "text", 1, ttl_s=1e9), 0)
