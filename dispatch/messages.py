@@ -1,0 +1,82 @@
+"""The messages a dispatcher sends the agent, built to the socket schema:
+"v": 1 as an integer, newline-delimited compact JSON of at most 64 KiB,
+`value_ms` finite and non-negative, `ts_ns` an integer CLOCK_MONOTONIC time,
+entropy values finite numbers in 0..1. Builders raise ValueError rather
+than send something the agent would refuse."""
+
+import json
+import math
+
+MAX_MESSAGE = 64 * 1024
+UNNAMED_MODALITY = "unknown"
+
+
+def encode(message: dict) -> bytes:
+    line = json.dumps(message, separators=(",", ":"), allow_nan=False).encode() + b"\n"
+    if len(line) > MAX_MESSAGE:
+        raise ValueError(f"{message.get('type')} message: expected at most {MAX_MESSAGE} bytes, got {len(line)}")
+    return line
+
+
+def hello(client: str, pid: int) -> dict:
+    return {"v": 1, "type": "hello", "client": str(client), "pid": int(pid)}
+
+
+def subscribe() -> dict:
+    return {"v": 1, "type": "subscribe"}
+
+
+def sample(series: str, modality: str, value_ms: float, ts_ns: int) -> dict:
+    value_ms = float(value_ms)
+    if not math.isfinite(value_ms) or value_ms < 0:
+        raise ValueError(f"sample value_ms: expected a finite number >= 0, got {value_ms!r}")
+    if not series or not modality:
+        raise ValueError(f"sample: expected non-empty series and modality, got {series!r}, {modality!r}")
+    return {"v": 1, "type": "sample", "series": str(series), "modality": str(modality),
+            "value_ms": value_ms, "ts_ns": int(ts_ns)}
+
+
+def entropy_value(s) -> dict | None:
+    """One watch() sample as the socket carries it, or None when unusable."""
+    if not isinstance(s, dict):
+        return None
+    layer, head, value = s.get("layer"), s.get("head"), s.get("value")
+    if not isinstance(layer, str) or not isinstance(head, int) or isinstance(head, bool):
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    value = float(value)
+    if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+        return None
+    return {"layer": layer, "head": head, "value": value}
+
+
+def entropy(samples: list, budget: int = MAX_MESSAGE - 512) -> tuple[list[dict], int]:
+    """watch() samples as `entropy` messages, one modality each and each
+    under the size limit; also how many samples were unusable."""
+    by_modality: dict[str, list[dict]] = {}
+    unusable = 0
+    for s in samples:
+        v = entropy_value(s)
+        if v is None:
+            unusable += 1
+            continue
+        modality = s.get("modality")
+        modality = modality if isinstance(modality, str) and modality else UNNAMED_MODALITY
+        by_modality.setdefault(modality, []).append(v)
+    out = []
+    for modality, values in by_modality.items():
+        chunk, size = [], 0
+        for v in values:
+            n = len(json.dumps(v, separators=(",", ":"))) + 1
+            if n > budget:
+                unusable += 1           # a layer name longer than a message
+                continue
+            if chunk and size + n > budget:
+                out.append({"v": 1, "type": "entropy", "modality": modality, "values": chunk})
+                chunk, size = [], 0
+            chunk.append(v)
+            size += n
+        if chunk:
+            out.append({"v": 1, "type": "entropy", "modality": modality, "values": chunk})
+    return out, unusable
