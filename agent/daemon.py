@@ -27,6 +27,8 @@ from . import probes as probe_loader
 from .align import ApiRoles, Aligner
 from .config import DaemonConfig
 from .dev_names import DeviceNames
+from .errors import MmtraceError
+from .device_view import describe
 from .event_ring import EventRing
 from .flight import FlightRecorder
 from .hint_socket import HintServer
@@ -81,11 +83,12 @@ class Daemon:
         self.runq_ring = EventRing(sched_stream.RUNQ_EVENT, config.ring_capacity, age)
         self.entropy_ring = EventRing(ENTROPY_SAMPLE, 1 << 16, age)
         self.request_ring = EventRing(REQUEST_SAMPLE, 1 << 16, age)
-        infos = device_stream.default_infos()
+        infos = self.infos = device_stream.default_infos()
         self.aligner = Aligner(ApiRoles.from_infos(infos),
                                capacity=config.device_ring_capacity, max_age_ns=age)
         self.names = DeviceNames(infos)
         self.op_names: list[list] = []
+        self.op_name_of: dict[tuple[int, int], str] = {}
         self.submitters = ls.Submitters()
         self.threads = ThreadProcesses()
         self.flight = FlightRecorder(config.state_dir, config.ring_seconds,
@@ -103,6 +106,7 @@ class Daemon:
         self.proc_root = Path("/proc")
         self._next_sweep = 0.0
         self.forgotten_series = 0
+        self.otlp = _otlp_traces(config, lambda rows: describe(rows, self.infos, self.op_name_of))
 
     # ------------------------------------------------------------ lifecycle
 
@@ -122,6 +126,8 @@ class Daemon:
                  cfg.state_dir)
 
     def close(self):
+        if self.otlp is not None:
+            self.otlp.shutdown()
         if self.server is not None:
             self.server.close()
             self.server = None
@@ -187,10 +193,15 @@ class Daemon:
         rows = self.names.process(batch)
         if rows:
             self.op_names = (self.op_names + rows)[-(1 << 16):]
+            self.op_name_of.update(((pid, addr), name) for pid, addr, name in rows)
+            if len(self.op_name_of) > 2 * len(self.op_names):      # bounded like the list
+                self.op_name_of = {(pid, addr): name for pid, addr, name in self.op_names}
         self.submitters.learn(batch)
         aligned = self.aligner.push(batch)
         self._observe(ls.sync_series(self.p99.series_id, aligned))
         self._observe(ls.retire_series(self.p99.series_id, self.aligner.last_retired))
+        if self.otlp is not None:
+            self.otlp.submissions(self.aligner.last_retired)
 
     def _observe(self, series: ls.Series):
         if len(series):
@@ -260,6 +271,8 @@ class Daemon:
                 # The next minutes complete: per-launch probes on for a while.
                 self._device().attach_launches(self.config.launch_burst_s)
             self._hint(anomaly)
+        if anomalies and self.otlp is not None:
+            self.otlp.anomalies(anomalies)
 
     def _flight_record(self, anomaly):
         windows = {"cpu.runq": self.runq_ring.window(),
@@ -294,6 +307,21 @@ class Daemon:
             "value": ratio, "ttl_s": HINT_TTL_S,
             "reason": "run-queue delay p99 of the submitting threads drifted up",
             "evidence": ev, "issued_ns": time.monotonic_ns()})
+
+
+def _otlp_traces(config: DaemonConfig, describe_rows):
+    """The OTLP sink when an endpoint is configured (config or OTEL_*), else None."""
+    from mmtrace.exporters import otlp
+    o = config.otlp
+    try:
+        options = otlp.options_from(o.endpoint, o.headers, o.sample_ratio, o.max_spans_per_s)
+    except ValueError as exc:
+        raise MmtraceError(f"OTLP: {exc}") from None
+    if not options.enabled:
+        return None
+    log.info("OTLP traces to %s (submissions sampled at %g)",
+             options.endpoint or "the OTEL_* endpoint", options.sample_ratio)
+    return otlp.OtlpTraces(options, describe=describe_rows)
 
 
 def _plain_device(aligned: np.ndarray) -> np.ndarray:
