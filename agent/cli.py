@@ -239,5 +239,41 @@ def run(config_path, pids, libs, state_dir, socket_path, trace_launches, log_lev
     daemon.run()
 
 
+@cli.command()
+@click.option("--socket", "socket_path", type=click.Path(dir_okay=False),
+              default="/run/mmtrace/mmtrace.sock", show_default=True,
+              help="The daemon's hint socket.")
+@click.option("--interval", type=click.FloatRange(min=0.1, max=3600), default=1.0,
+              show_default=True, help="Seconds between refreshes.")
+@click.option("--once", is_flag=True, help="Print one screen and exit (for scripts).")
+@click.option("--json", "as_json", is_flag=True, help="Print the daemon's status as JSON and exit.")
+def top(socket_path, interval, once, as_json):
+    """Live view of the running daemon, refreshed every second; q quits.
+
+    Per process doing GPU/NPU work: run-queue p99 of its device threads,
+    launches/s, sync-wait p99 and memcpy GB/s over the last 5 s; then the
+    active anomalies and the latest hints; then what was lost. Works over
+    ssh in any terminal. Needs access to the socket (root or its group).
+
+    \b
+    Examples:
+      sudo mmtrace top
+      sudo mmtrace top --once
+      sudo mmtrace top --json | jq '.processes[0]'
+    """
+    from pathlib import Path
+    from mmtrace.exporters import top as top_view
+    path = Path(socket_path)
+    try:
+        if once or as_json:
+            status = top_view.fetch_status(path)
+            click.echo(json.dumps(status, indent=1) if as_json
+                       else "\n".join(top_view.render(status)))
+            return
+        top_view.run(path, interval)
+    except (top_view.NoDaemon, ValueError) as exc:
+        raise MmtraceError(str(exc)) from None
+
+
 def main():
     cli(prog_name="mmtrace")

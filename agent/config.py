@@ -29,6 +29,15 @@ class EntropySettings:
 
 
 @dataclass
+class OtlpSettings:
+    # Empty: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; neither set: no OTLP export.
+    endpoint: str = ""
+    headers: str = ""                       # key=value,key2=value2 (as OTEL_EXPORTER_OTLP_HEADERS)
+    sample_ratio: float = 0.01              # of aligned submissions; OTEL_TRACES_SAMPLER_ARG wins
+    max_spans_per_s: float = 200.0          # submission spans, whatever the ratio
+
+
+@dataclass
 class DaemonConfig:
     pids: tuple[int, ...] = ()
     libs: tuple[str, ...] = ()
@@ -45,6 +54,7 @@ class DaemonConfig:
     nice: int = DEFAULT_NICE                # the daemon's own CPU priority
     p99: P99Settings = field(default_factory=P99Settings)
     entropy: EntropySettings = field(default_factory=EntropySettings)
+    otlp: OtlpSettings = field(default_factory=OtlpSettings)
 
 
 def _coerce(section: str, cls, table: dict):
@@ -65,6 +75,8 @@ def _coerce(section: str, cls, table: dict):
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             if ok and isinstance(default, int) and not isinstance(value, int):
                 ok = False
+        elif isinstance(default, str):
+            ok = isinstance(value, str)
         elif isinstance(default, Path):
             ok = isinstance(value, str)
             value = Path(value) if ok else value
@@ -93,13 +105,14 @@ def load_config(path: Path | None) -> DaemonConfig:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise MmtraceError(f"config {path}: not valid TOML: {exc}") from None
     top = {k: v for k, v in doc.items() if not isinstance(v, dict)}
-    unknown = set(doc) - set(top) - {"p99", "entropy"}
+    unknown = set(doc) - set(top) - {"p99", "entropy", "otlp"}
     if unknown:
         raise MmtraceError(f"config {path}: unknown section(s) {sorted(unknown)}; "
-                           "expected [p99] and [entropy]")
+                           "expected [p99], [entropy] and [otlp]")
     cfg = DaemonConfig(**_coerce("top", DaemonConfig, {k: v for k, v in top.items()}))
     cfg.p99 = P99Settings(**_coerce("p99", P99Settings, doc.get("p99", {})))
     cfg.entropy = EntropySettings(**_coerce("entropy", EntropySettings, doc.get("entropy", {})))
+    cfg.otlp = OtlpSettings(**_coerce("otlp", OtlpSettings, doc.get("otlp", {})))
     if not -20 <= cfg.nice <= 19:
         raise MmtraceError(f"config {path}: nice must be within -20..19, got {cfg.nice}")
     if min(cfg.tick_s, cfg.ring_seconds, cfg.ring_capacity, cfg.device_ring_capacity) <= 0:

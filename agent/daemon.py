@@ -9,6 +9,7 @@ latencies, attention entropy), and acts on what the detectors say.
 
 import logging
 import os
+from collections import deque
 import platform
 import re
 import time
@@ -17,16 +18,20 @@ from pathlib import Path
 
 import numpy as np
 
+from mmtrace.bpf import counters as bpf_counters
 from mmtrace.bpf import device as device_stream
 from mmtrace.bpf import sched as sched_stream
 from mmtrace.detectors.entropy_drift import EntropyDriftDetector
 from mmtrace.detectors.p99_drift import P99Drift
+from mmtrace.exporters import status as status_view
 
 from . import latency_series as ls
 from . import probes as probe_loader
 from .align import ApiRoles, Aligner
 from .config import DaemonConfig
 from .dev_names import DeviceNames
+from .errors import MmtraceError
+from .device_view import describe
 from .event_ring import EventRing
 from .flight import FlightRecorder
 from .hint_socket import HintServer
@@ -81,11 +86,12 @@ class Daemon:
         self.runq_ring = EventRing(sched_stream.RUNQ_EVENT, config.ring_capacity, age)
         self.entropy_ring = EventRing(ENTROPY_SAMPLE, 1 << 16, age)
         self.request_ring = EventRing(REQUEST_SAMPLE, 1 << 16, age)
-        infos = device_stream.default_infos()
+        infos = self.infos = device_stream.default_infos()
         self.aligner = Aligner(ApiRoles.from_infos(infos),
                                capacity=config.device_ring_capacity, max_age_ns=age)
         self.names = DeviceNames(infos)
         self.op_names: list[list] = []
+        self.op_name_of: dict[tuple[int, int], str] = {}
         self.submitters = ls.Submitters()
         self.threads = ThreadProcesses()
         self.flight = FlightRecorder(config.state_dir, config.ring_seconds,
@@ -95,6 +101,9 @@ class Daemon:
         self.request_series = Names(MAX_CLIENT_SERIES)
         self.anomalies: list[dict] = []
         self.hints_sent = 0
+        self.recent_hints: deque[dict] = deque(maxlen=status_view.MAX_HINTS)
+        self.started_ns = time.monotonic_ns()
+        self._counters_at_start: dict[str, int] = {}
         self._hint_seq = 0
         self.loaded = None
         self.sources = None
@@ -103,6 +112,7 @@ class Daemon:
         self.proc_root = Path("/proc")
         self._next_sweep = 0.0
         self.forgotten_series = 0
+        self.otlp = _otlp_traces(config, lambda rows: describe(rows, self.infos, self.op_name_of))
 
     # ------------------------------------------------------------ lifecycle
 
@@ -112,6 +122,7 @@ class Daemon:
                                             trace_launches=not cfg.adaptive_launches)
         self.sources = DeviceSources(cfg.libs, cfg.pids, discover=True)
         self.loaded = probe_loader.load(options)
+        self._counters_at_start = self.loaded.counters()
         try:
             self.server = HintServer(cfg.socket)
         except OSError as exc:
@@ -122,6 +133,8 @@ class Daemon:
                  cfg.state_dir)
 
     def close(self):
+        if self.otlp is not None:
+            self.otlp.shutdown()
         if self.server is not None:
             self.server.close()
             self.server = None
@@ -187,10 +200,15 @@ class Daemon:
         rows = self.names.process(batch)
         if rows:
             self.op_names = (self.op_names + rows)[-(1 << 16):]
+            self.op_name_of.update(((pid, addr), name) for pid, addr, name in rows)
+            if len(self.op_name_of) > 2 * len(self.op_names):      # bounded like the list
+                self.op_name_of = {(pid, addr): name for pid, addr, name in self.op_names}
         self.submitters.learn(batch)
         aligned = self.aligner.push(batch)
         self._observe(ls.sync_series(self.p99.series_id, aligned))
         self._observe(ls.retire_series(self.p99.series_id, self.aligner.last_retired))
+        if self.otlp is not None:
+            self.otlp.submissions(self.aligner.last_retired)
 
     def _observe(self, series: ls.Series):
         if len(series):
@@ -210,6 +228,8 @@ class Daemon:
                 except ValueError as exc:
                     self.server.reply(client, {"v": 1, "type": "error",
                                                "message": f"entropy: {exc}"})
+            elif msg["type"] == "status":
+                self.server.reply(client, self.status())
             elif msg["type"] == "sample":
                 name = f"request_latency{{series={msg['series']},modality={msg['modality']}}}"
                 sid = self.request_series.id(name)
@@ -241,6 +261,40 @@ class Daemon:
             kept += 1
         self.entropy_ring.push(rec[:kept])
 
+    # -------------------------------------------------------------- status
+
+    def status(self, span_s: float = 5.0) -> dict:
+        """What `mmtrace top` shows: the last span_s seconds per process,
+        the active anomalies, the latest hints, and the losses."""
+        now = time.monotonic_ns()
+        span_s = min(span_s, max(1e-3, (now - self.started_ns) / 1e9))   # rates over what was seen
+        since = now - int(span_s * 1e9)
+        processes = status_view.process_table(self.runq_ring.window(since),
+                                               self.aligner.window(since),
+                                               self.submitters.tids, span_s)
+        device = self._device()
+        return {"v": 1, "type": "status", "daemon_pid": os.getpid(),
+                "uptime_s": (now - self.started_ns) / 1e9, "span_s": round(span_s, 3),
+                "launch_probes": ("on" if not self.config.adaptive_launches else
+                                  "burst" if device is not None and device.launches_attached()
+                                  else "on alarm"),
+                "processes": processes,
+                "anomalies": status_view.active_anomalies(self.anomalies),
+                "hints": list(self.recent_hints), "hints_sent": self.hints_sent,
+                "losses": self.losses()}
+
+    def losses(self) -> dict[str, int]:
+        """Everything lost since the daemon started, by counter, non-zero only."""
+        out = {}
+        if self.loaded is not None:
+            now = self.loaded.counters()
+            out = {f"kernel.{name}": now.get(name, 0) - self._counters_at_start.get(name, 0)
+                   for name in bpf_counters.LOSS_COUNTERS}
+        if self.otlp is not None:
+            out["otlp.spans_failed"] = self.otlp.stats.failed
+            out["otlp.spans_dropped"] = self.otlp.stats.dropped
+        return {k: v for k, v in out.items() if v}
+
     # ------------------------------------------------------------- actions
 
     def _act(self, anomalies: list[dict]):
@@ -260,6 +314,8 @@ class Daemon:
                 # The next minutes complete: per-launch probes on for a while.
                 self._device().attach_launches(self.config.launch_burst_s)
             self._hint(anomaly)
+        if anomalies and self.otlp is not None:
+            self.otlp.anomalies(anomalies)
 
     def _flight_record(self, anomaly):
         windows = {"cpu.runq": self.runq_ring.window(),
@@ -288,12 +344,29 @@ class Daemon:
         self._hint_seq += 1
         ev = anomaly.get("evidence", {})
         ratio = (ev.get("p99") or 0) / ev["baseline"] if ev.get("baseline") else None
-        self.hints_sent += self.server.broadcast({
-            "v": 1, "type": "hint", "id": f"{os.getpid()}-{self._hint_seq}",
-            "kind": "cpu_contention", "target": series[series.find("{") + 1:-1],
-            "value": ratio, "ttl_s": HINT_TTL_S,
-            "reason": "run-queue delay p99 of the submitting threads drifted up",
-            "evidence": ev, "issued_ns": time.monotonic_ns()})
+        hint = {"v": 1, "type": "hint", "id": f"{os.getpid()}-{self._hint_seq}",
+                "kind": "cpu_contention", "target": series[series.find("{") + 1:-1],
+                "value": ratio, "ttl_s": HINT_TTL_S,
+                "reason": "run-queue delay p99 of the submitting threads drifted up",
+                "evidence": ev, "issued_ns": time.monotonic_ns()}
+        self.recent_hints.append({k: hint[k] for k in ("id", "kind", "target", "value",
+                                                       "ttl_s", "reason", "issued_ns")})
+        self.hints_sent += self.server.broadcast(hint)
+
+
+def _otlp_traces(config: DaemonConfig, describe_rows):
+    """The OTLP sink when an endpoint is configured (config or OTEL_*), else None."""
+    from mmtrace.exporters import otlp
+    o = config.otlp
+    try:
+        options = otlp.options_from(o.endpoint, o.headers, o.sample_ratio, o.max_spans_per_s)
+    except ValueError as exc:
+        raise MmtraceError(f"OTLP: {exc}") from None
+    if not options.enabled:
+        return None
+    log.info("OTLP traces to %s (submissions sampled at %g)",
+             options.endpoint or "the OTEL_* endpoint", options.sample_ratio)
+    return otlp.OtlpTraces(options, describe=describe_rows)
 
 
 def _plain_device(aligned: np.ndarray) -> np.ndarray:

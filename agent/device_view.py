@@ -131,3 +131,24 @@ def _function_names(events: np.ndarray, infos: dict, demangle) -> dict:
 
 def stream_from_record(events: np.ndarray) -> np.ndarray:
     return (events["flags"] & FLAG_STREAM_FROM_RECORD) != 0
+
+
+def describe(rows: np.ndarray, infos: dict, op_names: dict) -> list[dict]:
+    """Names of a few aligned rows, one dict each (stream, kind, api,
+    op_name, direction), for consumers that take events one at a time (the
+    OTLP spans); `op_names` maps (pid, address) to a kernel name."""
+    out = []
+    for api_id, pid, handle, ip, cookie, direction in zip(
+            rows["api"].tolist(), rows["pid"].tolist(), rows["handle"].tolist(),
+            rows["probe_ip"].tolist(), rows["symbol_id"].tolist(), rows["direction"].tolist()):
+        info = infos.get(api_id)
+        if info is None:
+            out.append({})
+            continue
+        names = {"stream": info.stream, "kind": info.kind, "api": info.api}
+        if info.kind == "launch":
+            names["op_name"] = op_names.get((pid, ip if info.symbol == "aclnn" else handle))
+        if device_stream.DIRECTION in info.fields:
+            names["direction"] = device_stream.direction_names(info.stream).get(direction)
+        out.append(names)
+    return out

@@ -56,11 +56,26 @@ class EventRing:
         return first_seq
 
     def window(self, since_ns: int | None = None) -> np.ndarray:
-        """A copy of what the ring holds, oldest first (optionally from a time on)."""
-        events = take(self._ring, np.arange(self.start, self.end) % self.capacity)
+        """A copy of what the ring holds, oldest first (optionally from a time
+        on: then only the recent tail is copied, found a chunk at a time
+        from the newest end)."""
+        first = self.start if since_ns is None else self._first_recent(since_ns)
+        events = take(self._ring, np.arange(first, self.end) % self.capacity)
         if since_ns is not None:
             events = events[events["ts_ns"].astype(np.int64) >= since_ns]
         return events
+
+    def _first_recent(self, since_ns: int, chunk: int = 1 << 14) -> int:
+        """The number of a record at or before the first one from since_ns
+        (records are about in time order: stop at a chunk wholly older)."""
+        first = self.end
+        while first > self.start:
+            lo = max(self.start, first - chunk)
+            ts = self._ring["ts_ns"][np.arange(lo, first) % self.capacity].astype(np.int64)
+            first = lo
+            if ts.max(initial=since_ns) < since_ns:
+                break
+        return first
 
     def update(self, seq: np.ndarray, field: str, values: np.ndarray):
         """Set `field` of the records numbered `seq` that the ring still holds."""

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE = 64 * 1024
 MAX_OUTBOX = 1 << 20            # a subscriber this far behind is dropped
 MAX_CLIENTS = 256
-CLIENT_TYPES = {"hello", "sample", "entropy", "subscribe"}
+CLIENT_TYPES = {"hello", "sample", "entropy", "subscribe", "status"}
 
 
 @dataclass

@@ -69,6 +69,10 @@ class Submitters:
     def mask(self, tids: np.ndarray) -> np.ndarray:
         return np.isin(tids, self._tids)
 
+    @property
+    def tids(self) -> np.ndarray:
+        return self._tids
+
 
 def runq_series(series_id, runq: np.ndarray, submitters: Submitters) -> Series:
     mine = runq[submitters.mask(runq["tid"])] if len(runq) else runq

@@ -186,6 +186,22 @@ def entropy_rows(rng, means, n):
     return rng.beta(means * 80, (1 - means) * 80, size=(n, len(means)))
 
 
+def send_entropy_rise(daemon, client, start_ns):
+    """60 calm rows of 8 heads then 8 hot ones, 0.1 s apart from start_ns,
+    through the socket, each taken by the daemon before the next is sent."""
+    rng = np.random.default_rng(3)
+    calm = entropy_rows(rng, np.linspace(0.3, 0.7, 8), 60)
+    hot = entropy_rows(rng, np.full(8, 0.97), 8)
+    for t, row in enumerate(np.concatenate([calm, hot])):
+        msg = {"v": 1, "type": "entropy", "modality": "vision", "ts_ns": start_ns + t * 10**8,
+               "values": [{"layer": "enc.0.attn", "head": h, "value": float(v)}
+                          for h, v in enumerate(row)]}
+        client.sendall((json.dumps(msg) + "\n").encode())
+        deadline = time.monotonic() + 2
+        while daemon.entropy.accepted < (t + 1) * 8 and time.monotonic() < deadline:
+            daemon.tick()
+
+
 def test_entropy_over_the_socket_fires_live_and_again_offline(tmp_path):
     from mmtrace.agent.daemon import Daemon
     cfg = config_mod.DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "s.sock",
@@ -193,20 +209,9 @@ def test_entropy_over_the_socket_fires_live_and_again_offline(tmp_path):
     daemon = Daemon(cfg)
     daemon.server = HintServer(cfg.socket)
     client = connect(cfg.socket)
-    rng = np.random.default_rng(3)
-    means = np.linspace(0.3, 0.7, 8)
     start = time.monotonic_ns() - 7 * 10**9     # samples 0.1 s apart, ending about now
     try:
-        calm = entropy_rows(rng, means, 60)
-        hot = entropy_rows(rng, np.full(8, 0.97), 8)
-        for t, row in enumerate(np.concatenate([calm, hot])):
-            msg = {"v": 1, "type": "entropy", "modality": "vision", "ts_ns": start + t * 10**8,
-                   "values": [{"layer": "enc.0.attn", "head": h, "value": float(v)}
-                              for h, v in enumerate(row)]}
-            client.sendall((json.dumps(msg) + "\n").encode())
-            deadline = time.monotonic() + 2
-            while daemon.entropy.accepted < (t + 1) * 8 and time.monotonic() < deadline:
-                daemon.tick()
+        send_entropy_rise(daemon, client, start)
     finally:
         daemon.close()
     fired = [a for a in daemon.anomalies if a.get("state") == "firing"]

@@ -1,0 +1,72 @@
+"""The daemon's live state as one JSON-able snapshot, for `mmtrace top` (over
+the hint socket's `status` request): per process doing GPU/NPU work, its
+run-queue p99, launches/s, sync-wait p99 and memcpy rate over the last
+seconds; the active anomalies, the latest hints, and what was lost.
+
+Computed on request from the daemon's rings, so a daemon nobody asks pays
+nothing for it."""
+
+import numpy as np
+
+from mmtrace.bpf import device as device_stream
+
+MAX_PROCESSES = 32
+MAX_ANOMALIES = 32
+MAX_HINTS = 16
+_LAUNCH_KINDS = [device_stream.KIND_IDS["launch"], device_stream.KIND_IDS["graph_launch"]]
+_SYNC = device_stream.KIND_IDS["sync"]
+_MEMCPY = device_stream.KIND_IDS["memcpy"]
+
+
+def process_table(runq: np.ndarray, device: np.ndarray, device_tids: np.ndarray,
+                  span_s: float) -> list[dict]:
+    """One row per process with device work in `device` (or with device
+    threads in `runq`), busiest first. `runq` and `device` cover the last
+    `span_s` seconds; `device_tids` are the threads known to do device work."""
+    runq = runq[np.isin(runq["tid"], device_tids)] if len(runq) else runq
+    pids = np.union1d(np.unique(device["pid"]), np.unique(runq["pid"])).tolist()
+    rows = []
+    for pid in pids:
+        mine = device[device["pid"] == pid]
+        waits = runq["delay_ns"][runq["pid"] == pid]
+        syncs = mine[(mine["kind"] == _SYNC) & ((mine["flags"] & device_stream.FLAG_RETURNED) != 0)]
+        copies = mine[mine["kind"] == _MEMCPY]
+        comm = _comm(mine) or _comm(runq[runq["pid"] == pid])
+        rows.append({
+            "pid": int(pid), "comm": comm,
+            "runq_p99_us": _p99(waits, 1e3), "runq_wakeups": int(len(waits)),
+            "launches_per_s": float(np.isin(mine["kind"], _LAUNCH_KINDS).sum() / span_s),
+            "sync_wait_p99_ms": _p99(syncs["duration_ns"], 1e6),
+            "memcpy_gb_per_s": float(copies["bytes"].sum() / span_s / 1e9),
+        })
+    rows.sort(key=lambda r: (r["launches_per_s"], r["runq_wakeups"]), reverse=True)
+    return rows[:MAX_PROCESSES]
+
+
+def active_anomalies(anomalies: list[dict]) -> list[dict]:
+    """The latest record of each alarm (detector, series or kind and
+    modality), kept when it is not resolved: what is wrong now."""
+    latest = {}
+    for a in anomalies:
+        key = (a.get("detector"), a.get("series") or a.get("kind"), a.get("modality"))
+        latest[key] = a
+    out = []
+    for (detector, what, modality), a in latest.items():
+        if a.get("state") in ("resolved", "normal", "cleared"):
+            continue
+        ev = a.get("evidence") or {}
+        out.append({"detector": detector, "what": what, "modality": modality,
+                    "state": a.get("state"), "ts_ns": a.get("ts_ns"),
+                    "p99": ev.get("p99"), "baseline": ev.get("baseline"),
+                    "flight_recording": a.get("flight_recording")})
+    return out[-MAX_ANOMALIES:]
+
+
+def _p99(values: np.ndarray, unit: float) -> float | None:
+    return float(np.percentile(values, 99) / unit) if len(values) else None
+
+
+def _comm(rows: np.ndarray) -> str | None:
+    if not len(rows):
+        return None
+    return bytes(rows["comm"][-1]).rstrip(b"\0").decode("utf-8", "replace") or None

@@ -1,0 +1,157 @@
+"""The hint policy: each rule's trigger and relaxation, dwell, cooldown, cap,
+TTL refresh, dry-run, and no oscillation under a load that hovers at a
+threshold."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mmtrace.dispatch.policy import HintPolicy, Observations, PolicySettings
+
+S = 10**9
+
+
+def runq(pid, p99=0.004, baseline=0.001):
+    return {"detector": "p99_drift", "series": f"runq_delay{{pid={pid}}}", "state": "firing",
+            "evidence": {"p99": p99, "baseline": baseline}}
+
+
+def request(modality, series="e2e"):
+    return {"detector": "p99_drift", "series": f"request_latency{{series={series},modality={modality}}}",
+            "state": "firing", "evidence": {"p99": 0.3, "baseline": 0.1}}
+
+
+def entropy(modality):
+    return {"detector": "attention_entropy", "kind": "entropy_rise", "state": "firing",
+            "modality": modality, "evidence": {"heads": [["enc.0", 3, 0.97]]}}
+
+
+def kinds(hints):
+    return [(h["kind"], h["target"], h["value"]) for h in hints]
+
+
+def run(policy, seconds, step_s=0.5, start_s=0.0, **obs):
+    """decide() every step_s from start_s for `seconds`; all hints sent."""
+    out = []
+    t = start_s
+    while t < start_s + seconds:
+        out += policy.decide(Observations(now_ns=int(t * S), **obs))
+        t += step_s
+    return out
+
+
+def test_runq_drift_of_a_vision_server_steps_its_batches_down_fast_and_back_slowly():
+    p = HintPolicy(PolicySettings(escalate_dwell_s=2, relax_dwell_s=20, cooldown_s=1, ttl_s=600))
+    first = p.decide(Observations(now_ns=0, firing=[runq(70)], served={70: {"vision"}}))
+    assert kinds(first) == [("modality_batch", "vision", 4), ("cpu_contention", "pid=70", 4.0)]
+    assert first[0]["ttl_s"] == 600 and "pid 70" in first[0]["reason"]
+    assert first[0]["evidence"] == {"p99": 0.004, "baseline": 0.001}
+    held = run(p, 5, start_s=0.5, firing=[runq(70)], served={70: {"vision"}})
+    assert kinds(held) == [("modality_batch", "vision", 2)]           # after 2 s more
+    assert held[0]["issued_ns"] == 2 * S
+    calm = run(p, 60, start_s=5.5, served={70: {"vision"}})
+    assert kinds(calm) == [("modality_batch", "vision", 4), ("modality_batch", "vision", 8)]
+    assert [h["issued_ns"] for h in calm] == [int(25.5 * S), int(45.5 * S)]
+
+
+def test_runq_drift_of_a_text_server_lowers_vision_priority():
+    p = HintPolicy()
+    hints = p.decide(Observations(now_ns=0, firing=[runq(71)], served={71: {"text"}}))
+    assert ("priority", "vision", "low") in kinds(hints)
+    assert not any(k == "modality_batch" for k, _, _ in kinds(hints))
+
+
+def test_text_p99_drift_shrinks_vision_batches_only_while_vision_is_in_flight():
+    p = HintPolicy()
+    assert kinds(p.decide(Observations(now_ns=0, firing=[request("text")], cpu_utilisation=0.9,
+                                       active_modalities={"text"}))) == []
+    hints = p.decide(Observations(now_ns=S, firing=[request("text")], cpu_utilisation=0.9,
+                                  active_modalities={"text", "vision"}))
+    assert kinds(hints) == [("modality_batch", "vision", 4)]
+
+
+def test_end_to_end_drift_with_idle_cpu_degrades_that_modality():
+    p = HintPolicy()
+    busy = p.decide(Observations(now_ns=0, firing=[request("text")], cpu_utilisation=0.8))
+    assert kinds(busy) == []
+    idle = p.decide(Observations(now_ns=S, firing=[request("text")], cpu_utilisation=0.3))
+    assert kinds(idle) == [("degrade", "text", 1)]
+    assert idle[0]["evidence"]["cpu_utilisation"] == 0.3
+    assert "30%" in idle[0]["reason"]
+
+
+def test_entropy_drift_degrades_its_modality_with_the_evidence():
+    p = HintPolicy()
+    [hint] = p.decide(Observations(now_ns=0, firing=[entropy("vision")]))
+    assert (hint["kind"], hint["target"], hint["value"]) == ("degrade", "vision", 1)
+    assert hint["evidence"] == {"heads": [["enc.0", 3, 0.97]]}
+
+
+def test_device_weights_are_sent_when_they_move_and_refreshed_before_the_ttl():
+    p = HintPolicy(PolicySettings(ttl_s=10))
+    w = {"0": 0.9, "1": 0.2}
+    assert kinds(p.decide(Observations(now_ns=0, device_weights=w))) == \
+        [("prefer_device", "*", {"0": 0.9, "1": 0.2})]
+    assert p.decide(Observations(now_ns=S, device_weights={"0": 0.85, "1": 0.2})) == []
+    assert kinds(p.decide(Observations(now_ns=2 * S, device_weights={"0": 0.5, "1": 0.2})))
+    assert p.decide(Observations(now_ns=6 * S, device_weights={"0": 0.5, "1": 0.2})) == []
+    refresh = p.decide(Observations(now_ns=7 * S, device_weights={"0": 0.5, "1": 0.2}))
+    assert kinds(refresh) == [("prefer_device", "*", {"0": 0.5, "1": 0.2})]
+
+
+def test_a_held_lever_is_sent_again_at_half_its_ttl():
+    p = HintPolicy(PolicySettings(ttl_s=4, escalate_dwell_s=100))
+    hints = run(p, 10, firing=[entropy("text")])
+    degrade = [h["issued_ns"] / S for h in hints if h["kind"] == "degrade"]
+    assert degrade == [0.0, 2.0, 4.0, 6.0, 8.0]
+    assert p.counts[("degrade", "sent")] == 5
+
+
+def test_the_cap_holds_hints_back_and_logs_them():
+    p = HintPolicy(PolicySettings(max_hints_per_window=3, window_s=60))
+    firing = [runq(pid) for pid in range(10, 20)]
+    sent = p.decide(Observations(now_ns=0, firing=firing))
+    assert len(sent) == 3
+    capped = [e for e in p.audit if e["outcome"] == "capped"]
+    assert len(capped) == 7 and all(e["kind"] == "cpu_contention" for e in capped)
+    later = p.decide(Observations(now_ns=61 * S, firing=firing))     # next window: the rest
+    assert len(later) == 3
+
+
+def test_dry_run_sends_nothing_and_logs_everything():
+    p = HintPolicy(PolicySettings(dry_run=True))
+    hints = p.decide(Observations(now_ns=0, firing=[runq(70), entropy("text")],
+                                  served={70: {"vision", "text"}}, device_weights={"0": 1.0}))
+    assert hints == []
+    logged = {(e["kind"], e["target"]) for e in p.audit}
+    assert logged == {("modality_batch", "vision"), ("priority", "vision"), ("degrade", "text"),
+                      ("cpu_contention", "pid=70"), ("prefer_device", "*")}
+    assert all(e["outcome"] == "dry_run" and e["reason"] for e in p.audit)
+    # the levers moved as if sent: a dry run shows what would happen next
+    assert p.levers[("modality_batch", "vision")].value == 4
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.floats(0.05, 3.0)), min_size=1, max_size=200))
+def test_a_load_hovering_at_the_threshold_does_not_make_levers_oscillate(flips):
+    """Pressure on and off at any pace: a lever never relaxes sooner than
+    relax_dwell_s after it last moved, never escalates again sooner than
+    the cooldown, and never leaves its steps."""
+    s = PolicySettings(escalate_dwell_s=2, relax_dwell_s=20, cooldown_s=3, ttl_s=1e6,
+                       max_hints_per_window=10**6)
+    p = HintPolicy(s)
+    t = 0.0
+    changes = []
+    for pressed, duration in flips:
+        end = t + duration
+        while t < end:
+            firing = [request("text")] if pressed else []
+            for h in p.decide(Observations(now_ns=int(t * S), firing=firing,
+                                           active_modalities={"vision"}, cpu_utilisation=0.9)):
+                changes.append((t, h["value"]))
+            t += 0.1
+    for (t0, v0), (t1, v1) in zip([(0.0, 8)] + changes, changes):
+        assert v1 in (2, 4, 8)
+        if v1 > v0:                                   # relaxed
+            assert t1 - t0 >= s.relax_dwell_s - 1e-6
+        elif v0 != 8:                                 # escalated again
+            assert t1 - t0 >= max(s.cooldown_s, s.escalate_dwell_s) - 1e-6

@@ -1,0 +1,164 @@
+"""`mmtrace top` in a pseudo-terminal against a daemon serving its socket:
+the figures the test caused show, `q` quits; with no daemon, one line."""
+
+import os
+import pty
+import select
+import subprocess
+import threading
+import time
+
+import numpy as np
+
+from mmtrace.agent import config as config_mod
+from mmtrace.agent.daemon import Daemon
+from mmtrace.agent.hint_socket import HintServer
+from mmtrace.bpf import device as device_stream
+from mmtrace.bpf.sched import RUNQ_EVENT
+from mmtrace.exporters import status as status_view
+
+from conftest import MMTRACE
+from test_daemon_parts import connect, send_entropy_rise
+
+PID, TID = 4321, 4322
+
+
+def api_id(symbol):
+    return next(i for i, info in device_stream.default_infos().items() if info.symbol == symbol)
+
+
+def device_events(t0_ns, t1_ns):
+    """pid 4321's device work over [t0, t1): 200 launches a second, 10
+    stream syncs a second blocking 2 ms (every tenth 9 ms), 4 copies of
+    25 MB a second."""
+    def every(period_ns):
+        return np.arange(-(-t0_ns // period_ns) * period_ns, t1_ns, period_ns)
+    launch, sync, copy = every(5_000_000), every(100_000_000), every(250_000_000)
+    ev = np.zeros(len(launch) + len(sync) + len(copy), device_stream.DEV_EVENT)
+    ev["pid"], ev["tid"], ev["comm"] = PID, TID, b"vlm-launcher"
+    parts = np.cumsum([0, len(launch), len(sync), len(copy)])
+    for (lo, hi), ts, api in zip(zip(parts, parts[1:]), (launch, sync, copy),
+                                 ("cudaLaunchKernel", "cudaStreamSynchronize", "cudaMemcpy")):
+        ev["ts_ns"][lo:hi], ev["api"][lo:hi] = ts, api_id(api)
+    ev["op_id"][:parts[1]] = launch // 5_000_000
+    waits = ev[parts[1]:parts[2]]
+    waits["duration_ns"] = np.where(waits["ts_ns"] // 100_000_000 % 10 == 0, 9_000_000, 2_000_000)
+    waits["flags"] = device_stream.FLAG_RETURNED
+    ev["bytes"][parts[2]:] = 25_000_000
+    infos = device_stream.default_infos()
+    ev["kind"] = [device_stream.KIND_IDS[infos[a].kind] for a in ev["api"].tolist()]
+    return ev[np.argsort(ev["ts_ns"], kind="stable")]
+
+
+def runq_events(t0_ns, t1_ns):
+    """A wake-up of the launching thread every 10 ms, waiting 20 µs; every
+    fiftieth waits 3 ms."""
+    ts = np.arange(-(-t0_ns // 10_000_000) * 10_000_000, t1_ns, 10_000_000)
+    rq = np.zeros(len(ts), RUNQ_EVENT)
+    rq["ts_ns"] = ts
+    rq["pid"], rq["tid"], rq["comm"] = PID, TID, b"vlm-launcher"
+    rq["delay_ns"] = np.where(ts // 10_000_000 % 50 == 0, 3_000_000, 20_000)
+    return rq
+
+
+def test_process_table_from_the_rings():
+    dev, rq = device_events(0, 10**10), runq_events(0, 10**10)
+    [row] = status_view.process_table(rq, dev, np.array([TID], np.uint32), span_s=10.0)
+    assert row["pid"] == PID and row["comm"] == "vlm-launcher"
+    assert row["launches_per_s"] == 200.0
+    assert abs(row["memcpy_gb_per_s"] - 0.1) < 1e-9
+    assert row["sync_wait_p99_ms"] == 9.0           # one sync in ten waits 9 ms
+    assert row["runq_p99_us"] == 3000.0             # one wake-up in fifty waits 3 ms
+    # threads that do no device work are not a process row
+    assert status_view.process_table(rq, dev[:0], np.array([1], np.uint32), 1.0) == []
+
+
+def test_active_anomalies_keep_the_latest_unresolved():
+    records = [{"detector": "p99_drift", "series": "a", "state": "firing"},
+               {"detector": "p99_drift", "series": "b", "state": "firing"},
+               {"detector": "p99_drift", "series": "a", "state": "resolved"}]
+    assert [a["what"] for a in status_view.active_anomalies(records)] == ["b"]
+
+
+def screens(fd, until, timeout=15.0):
+    """Read the terminal until `until(last screen)` holds; return that screen."""
+    buf, deadline = b"", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.2)
+        if ready:
+            try:
+                buf += os.read(fd, 65536)
+            except OSError:
+                break
+        last = buf.decode(errors="replace").split("\x1b[H\x1b[2J")[-1]
+        if until(last):
+            return last
+    raise AssertionError(f"screen never showed it; last:\n{buf.decode(errors='replace')[-3000:]}")
+
+
+def process_row(screen):
+    return next((line for line in screen.splitlines()
+                 if line.lstrip().startswith(str(PID))), "")
+
+
+def shows_the_figures(row):
+    """The row of pid 4321 once a second or more of its work is in: about
+    200 launches/s, sync p99 9 ms, run-queue p99 3 ms, 0.1 GB/s."""
+    cols = row.split()
+    return (len(cols) == 6 and cols[1] == "vlm-launcher" and cols[2] == "3000.0µs"
+            and 150 <= float(cols[3]) <= 260 and cols[4] == "9.0ms"
+            and cols[5] in ("0.09GB/s", "0.10GB/s", "0.11GB/s"))
+
+
+def test_top_shows_the_live_figures_and_quits_on_q(tmp_path):
+    cfg = config_mod.DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "s.sock",
+                                  flight_min_interval_s=0.0)
+    daemon = Daemon(cfg)
+    daemon.server = HintServer(cfg.socket)
+    send_entropy_rise(daemon, connect(cfg.socket), time.monotonic_ns() - 7 * 10**9)
+    stop = threading.Event()
+
+    def serve():
+        last = daemon.started_ns
+        while not stop.is_set():
+            now = time.monotonic_ns()
+            daemon.submitters.learn(device_events(last, now))
+            daemon._on_runq(runq_events(last, now))
+            daemon._on_device(device_events(last, now))
+            last = now
+            for _ in range(10):
+                daemon.tick()
+                time.sleep(0.01)
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.execv(str(MMTRACE), [str(MMTRACE), "top", "--socket", str(cfg.socket),
+                                "--interval", "0.3"])
+    try:
+        screen = screens(fd, lambda s: shows_the_figures(process_row(s)))
+        assert "entropy_rise" in screen and "[vision]" in screen
+        os.write(fd, b"q")
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        assert done == pid and os.waitstatus_to_exitcode(status) == 0
+    finally:
+        stop.set()
+        server.join(5)
+        daemon.close()
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+def test_top_without_a_daemon_says_so_in_one_line(tmp_path):
+    proc = subprocess.run([str(MMTRACE), "top", "--socket", str(tmp_path / "none.sock")],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "no mmtrace daemon is running" in proc.stderr
