@@ -11,7 +11,9 @@ import logging
 import os
 import platform
 import re
+import threading
 import time
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
@@ -21,6 +23,9 @@ from mmtrace.bpf import device as device_stream
 from mmtrace.bpf import sched as sched_stream
 from mmtrace.detectors.entropy_drift import EntropyDriftDetector
 from mmtrace.detectors.p99_drift import P99Drift
+from mmtrace.exporters import nvml as nvml_devices
+from mmtrace.exporters import prometheus
+from mmtrace.exporters.event_counts import EventCounts
 
 from . import latency_series as ls
 from . import probes as probe_loader
@@ -103,11 +108,20 @@ class Daemon:
         self.proc_root = Path("/proc")
         self._next_sweep = 0.0
         self.forgotten_series = 0
+        # Read by the metrics endpoint's thread: tick() runs under the lock.
+        self.lock = threading.Lock()
+        self.counts = EventCounts(infos)
+        self.anomaly_counts: Counter = Counter()
+        self.hint_counts: Counter = Counter()
+        self.entropy_latest: dict[str, float] = {}
+        self.nvml = None
+        self.metrics = None
 
     # ------------------------------------------------------------ lifecycle
 
     def start(self):
         cfg = self.config
+        self._start_exporters()
         options = probe_loader.ProbeOptions(pids=tuple(cfg.pids),
                                             trace_launches=not cfg.adaptive_launches)
         self.sources = DeviceSources(cfg.libs, cfg.pids, discover=True)
@@ -121,7 +135,33 @@ class Daemon:
                  list(cfg.pids) or "all", "on alarm" if cfg.adaptive_launches else "on",
                  cfg.state_dir)
 
+    def _start_exporters(self):
+        """The metrics endpoint first: a taken port ends the start at once."""
+        cfg = self.config
+        if cfg.metrics_address not in ("", "off"):
+            labels = prometheus.Labels(cfg.metrics_top_k, cfg.metrics_pid_label)
+            self.metrics = prometheus.MetricsEndpoint(
+                cfg.metrics_address, prometheus.registry_for(self, labels))
+            log.info("metrics on %s/metrics", cfg.metrics_address)
+        if cfg.nvml_interval_s > 0:
+            self.nvml = nvml_devices.NvmlMonitor(cfg.nvml_interval_s)
+            self.nvml.start()
+
+    def device_state(self) -> dict:
+        """GPU state for the dispatcher: per device its weight, resource
+        profile and the NVML figures they come from; why not, without NVML."""
+        if self.nvml is None:
+            return {"nvml": "off by configuration", "gpus": []}
+        return {"nvml": self.nvml.error or "up",
+                "gpus": [d.as_dict() for d in self.nvml.devices()]}
+
     def close(self):
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        if self.nvml is not None:
+            self.nvml.close()
+            self.nvml = None
         if self.server is not None:
             self.server.close()
             self.server = None
@@ -133,7 +173,8 @@ class Daemon:
         self.start()
         try:
             while not self.stop:
-                self.tick()
+                with self.lock:
+                    self.tick()
                 time.sleep(self.config.tick_s)
         finally:
             self.close()
@@ -170,6 +211,7 @@ class Daemon:
                     not (self.proc_root / match.group(1)).exists():
                 self.p99.reset(name)
                 self.forgotten_series += 1
+        self.counts.forget_exited()
 
     def _device(self):
         return self.loaded.device if self.loaded is not None else None
@@ -181,6 +223,7 @@ class Daemon:
 
     def _on_runq(self, batch):
         self.runq_ring.push(batch)
+        self.counts.on_runq(batch, self.submitters)
         self._observe(ls.runq_series(self.p99.series_id, batch, self.submitters))
 
     def _on_device(self, batch):
@@ -189,6 +232,7 @@ class Daemon:
             self.op_names = (self.op_names + rows)[-(1 << 16):]
         self.submitters.learn(batch)
         aligned = self.aligner.push(batch)
+        self.counts.on_device(aligned, self.aligner.last_retired)
         self._observe(ls.sync_series(self.p99.series_id, aligned))
         self._observe(ls.retire_series(self.p99.series_id, self.aligner.last_retired))
 
@@ -205,6 +249,9 @@ class Daemon:
                 samples = [{**s, "modality": s.get("modality", msg["modality"])}
                            for s in (msg.get("values") or [msg]) if isinstance(s, dict)]
                 self._keep_entropy(samples, msg["modality"], ts)
+                values = [s["value"] for s in samples if isinstance(s.get("value"), (int, float))]
+                if values and len(self.entropy_latest) < self.modalities.limit:
+                    self.entropy_latest[str(msg["modality"])] = sum(values) / len(values)
                 try:
                     self._act(self.entropy.update(samples, ts_ns=ts))
                 except ValueError as exc:
@@ -248,6 +295,8 @@ class Daemon:
             self.anomalies.append(anomaly)
             del self.anomalies[:-1000]
             firing = anomaly.get("state") == "firing"
+            if firing:
+                self.anomaly_counts[anomaly.get("detector", "unknown")] += 1
             log.warning("anomaly %s %s %s", anomaly.get("detector"),
                         anomaly.get("series") or anomaly.get("kind"), anomaly.get("state"))
             if not firing:
@@ -288,12 +337,14 @@ class Daemon:
         self._hint_seq += 1
         ev = anomaly.get("evidence", {})
         ratio = (ev.get("p99") or 0) / ev["baseline"] if ev.get("baseline") else None
-        self.hints_sent += self.server.broadcast({
+        sent = self.server.broadcast({
             "v": 1, "type": "hint", "id": f"{os.getpid()}-{self._hint_seq}",
             "kind": "cpu_contention", "target": series[series.find("{") + 1:-1],
             "value": ratio, "ttl_s": HINT_TTL_S,
             "reason": "run-queue delay p99 of the submitting threads drifted up",
             "evidence": ev, "issued_ns": time.monotonic_ns()})
+        self.hints_sent += sent
+        self.hint_counts["cpu_contention"] += sent
 
 
 def _plain_device(aligned: np.ndarray) -> np.ndarray:
