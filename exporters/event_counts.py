@@ -84,6 +84,8 @@ class EventCounts:
         self.proc_root = Path(proc_root)
         self.max_processes = max_processes
         size = max(self.infos, default=0) + 1
+        self._known = np.zeros(size, bool)
+        self._known[list(self.infos)] = True
         self._stream = np.array([self.infos[i].stream if i in self.infos else ""
                                  for i in range(size)], dtype=object)
         self._lock = threading.Lock()
@@ -112,7 +114,7 @@ class EventCounts:
     def on_device(self, aligned: np.ndarray, retired: np.ndarray):
         """Aligned device events of a batch, and the submissions it retired."""
         api = aligned["api"].astype(np.int64)
-        known = api < len(self._submissions)
+        known = (api < len(self._known)) & self._known[np.minimum(api, len(self._known) - 1)]
         aligned, api = aligned[known], api[known]
         submitted = np.isin(aligned["kind"], SUBMISSION_KINDS)
         memcpy = aligned["kind"] == MEMCPY
@@ -127,8 +129,7 @@ class EventCounts:
                 mask = syncs & (self._stream[api] == stream)
                 hist.add(aligned["duration_ns"][mask] / 1e9)
             if len(retired):
-                r_api = retired["api"].astype(np.int64)
-                r_api = np.where(r_api < len(self._stream), r_api, 0)
+                r_api = np.minimum(retired["api"].astype(np.int64), len(self._stream) - 1)
                 latency = np.maximum(retired["retired_ns"] - retired["ts_ns"].astype(np.int64),
                                      0) / 1e9
                 for stream, hist in self._retire.items():

@@ -184,8 +184,9 @@ class DaemonCollector:
                                       labels=["program"])
         runs = CounterMetricFamily("mmtrace_bpf_program_runs", "Runs of each eBPF program.",
                                    labels=["program"])
-        for name, fn in sorted(getattr(bpf, "funcs", {}).items()):
-            name = name.decode() if isinstance(name, bytes) else name
+        funcs = {(n.decode() if isinstance(n, bytes) else n): fn
+                 for n, fn in getattr(bpf, "funcs", {}).items()}
+        for name, fn in sorted(funcs.items()):
             stats = _prog_stats(self.proc_root / "self" / "fdinfo" / str(fn.fd))
             if stats is not None:
                 seconds.add_metric([name], stats[0] / 1e9)

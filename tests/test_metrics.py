@@ -213,3 +213,37 @@ def test_run_with_a_taken_port_exits_2_with_one_line(mmtrace_cli, tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip() == ("mmtrace: error: metrics address: expected HOST:PORT or "
                                      ":PORT (e.g. :9464), got 'nowhere'")
+
+
+def test_events_of_unknown_apis_are_not_counted(daemon):
+    unknown = [dict(launch(100, 101, 1000, 1), api=api) for api in (30, 999, 65535)]
+    daemon._on_device(dev_events(unknown + [launch(100, 101, 2000, 2)]))
+    assert family(scrape(daemon), "mmtrace_device_submissions_total") == [
+        'mmtrace_device_submissions_total{api="cudaLaunchKernel",kind="launch",stream="gpu"} 1.0']
+
+
+def test_bpf_program_run_time_where_the_kernel_measures_it(tmp_path):
+    class Fn:
+        def __init__(self, fd):
+            self.fd = fd
+
+    class Bpf:
+        funcs = {b"tracepoint__sched__sched_switch": Fn(7), "on_cudaLaunchKernel": Fn(9)}
+
+    proc = tmp_path / "proc"
+    (proc / "sys" / "kernel").mkdir(parents=True)
+    (proc / "self" / "fdinfo").mkdir(parents=True)
+    (proc / "self" / "fdinfo" / "7").write_text(
+        "pos:\t0\nprog_type:\t5\nrun_time_ns:\t2500000000\nrun_cnt:\t1000\n")
+    (proc / "self" / "fdinfo" / "9").write_text("pos:\t0\nprog_type:\t2\n")   # no stats
+    collector = prometheus.DaemonCollector(None, proc_root=proc)
+    (proc / "sys" / "kernel" / "bpf_stats_enabled").write_text("0\n")
+    families = {f.name: f for f in collector._bpf_run_time(Bpf())}
+    assert [s.value for s in families["mmtrace_bpf_stats_enabled"].samples] == [0]
+    assert "mmtrace_bpf_program_run_seconds" not in families
+    (proc / "sys" / "kernel" / "bpf_stats_enabled").write_text("1\n")
+    families = {f.name: f for f in collector._bpf_run_time(Bpf())}
+    run_s = families["mmtrace_bpf_program_run_seconds"].samples
+    assert [(s.labels, s.value) for s in run_s] == [
+        ({"program": "tracepoint__sched__sched_switch"}, 2.5)]
+    assert [s.value for s in families["mmtrace_bpf_program_runs"].samples] == [1000]
