@@ -139,21 +139,11 @@ def check_tools() -> Check:
                  "" if gcc else "apt-get install gcc")
 
 
-def check_nvml() -> Check:
-    """GPU device state (utilisation, memory, weights) comes from NVML;
-    tracing runs without it."""
-    from mmtrace.exporters.nvml import describe
-    ok, detail = describe()
-    return Check("nvml", ok, False, detail,
-                 "" if ok else "install the NVIDIA driver (libnvidia-ml.so.1) on GPU hosts; "
-                 "without it the GPU device metrics and weights are off")
-
-
 def run_checks(host: Host | None = None) -> list[Check]:
     host = host or Host()
     checks = [check_privileges(host), check_tracefs(host), check_btf(host),
               check_uprobes(host), check_bcc(), check_kernel_headers(host), check_ringbuf(),
-              check_tools(), check_nvml()]
+              check_tools()]
     try:
         from . import discovery
     except ImportError:

@@ -186,22 +186,6 @@ def load_pynvml():
     return pynvml
 
 
-def describe() -> tuple[bool, str]:
-    """For `mmtrace doctor`: whether NVML works here, and what it sees or why not."""
-    try:
-        nvml = load_pynvml()
-    except RuntimeError as exc:
-        return False, str(exc)
-    try:
-        version = _text(nvml.nvmlSystemGetDriverVersion())
-        count = nvml.nvmlDeviceGetCount()
-    except nvml.NVMLError as exc:
-        return False, f"NVML initialised but did not answer: {exc}"
-    finally:
-        nvml.nvmlShutdown()
-    return True, f"NVML of driver {version}: {count} device(s)"
-
-
 class NvmlMonitor:
     """Polls every device each `interval_s` in its own thread. `devices()`
     returns the latest poll; `error` says why it is off (None when on)."""

@@ -123,7 +123,7 @@ def test_poll_failure_keeps_the_monitor_alive():
 
 
 def _doctor_nvml(env) -> dict:
-    code = ("import json; from mmtrace.agent.doctor import check_nvml; "
+    code = ("import json; from mmtrace.agent.discovery import check_nvml; "
             "print(json.dumps(check_nvml().as_dict()))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=60, check=True)
@@ -134,7 +134,7 @@ def test_doctor_says_nvml_is_missing_without_a_library():
     env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
     check = _doctor_nvml(env)
     assert check["ok"] is False and check["required"] is False
-    assert "libnvidia-ml.so.1 not found" in check["detail"]
+    assert check["detail"] == "nvmlInit: libnvidia-ml.so.1 not found"
     assert "driver" in check["fix"]
 
 
@@ -143,7 +143,8 @@ def test_doctor_sees_the_standin(standin, tmp_path):
     write_state(state, [FakeGpu("0000:17:00.0"), FakeGpu("0000:18:00.0")])
     check = _doctor_nvml(standin_env(standin, state))
     assert check["ok"] is True
-    assert check["detail"] == "NVML of driver standin: 2 device(s)"
-    # the library is there, the driver is not loaded: NVML's own reason
+    assert check["detail"] == "NVML sees 2 GPU(s), driver standin"
+    # the library is there, the driver is not loaded
     check = _doctor_nvml(standin_env(standin, tmp_path / "absent"))
-    assert check["ok"] is False and "Driver Not Loaded" in check["detail"]
+    assert check["ok"] is False
+    assert check["detail"] == "nvmlInit: the NVIDIA kernel driver is not loaded"
