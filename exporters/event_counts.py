@@ -103,11 +103,11 @@ class EventCounts:
         mine = batch[submitters.mask(batch["tid"])] if len(batch) else batch
         if not len(mine):
             return
-        pids, inverse = np.unique(mine["pid"], return_inverse=True)
+        pids, first, inverse = np.unique(mine["pid"], return_index=True, return_inverse=True)
         delays = mine["delay_ns"] / 1e9
         with self._lock:
             for k, pid in enumerate(pids.tolist()):
-                proc = self._process(pid)
+                proc = self._process(pid, mine["comm"][first[k]])
                 if proc is not None:
                     proc.hist.add(delays[inverse == k])
 
@@ -141,20 +141,22 @@ class EventCounts:
             for pid in [p for p in self._processes if not (self.proc_root / str(p)).exists()]:
                 del self._processes[pid]
 
-    def _process(self, pid: int) -> ProcessRunq | None:
+    def _process(self, pid: int, thread_comm: bytes) -> ProcessRunq | None:
         proc = self._processes.get(pid)
         if proc is None:
             if len(self._processes) >= self.max_processes:
                 self.processes_dropped += 1
                 return None
-            proc = self._processes[pid] = ProcessRunq(self._name(pid))
+            proc = self._processes[pid] = ProcessRunq(self._name(pid, thread_comm))
         return proc
 
-    def _name(self, pid: int) -> str:
+    def _name(self, pid: int, thread_comm: bytes) -> str:
+        """The process's name; for one gone already, that of a thread of it."""
         try:
-            return (self.proc_root / str(pid) / "comm").read_text().strip() or "unknown"
+            name = (self.proc_root / str(pid) / "comm").read_text().strip()
         except OSError:
-            return "unknown"
+            name = ""
+        return name or thread_comm.decode(errors="replace").rstrip("\0") or "unknown"
 
     # --------------------------------------------------------------- read
 

@@ -33,8 +33,8 @@ def dev_events(rows) -> np.ndarray:
 
 def runq_events(rows) -> np.ndarray:
     out = np.zeros(len(rows), sched_stream.RUNQ_EVENT)
-    for i, (pid, tid, delay_ns) in enumerate(rows):
-        out[i] = (1_000_000 + i, delay_ns, pid, tid, 0, 0, b"t")
+    for i, (pid, tid, delay_ns, *comm) in enumerate(rows):
+        out[i] = (1_000_000 + i, delay_ns, pid, tid, 0, 0, comm[0] if comm else b"t")
     return out
 
 
@@ -130,6 +130,13 @@ def test_submitter_runq_is_per_process_name_capped_at_top_k(daemon):
     assert family(lines, "mmtrace_submitter_runq_delay_seconds_count") == [
         'mmtrace_submitter_runq_delay_seconds_count{pid="100",process="vision_enc"} 5.0',
         'mmtrace_submitter_runq_delay_seconds_count{pid="other",process="other"} 5.0']
+
+
+def test_a_process_gone_from_proc_is_named_by_its_threads(daemon):
+    daemon._on_device(dev_events([launch(600, 601, 1000, 1)]))
+    daemon._on_runq(runq_events([(600, 601, 5_000, b"short_lived")]))
+    assert family(scrape(daemon), "mmtrace_submitter_runq_delay_seconds_count") == [
+        'mmtrace_submitter_runq_delay_seconds_count{process="short_lived"} 1.0']
 
 
 def test_detectors_anomalies_hints_and_entropy(daemon):
