@@ -46,7 +46,7 @@ class DaemonConfig:
     metrics_address: str = ":9464"          # Prometheus endpoint; "off": none
     metrics_top_k: int = 10                 # workloads named in labels, the rest "other"
     metrics_pid_label: bool = False         # also label those top-K by pid
-    nvml_interval_s: float = 1.0            # GPU state poll through NVML; 0: off
+    device_poll_interval_s: float = 1.0     # GPU/NPU state (NVML, npu-smi); 0: off
     p99: P99Settings = field(default_factory=P99Settings)
     entropy: EntropySettings = field(default_factory=EntropySettings)
 
@@ -109,7 +109,7 @@ def load_config(path: Path | None) -> DaemonConfig:
     if min(cfg.tick_s, cfg.ring_seconds, cfg.ring_capacity, cfg.device_ring_capacity) <= 0:
         raise MmtraceError(f"config {path}: tick_s, ring_seconds, ring_capacity and "
                            "device_ring_capacity must be positive")
-    if cfg.metrics_top_k < 0 or cfg.nvml_interval_s < 0:
-        raise MmtraceError(f"config {path}: metrics_top_k and nvml_interval_s must not be "
+    if cfg.metrics_top_k < 0 or cfg.device_poll_interval_s < 0:
+        raise MmtraceError(f"config {path}: metrics_top_k and device_poll_interval_s must not be "
                            "negative")
     return cfg

@@ -23,7 +23,7 @@ from mmtrace.bpf import device as device_stream
 from mmtrace.bpf import sched as sched_stream
 from mmtrace.detectors.entropy_drift import EntropyDriftDetector
 from mmtrace.detectors.p99_drift import P99Drift
-from mmtrace.exporters import nvml as nvml_devices
+from mmtrace.exporters import npu_smi, nvml
 from mmtrace.exporters import prometheus
 from mmtrace.exporters.event_counts import EventCounts
 
@@ -114,7 +114,8 @@ class Daemon:
         self.anomaly_counts: Counter = Counter()
         self.hint_counts: Counter = Counter()
         self.entropy_latest: dict[str, float] = {}
-        self.nvml = None
+        self.nvml = None                    # DeviceMonitor of the GPUs
+        self.npu = None                     # ... of the Ascend NPUs, where npu-smi is
         self.metrics = None
 
     # ------------------------------------------------------------ lifecycle
@@ -143,25 +144,30 @@ class Daemon:
             self.metrics = prometheus.MetricsEndpoint(
                 cfg.metrics_address, prometheus.registry_for(self, labels))
             log.info("metrics on %s/metrics", cfg.metrics_address)
-        if cfg.nvml_interval_s > 0:
-            self.nvml = nvml_devices.NvmlMonitor(cfg.nvml_interval_s)
+        if cfg.device_poll_interval_s > 0:
+            self.nvml = nvml.monitor(cfg.device_poll_interval_s)
             self.nvml.start()
+            if npu_smi.available():
+                self.npu = npu_smi.monitor(cfg.device_poll_interval_s)
+                self.npu.start()
 
     def device_state(self) -> dict:
-        """GPU state for the dispatcher: per device its weight, resource
-        profile and the NVML figures they come from; why not, without NVML."""
-        if self.nvml is None:
-            return {"nvml": "off by configuration", "gpus": []}
-        return {"nvml": self.nvml.error or "up",
-                "gpus": [d.as_dict() for d in self.nvml.devices()]}
+        """Device state for the dispatcher: per GPU / NPU its weight, resource
+        profile and the figures they come from; for each source, "up" or why not."""
+        out = {}
+        for kind, monitor in (("gpus", self.nvml), ("npus", self.npu)):
+            out[kind] = [d.as_dict() for d in monitor.devices()] if monitor else []
+            out[f"{kind}_source"] = (monitor.error or "up") if monitor else "off"
+        return out
 
     def close(self):
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
-        if self.nvml is not None:
-            self.nvml.close()
-            self.nvml = None
+        for monitor in (self.nvml, self.npu):
+            if monitor is not None:
+                monitor.close()
+        self.nvml = self.npu = None
         if self.server is not None:
             self.server.close()
             self.server = None

@@ -139,7 +139,7 @@ def scrape_cost(natives, loops, scrapes: int, config: str) -> dict:
 
 def cpu_round(natives, loops, seconds: float, metrics_on: bool) -> float:
     port = free_port() if metrics_on else None
-    config = "" if metrics_on else "nvml_interval_s = 0\n"
+    config = "" if metrics_on else "device_poll_interval_s = 0\n"
     with tempfile.TemporaryDirectory() as tmp:
         daemon = Daemon(Path(tmp), natives.cudart, loops.pids, config, port)
         try:

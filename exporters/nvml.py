@@ -1,107 +1,17 @@
-"""NVIDIA device state through pynvml (NVML), polled in a thread of its own.
+"""GPU device state through pynvml (NVML): per device SM and memory-bandwidth
+utilisation, memory used and total, temperature, power, PCIe throughput and
+the NVLink / PCIe topology to the other devices (see device_state.py for
+the weight and profile computed from them)."""
 
-Per device: SM and memory-bandwidth utilisation, memory used and total,
-temperature, power, PCIe throughput, and the NVLink / PCIe topology to the
-other devices; from those the design's two figures:
+from .device_state import DeviceMonitor, DeviceState, finish
 
-- device weight = (1 - SM util) x (1 - mem-bw util) x max(0.1, 1 / (hops + 1)):
-  how much more work a device can take. `hops` is the mean number of links
-  from the device to each other device: 1 over a direct NVLink, else by
-  NVML's common PCIe ancestor (same board 1, one switch 2, several
-  switches 3, host bridge 4, same NUMA node 5, across sockets 6); 0 alone;
-- resource profile = 0.3 norm(temp, 35-100 °C) + 0.4 memory fragmentation
-  + 0.3 bandwidth saturation: how close a device runs to its limits.
-  NVML cannot see how an allocator's free memory is cut up, so memory
-  fragmentation stands as the share of memory in use (the pressure under
-  which fragmentation makes allocations fail); bandwidth saturation is
-  the larger of the memory-bandwidth and the PCIe link utilisation.
-
-Without a driver (no libnvidia-ml.so.1, or NVML will not initialise) the
-monitor is off, says why once, and never raises into the agent.
-"""
-
-import logging
-import threading
-import time
-from dataclasses import asdict, dataclass, field
-
-log = logging.getLogger("mmtrace.nvml")
-
-TEMP_RANGE_C = (35.0, 100.0)
-# NVML's nvmlGpuTopologyLevel_t values -> links between two devices.
-ANCESTOR_HOPS = {0: 1, 10: 2, 20: 3, 30: 4, 40: 5, 50: 6}
 MAX_NVLINKS = 18    # NVML_NVLINK_MAX_LINKS
 PCIE_TX, PCIE_RX = 0, 1
 # One lane, one direction, after line encoding, per PCIe generation.
 PCIE_LANE_BYTES_PER_S = {1: 250e6, 2: 500e6, 3: 985e6, 4: 1969e6, 5: 3938e6, 6: 7563e6}
 
 
-def norm(value: float, low: float, high: float) -> float:
-    return min(1.0, max(0.0, (value - low) / (high - low)))
-
-
-def device_weight(sm_util: float, mem_bw_util: float, hops: float) -> float:
-    """The design's weight; utilisations in 0..1."""
-    return (1 - sm_util) * (1 - mem_bw_util) * max(0.1, 1 / (hops + 1))
-
-
-def resource_profile(temperature_c: float, memory_fragmentation: float,
-                     bandwidth_saturation: float) -> float:
-    """The design's profile; fragmentation and saturation in 0..1."""
-    return (0.3 * norm(temperature_c, *TEMP_RANGE_C) + 0.4 * memory_fragmentation
-            + 0.3 * bandwidth_saturation)
-
-
-@dataclass
-class GpuState:
-    index: int
-    name: str
-    bus_id: str
-    sm_util: float              # 0..1
-    mem_bw_util: float          # 0..1
-    memory_used_bytes: int
-    memory_total_bytes: int
-    temperature_c: float
-    power_w: float
-    pcie_tx_bytes_per_s: float
-    pcie_rx_bytes_per_s: float
-    pcie_max_bytes_per_s: float | None = None
-    nvlink_peers: list = field(default_factory=list)   # ordinals over a direct NVLink
-    hops: float = 0.0
-    weight: float = 1.0
-    profile: float = 0.0
-
-    @property
-    def memory_fragmentation(self) -> float:
-        return self.memory_used_bytes / self.memory_total_bytes if self.memory_total_bytes else 0.0
-
-    @property
-    def bandwidth_saturation(self) -> float:
-        pcie = 0.0
-        if self.pcie_max_bytes_per_s:
-            pcie = min(1.0, (self.pcie_tx_bytes_per_s + self.pcie_rx_bytes_per_s)
-                       / self.pcie_max_bytes_per_s)
-        return max(self.mem_bw_util, pcie)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-def finish(states: list[GpuState], ancestors: dict[tuple[int, int], int]) -> list[GpuState]:
-    """Hops, weight and profile of each device, from the topology:
-    `ancestors[(i, j)]` is NVML's common-ancestor level of devices i and j."""
-    for s in states:
-        peers = [o.index for o in states if o.index != s.index]
-        links = [1 if p in s.nvlink_peers else ANCESTOR_HOPS.get(ancestors.get((s.index, p)), 6)
-                 for p in peers]
-        s.hops = sum(links) / len(links) if links else 0.0
-        s.weight = device_weight(s.sm_util, s.mem_bw_util, s.hops)
-        s.profile = resource_profile(s.temperature_c, s.memory_fragmentation,
-                                     s.bandwidth_saturation)
-    return states
-
-
-def read_devices(nvml) -> list[GpuState]:
+def read_devices(nvml) -> list[DeviceState]:
     """One poll of every device through the pynvml module `nvml`."""
     handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
     states, bus_ids = [], []
@@ -110,7 +20,7 @@ def read_devices(nvml) -> list[GpuState]:
         mem = nvml.nvmlDeviceGetMemoryInfo(h)
         bus_id = _text(nvml.nvmlDeviceGetPciInfo(h).busId)
         bus_ids.append(bus_id)
-        states.append(GpuState(
+        states.append(DeviceState(
             index=index, name=_text(nvml.nvmlDeviceGetName(h)), bus_id=bus_id,
             sm_util=util.gpu / 100, mem_bw_util=util.memory / 100,
             memory_used_bytes=int(mem.used), memory_total_bytes=int(mem.total),
@@ -186,73 +96,20 @@ def load_pynvml():
     return pynvml
 
 
-class NvmlMonitor:
-    """Polls every device each `interval_s` in its own thread. `devices()`
-    returns the latest poll; `error` says why it is off (None when on)."""
 
-    def __init__(self, interval_s: float = 1.0, loader=load_pynvml, clock=time.monotonic):
-        if interval_s <= 0:
-            raise ValueError(f"NVML poll interval must be positive, got {interval_s}")
-        self.interval_s = interval_s
-        self.loader = loader
-        self.clock = clock
-        self.error: str | None = "not started"
-        self.polls = 0
-        self.poll_errors = 0
-        self._nvml = None
-        self._devices: list[GpuState] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = None
 
-    @property
-    def up(self) -> bool:
-        return self._nvml is not None and self.error is None
+class NvmlSource:
+    """An initialised NVML, read by a DeviceMonitor."""
 
-    def start(self) -> bool:
-        """Initialise NVML and start polling; False (one log line) without it."""
-        try:
-            self._nvml = self.loader()
-        except RuntimeError as exc:
-            self.error = str(exc)
-            log.warning("NVML off: %s", exc)
-            return False
-        self.error = None
-        self.poll()
-        self._thread = threading.Thread(target=self._run, name="mmtrace-nvml", daemon=True)
-        self._thread.start()
-        return True
+    def __init__(self, loader=load_pynvml):
+        self.nvml = loader()
 
-    def poll(self):
-        try:
-            devices = read_devices(self._nvml)
-        except Exception as exc:    # a lost GPU, a driver reload: keep the agent running
-            self.poll_errors += 1
-            if self.error is None:
-                log.warning("NVML poll failed: %s", exc)
-            self.error = f"poll failed: {exc}"
-            return
-        with self._lock:
-            self._devices = devices
-        self.error = None
-        self.polls += 1
+    def read(self) -> list[DeviceState]:
+        return read_devices(self.nvml)
 
-    def devices(self) -> list[GpuState]:
-        with self._lock:
-            return list(self._devices)
+    def close(self):
+        self.nvml.nvmlShutdown()
 
-    def _run(self):
-        while not self._stop.wait(self.interval_s):
-            self.poll()
 
-    def close(self, timeout_s: float = 2.0):
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            self._thread = None
-        if self._nvml is not None:
-            try:
-                self._nvml.nvmlShutdown()
-            except Exception:   # noqa: BLE001 (shutting down: nothing left to do with it)
-                pass
-            self._nvml = None
+def monitor(interval_s: float = 1.0, loader=load_pynvml) -> DeviceMonitor:
+    return DeviceMonitor("NVML", lambda: NvmlSource(loader), interval_s)

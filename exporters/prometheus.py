@@ -110,7 +110,7 @@ class Labels:
 class DaemonCollector:
     """Reads the daemon at scrape time. `daemon` offers: lock, loaded (or
     None), counts (EventCounts), probe_states, p99, entropy, entropy_latest,
-    anomaly_counts, hint_counts, nvml (NvmlMonitor or None)."""
+    anomaly_counts, hint_counts, nvml and npu (DeviceMonitors or None)."""
 
     def __init__(self, daemon, labels: Labels = Labels(), proc_root: Path = Path("/proc")):
         self.daemon = daemon
@@ -136,7 +136,7 @@ class DaemonCollector:
             probe_states = list(d.probe_states)
         yield from self._probes(loaded, probe_states)
         yield from self._detectors(detector_rows, entropy, anomalies, hints)
-        yield from self._nvml(d.nvml)
+        yield from self._devices(d.nvml, d.npu)
 
     # ------------------------------------------------------------ kernel
 
@@ -285,49 +285,56 @@ class DaemonCollector:
             h.add_metric([kind], hints.get(kind, 0))
         yield h
 
-    # -------------------------------------------------------------- nvml
+    # ----------------------------------------------------------- devices
 
-    def _nvml(self, monitor):
-        up = GaugeMetricFamily("mmtrace_nvml_up", "1 when NVML answers (GPU device state is "
-                               "polled), 0 without a driver or when polling fails.",
-                               value=int(monitor is not None and monitor.up))
-        yield up
-        if monitor is None:
-            return
-        devices = monitor.devices()
-        gauges = {
-            "weight": ("mmtrace_gpu_device_weight",
-                       "(1 - SM util) x (1 - mem-bw util) x max(0.1, 1/(hops+1))."),
-            "profile": ("mmtrace_gpu_resource_profile",
-                        "0.3 norm(temp, 35-100 C) + 0.4 memory fragmentation + 0.3 "
-                        "bandwidth saturation."),
-            "sm_util": ("mmtrace_gpu_sm_utilization_ratio", "SM utilisation, 0..1."),
-            "mem_bw_util": ("mmtrace_gpu_memory_bandwidth_utilization_ratio",
-                            "Memory-bandwidth utilisation, 0..1."),
-            "memory_used_bytes": ("mmtrace_gpu_memory_used_bytes", "Device memory in use."),
-            "memory_total_bytes": ("mmtrace_gpu_memory_total_bytes", "Device memory."),
-            "temperature_c": ("mmtrace_gpu_temperature_celsius", "GPU temperature."),
-            "power_w": ("mmtrace_gpu_power_watts", "Power draw."),
-            "hops": ("mmtrace_gpu_hops", "Mean links from the device to each other device."),
-        }
-        for attr, (name, doc) in gauges.items():
-            g = GaugeMetricFamily(name, doc, labels=["gpu"])
-            for dev in devices:
-                g.add_metric([str(dev.index)], float(getattr(dev, attr)))
-            yield g
-        pcie = GaugeMetricFamily("mmtrace_gpu_pcie_throughput_bytes_per_second",
-                                 "PCIe throughput over NVML's last sample.",
-                                 labels=["gpu", "direction"])
+    def _devices(self, nvml, npu):
+        yield GaugeMetricFamily("mmtrace_nvml_up", "1 when NVML answers (GPU device state is "
+                                "polled), 0 without a driver or when polling fails.",
+                                value=int(nvml is not None and nvml.up))
+        if npu is not None:
+            yield GaugeMetricFamily("mmtrace_npu_smi_up", "1 when npu-smi answers (NPU device "
+                                    "state is polled), 0 when it fails.", value=int(npu.up))
+        for kind, monitor in (("gpu", nvml), ("npu", npu)):
+            if monitor is not None:
+                yield from _device_gauges(kind, monitor.devices())
+
+
+DEVICE_GAUGES = {
+    "weight": ("device_weight", "(1 - SM util) x (1 - mem-bw util) x max(0.1, 1/(hops+1))."),
+    "profile": ("resource_profile", "0.3 norm(temp, 35-100 C) + 0.4 memory fragmentation + "
+                "0.3 bandwidth saturation."),
+    "sm_util": ("sm_utilization_ratio", "SM (NPU: AI Core) utilisation, 0..1."),
+    "mem_bw_util": ("memory_bandwidth_utilization_ratio", "Memory-bandwidth utilisation, 0..1."),
+    "memory_used_bytes": ("memory_used_bytes", "Device memory in use."),
+    "memory_total_bytes": ("memory_total_bytes", "Device memory."),
+    "temperature_c": ("temperature_celsius", "Device temperature."),
+    "power_w": ("power_watts", "Power draw."),
+    "hops": ("hops", "Mean links from the device to each other device."),
+}
+
+
+def _device_gauges(kind: str, devices: list):
+    """mmtrace_gpu_* {gpu="0"} from NVML, mmtrace_npu_* {npu="0"} from npu-smi."""
+    for attr, (suffix, doc) in DEVICE_GAUGES.items():
+        g = GaugeMetricFamily(f"mmtrace_{kind}_{suffix}", doc, labels=[kind])
         for dev in devices:
-            pcie.add_metric([str(dev.index), "tx"], dev.pcie_tx_bytes_per_s)
-            pcie.add_metric([str(dev.index), "rx"], dev.pcie_rx_bytes_per_s)
-        yield pcie
-        link = GaugeMetricFamily("mmtrace_gpu_nvlink_peer", "1 for each pair of devices "
-                                 "joined by a direct NVLink.", labels=["gpu", "peer"])
-        for dev in devices:
-            for peer in dev.nvlink_peers:
-                link.add_metric([str(dev.index), str(peer)], 1)
-        yield link
+            g.add_metric([str(dev.index)], float(getattr(dev, attr)))
+        yield g
+    if kind != "gpu":
+        return
+    pcie = GaugeMetricFamily("mmtrace_gpu_pcie_throughput_bytes_per_second",
+                             "PCIe throughput over NVML's last sample.",
+                             labels=["gpu", "direction"])
+    for dev in devices:
+        pcie.add_metric([str(dev.index), "tx"], dev.pcie_tx_bytes_per_s)
+        pcie.add_metric([str(dev.index), "rx"], dev.pcie_rx_bytes_per_s)
+    yield pcie
+    link = GaugeMetricFamily("mmtrace_gpu_nvlink_peer", "1 for each pair of devices "
+                             "joined by a direct NVLink.", labels=["gpu", "peer"])
+    for dev in devices:
+        for peer in dev.nvlink_peers:
+            link.add_metric([str(dev.index), str(peer)], 1)
+    yield link
 
 
 def _detector_rows(d) -> dict:

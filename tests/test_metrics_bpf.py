@@ -175,7 +175,7 @@ def test_prometheus_scrapes_what_the_streams_produced(natives, tmp_path):  # noq
     hang = held([natives.driver_calls, "hang"])
     workloads = [loop, forced, hang]
     metrics_port = free_port()
-    (tmp_path / "mmtrace.toml").write_text("nvml_interval_s = 0.25\n")
+    (tmp_path / "mmtrace.toml").write_text("device_poll_interval_s = 0.25\n")
     daemon = prom = None
     try:
         assert loop.stdout.readline().startswith("ready")

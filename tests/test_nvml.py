@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from mmtrace.exporters import nvml
+from mmtrace.exporters import device_state, nvml
 from nvml_standin import FakeGpu, build_standin, standin_env, write_state
 
 GIB = 1 << 30
@@ -35,19 +35,19 @@ def loaded_standin(standin, tmp_path, monkeypatch):
 
 
 def test_weight_is_the_designs_formula():
-    assert nvml.device_weight(0.5, 0.2, 1) == pytest.approx(0.5 * 0.8 * 0.5)
-    assert nvml.device_weight(0.0, 0.0, 0) == 1.0
+    assert device_state.device_weight(0.5, 0.2, 1) == pytest.approx(0.5 * 0.8 * 0.5)
+    assert device_state.device_weight(0.0, 0.0, 0) == 1.0
     # max(0.1, 1/(hops+1)): far devices keep a tenth
-    assert nvml.device_weight(0.0, 0.0, 20) == pytest.approx(0.1)
-    assert nvml.device_weight(1.0, 0.0, 0) == 0.0
+    assert device_state.device_weight(0.0, 0.0, 20) == pytest.approx(0.1)
+    assert device_state.device_weight(1.0, 0.0, 0) == 0.0
 
 
 def test_profile_is_the_designs_formula():
     # temperature normalised over 35..100 C and clamped
-    assert nvml.resource_profile(35, 0, 0) == 0
-    assert nvml.resource_profile(100, 0, 0) == pytest.approx(0.3)
-    assert nvml.resource_profile(20, 0, 0) == 0
-    assert nvml.resource_profile(67.5, 0.5, 0.25) == pytest.approx(0.15 + 0.2 + 0.075)
+    assert device_state.resource_profile(35, 0, 0) == 0
+    assert device_state.resource_profile(100, 0, 0) == pytest.approx(0.3)
+    assert device_state.resource_profile(20, 0, 0) == 0
+    assert device_state.resource_profile(67.5, 0.5, 0.25) == pytest.approx(0.15 + 0.2 + 0.075)
 
 
 def test_monitor_reads_the_standin_through_pynvml_and_follows_changes(loaded_standin):
@@ -56,7 +56,7 @@ def test_monitor_reads_the_standin_through_pynvml_and_follows_changes(loaded_sta
                 power_mw=312_500, tx_kbps=1000, rx_kbps=3000, nvlink_peers=(1,)),
         FakeGpu("0000:18:00.0", sm_pct=10, used_bytes=8 * GIB, temp_c=40, switch=1,
                 nvlink_peers=(0,))])
-    monitor = nvml.NvmlMonitor(interval_s=0.05)
+    monitor = nvml.monitor(interval_s=0.05)
     assert monitor.start(), monitor.error
     try:
         first, second = monitor.devices()
@@ -93,11 +93,12 @@ def test_monitor_reads_the_standin_through_pynvml_and_follows_changes(loaded_sta
 
 
 def test_topology_hops_average_over_peers():
-    states = [nvml.GpuState(i, "g", f"b{i}", 0, 0, 0, 1, 40, 0, 0, 0) for i in range(3)]
+    states = [device_state.DeviceState(i, "g", f"b{i}", 0, 0, 0, 1, 40, 0, 0, 0)
+              for i in range(3)]
     states[0].nvlink_peers = [1]
     states[1].nvlink_peers = [0]
     ancestors = {(0, 2): 50, (2, 0): 50, (1, 2): 10, (2, 1): 10}
-    nvml.finish(states, ancestors)
+    device_state.finish(states, ancestors)
     assert [s.hops for s in states] == [(1 + 6) / 2, (1 + 2) / 2, (6 + 2) / 2]
     assert states[2].weight == pytest.approx(1 / 5)
 
@@ -113,7 +114,7 @@ def test_poll_failure_keeps_the_monitor_alive():
         def nvmlShutdown(self):
             pass
 
-    monitor = nvml.NvmlMonitor(interval_s=10, loader=Broken)
+    monitor = nvml.monitor(interval_s=10, loader=Broken)
     assert monitor.start()
     try:
         assert not monitor.up and "GPU is lost" in monitor.error
