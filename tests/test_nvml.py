@@ -149,3 +149,29 @@ def test_doctor_sees_the_standin(standin, tmp_path):
     check = _doctor_nvml(standin_env(standin, tmp_path / "absent"))
     assert check["ok"] is False
     assert check["detail"] == "nvmlInit: the NVIDIA kernel driver is not loaded"
+
+
+def test_daemon_state_and_gauges_carry_the_standins_gpus(loaded_standin, tmp_path):
+    from prometheus_client import generate_latest
+
+    from mmtrace.agent.config import DaemonConfig
+    from mmtrace.agent.daemon import Daemon
+    from mmtrace.exporters import prometheus
+    write_state(loaded_standin, [FakeGpu("0000:17:00.0", sm_pct=30, membw_pct=50, temp_c=61)])
+    daemon = Daemon(DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "sock"))
+    daemon.nvml = nvml.monitor(interval_s=10)
+    assert daemon.nvml.start(), daemon.nvml.error
+    try:
+        state = daemon.device_state()
+        assert state["gpus_source"] == "up" and state["npus_source"] == "off"
+        (gpu,) = state["gpus"]
+        assert gpu["weight"] == pytest.approx(0.7 * 0.5) and gpu["hops"] == 0
+        assert gpu["bus_id"] == "0000:17:00.0" and gpu["name"] == "StandinGPU"
+        lines = generate_latest(prometheus.registry_for(daemon, prometheus.Labels())) \
+            .decode().splitlines()
+        assert "mmtrace_nvml_up 1.0" in lines
+        assert 'mmtrace_gpu_device_weight{gpu="0"} 0.35' in lines
+        assert 'mmtrace_gpu_temperature_celsius{gpu="0"} 61.0' in lines
+        assert not any(line.startswith("mmtrace_npu_") for line in lines)
+    finally:
+        daemon.close()
