@@ -23,8 +23,7 @@ from mmtrace.bpf import device as device_stream
 from mmtrace.bpf import sched as sched_stream
 from mmtrace.detectors.entropy_drift import EntropyDriftDetector
 from mmtrace.detectors.p99_drift import P99Drift
-from mmtrace.exporters import npu_smi, nvml
-from mmtrace.exporters import prometheus
+from mmtrace.exporters import npu_smi, nvml, prometheus
 from mmtrace.exporters.event_counts import EventCounts
 
 from . import latency_series as ls
