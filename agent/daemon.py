@@ -142,7 +142,7 @@ class Daemon:
             labels = prometheus.Labels(cfg.metrics_top_k, cfg.metrics_pid_label)
             self.metrics = prometheus.MetricsEndpoint(
                 cfg.metrics_address, prometheus.registry_for(self, labels))
-            log.info("metrics on %s/metrics", cfg.metrics_address)
+            log.info("metrics on %s/metrics", self.metrics.address)
         if cfg.device_poll_interval_s > 0:
             self.nvml = nvml.monitor(cfg.device_poll_interval_s)
             self.nvml.start()

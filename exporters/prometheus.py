@@ -88,6 +88,7 @@ class MetricsEndpoint:
             raise MetricsAddressError(f"metrics address {address}: cannot listen ({why})") \
                 from None
         self.port = self.httpd.server_port
+        self.address = f"{f'[{host}]' if ':' in host else host}:{self.port}"
         self._thread = threading.Thread(target=self.httpd.serve_forever,
                                         name="mmtrace-metrics", daemon=True)
         self._thread.start()
