@@ -3,13 +3,13 @@
 A custom collector builds every family at scrape time from the kernel maps
 (run-queue histogram and its sum, the loss and activity counters: read,
 never cleared) and from the daemon's state (event counts, probe states,
-detectors, anomalies, hints, NVML devices). Names and labels are the
-interface's ("Prometheus"); a label that names a workload is
-capped at a top-K, the rest folded into `other`, and carries a pid only
-when the operator turns that on.
+detectors, anomalies, hints, GPU/NPU devices). Names and labels are the
+interface's ("Prometheus"); a label that names a workload is capped at a
+top-K, the rest folded into `other`, and carries a pid only when the
+operator turns that on.
 """
 
-import logging
+import errno
 import os
 import socket
 import threading
@@ -27,8 +27,6 @@ from mmtrace.bpf import sched as sched_stream
 from mmtrace.detectors import entropy_drift
 
 from .event_counts import Histogram, top_k
-
-log = logging.getLogger("mmtrace.metrics")
 
 DEFAULT_ADDRESS = ":9464"
 # The kernel's run-queue histogram: slot k holds [2^k, 2^(k+1)) µs (slot 0:
@@ -84,7 +82,7 @@ class MetricsEndpoint:
                                      port, make_wsgi_app(registry), Server,
                                      handler_class=_QuietHandler)
         except OSError as exc:
-            why = "the port is taken" if exc.errno == 98 else exc.strerror
+            why = "the port is taken" if exc.errno == errno.EADDRINUSE else exc.strerror
             raise MetricsAddressError(f"metrics address {address}: cannot listen ({why})") \
                 from None
         self.port = self.httpd.server_port
@@ -119,7 +117,7 @@ class DaemonCollector:
         self.proc_root = Path(proc_root)
 
     def describe(self):
-        return []       # families are only known at scrape time; none is registered twice
+        return []       # the families are only known at scrape time
 
     def collect(self):
         d = self.daemon
