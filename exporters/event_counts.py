@@ -184,7 +184,9 @@ class EventCounts:
 def top_k(processes: dict, k: int, with_pid: bool = False) -> list[tuple[tuple, Histogram]]:
     """Per-process histograms under bounded labels: the k busiest workloads
     by wake-ups, keyed by process name (or name and pid when `with_pid`),
-    and the rest folded into `other`."""
+    and the rest folded into `other`. Ranked by wake-ups since the daemon
+    started, the set changes only when one workload overtakes another; then
+    `other` may step down once, which Prometheus takes for a counter reset."""
     groups: dict[tuple, Histogram] = {}
     for pid, proc in processes.items():
         key = (proc.name, str(pid)) if with_pid else (proc.name,)
