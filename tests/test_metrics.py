@@ -6,6 +6,7 @@ checked line for line and by promtool, and the endpoint over real HTTP."""
 import shutil
 import socket
 import subprocess
+import time
 import urllib.request
 
 import numpy as np
@@ -254,3 +255,31 @@ def test_bpf_program_run_time_where_the_kernel_measures_it(tmp_path):
     assert [(s.labels, s.value) for s in run_s] == [
         ({"program": "tracepoint__sched__sched_switch"}, 2.5)]
     assert [s.value for s in families["mmtrace_bpf_program_runs"].samples] == [1000]
+
+
+def test_hints_count_what_subscribed_dispatchers_received(daemon, tmp_path):
+    from mmtrace.agent.hint_socket import HintServer
+    daemon.server = HintServer(tmp_path / "hint.sock")
+    clients = []
+    try:
+        for _ in range(2):
+            client = socket.socket(socket.AF_UNIX)
+            client.connect(str(tmp_path / "hint.sock"))
+            client.sendall(b'{"v":1,"type":"subscribe"}\n')
+            clients.append(client)
+        deadline = time.monotonic() + 5
+        while sum(c.subscribed for c in daemon.server.clients.values()) < 2:
+            assert time.monotonic() < deadline
+            daemon.server.poll(0.02)
+        daemon._act([{"detector": "p99_drift", "series": "runq_delay{pid=100}",
+                      "state": "firing", "ts_ns": 1, "evidence": {"p99": 0.004,
+                                                                   "baseline": 0.001}}])
+        clients[0].settimeout(5)
+        assert b'"kind":"cpu_contention"' in clients[0].recv(65536)
+        lines = scrape(daemon)
+        assert 'mmtrace_hints_total{kind="cpu_contention"} 2.0' in lines
+        assert 'mmtrace_anomalies_total{detector="p99_drift"} 1.0' in lines
+    finally:
+        for client in clients:
+            client.close()
+        daemon.close()
