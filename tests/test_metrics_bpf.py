@@ -10,7 +10,8 @@ produces, and PromQL returns the counts the test caused:
   (the stand-in's cuStreamSynchronize on stream 0xdead never returns), so
   the kernel frees the thread with its call in flight and counts
   call_abandoned, one of the loss counters `record` reports;
-- NVML device state from the stand-in libnvidia-ml.so.1, rewritten midway;
+- NVML device state from the stand-in libnvidia-ml.so.1, rewritten midway,
+  and NPU state from a stand-in npu-smi on the daemon's PATH;
 - attention entropy sent on the hint socket.
 
 The workload processes exist before the daemon and are its --pid scope:
@@ -35,6 +36,7 @@ import pytest
 import native
 from dashboard_exprs import RULES, dashboard_exprs, metric_names, rule_exprs
 from gpu_fixtures import natives  # noqa: F401  (fixture)
+from npu_smi_standin import install_standin
 from nvml_standin import FakeGpu, build_standin, standin_env, write_state
 
 pytestmark = [pytest.mark.bpf,
@@ -176,6 +178,9 @@ def test_prometheus_scrapes_what_the_streams_produced(natives, tmp_path):  # noq
     workloads = [loop, forced, hang]
     metrics_port = free_port()
     (tmp_path / "mmtrace.toml").write_text("device_poll_interval_s = 0.25\n")
+    env = standin_env(standin, gpu_state)
+    npu_smi = install_standin(tmp_path / "ascend", aicore=(50, 10, 0))
+    env["PATH"] = f"{npu_smi.parent}:{env['PATH']}"
     daemon = prom = None
     try:
         assert loop.stdout.readline().startswith("ready")
@@ -184,7 +189,7 @@ def test_prometheus_scrapes_what_the_streams_produced(natives, tmp_path):  # noq
                          "--lib", natives.cudart, "--lib", natives.driver, "--trace-launches",
                          "--metrics-address", f"127.0.0.1:{metrics_port}",
                          *[a for w in workloads for a in ("--pid", w.pid)]],
-                        standin_env(standin, gpu_state), tmp_path / "daemon.log")
+                        env, tmp_path / "daemon.log")
         prom = Prometheus(tmp_path, f"127.0.0.1:{metrics_port}")
         prom.wait_for('up{job="mmtrace"}', 1)
 
@@ -267,6 +272,10 @@ def test_prometheus_scrapes_what_the_streams_produced(natives, tmp_path):  # noq
                           before_forced) == 2048 * 1024
         assert prom.value('mmtrace_gpu_nvlink_peer{gpu="0",peer="1"}') == 1
         assert prom.value('mmtrace_attention_entropy{modality="vision"}') == 0.5
+        # NPU state through the stand-in npu-smi: three chips on two cards
+        assert prom.value('mmtrace_npu_smi_up') == 1
+        assert prom.value('mmtrace_npu_device_weight{npu="0"}') == pytest.approx(0.5 * 0.8)
+        assert prom.value('count(mmtrace_npu_device_weight)') == 3
         assert prom.value('mmtrace_probe_up{probe="cudaLaunchKernel",library="libcudart.so.12"}') \
             == 1
         assert prom.value('mmtrace_probe_up{probe="sched",library="kernel"}') == 1

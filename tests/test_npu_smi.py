@@ -4,66 +4,17 @@ common -i N` layouts from files the test rewrites; no Ascend driver here)
 is run by the real source, and the gauges, weights and profiles carry
 what it printed, also after it changes."""
 
-import stat
-
 import pytest
 from prometheus_client import generate_latest
 
 from mmtrace.agent.config import DaemonConfig
 from mmtrace.agent.daemon import Daemon
 from mmtrace.exporters import npu_smi, prometheus
-
-STANDIN = """#!/bin/sh
-# npu-smi info -l | npu-smi info -t usages|common -i N
-here=$(dirname "$0")
-case "$2" in
-    -l) cat "$here/list" ;;
-    -t) cat "$here/$3-$5" 2>/dev/null || { echo "no NPU $5" >&2; exit 1; } ;;
-    *) exit 2 ;;
-esac
-"""
-LIST = """        Total Count                    : 2
-
-        NPU ID                         : 0
-        Chip Count                     : 1
-
-        NPU ID                         : 1
-        Chip Count                     : 2
-"""
-
-
-def usages(hbm_mb, hbm_pct, aicore_pct, bw_pct, chip=None):
-    text = (f"        HBM Capacity(MB)               : {hbm_mb}\n"
-            f"        HBM Usage Rate(%)              : {hbm_pct}\n"
-            f"        Aicore Usage Rate(%)           : {aicore_pct}\n"
-            f"        HBM Bandwidth Usage Rate(%)    : {bw_pct}\n")
-    return text + (f"        Chip ID                        : {chip}\n" if chip is not None else "")
-
-
-def common(temp_c, power_w):
-    return (f"        NPU ID                         : 0\n"
-            f"        Aicore Freq(MHZ)               : 1650\n"
-            f"        Temperature(C)                 : {temp_c}\n"
-            f"        NPU Real-time Power(W)         : {power_w}\n")
-
+from npu_smi_standin import LIST, install_standin, usages, write_npus
 
 @pytest.fixture
 def standin(tmp_path):
-    script = tmp_path / "npu-smi"
-    script.write_text(STANDIN)
-    script.chmod(script.stat().st_mode | stat.S_IXUSR)
-    (tmp_path / "list").write_text(LIST)
-    write_npus(tmp_path, aicore=(50, 10, 0), temp=70)
-    return script
-
-
-def write_npus(folder, aicore, temp):
-    (folder / "usages-0").write_text("        NPU ID                         : 0\n"
-                                     + usages(65536, 50, aicore[0], 20))
-    (folder / "common-0").write_text(common(temp, 300.5))
-    (folder / "usages-1").write_text(usages(32768, 25, aicore[1], 0, chip=0)
-                                     + usages(32768, 75, aicore[2], 40, chip=1))
-    (folder / "common-1").write_text(common(40, 90))
+    return install_standin(tmp_path)
 
 
 def test_fields_per_chip():
