@@ -196,9 +196,12 @@ def _export_perfetto(rec, output):
               help="Hint socket path (default /run/mmtrace/mmtrace.sock).")
 @click.option("--trace-launches/--adaptive-launches", default=None,
               help="Trace every kernel launch, or (default) only for a while after an alarm.")
+@click.option("--metrics-address", metavar="HOST:PORT",
+              help="Prometheus endpoint (default :9464; off: none).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
-def run(config_path, pids, libs, state_dir, socket_path, trace_launches, log_level):
+def run(config_path, pids, libs, state_dir, socket_path, trace_launches, metrics_address,
+        log_level):
     """Run the per-node daemon in the foreground (systemd runs this).
 
     Traces the CPU, GPU and NPU streams, watches P99 drift of run-queue
@@ -206,13 +209,16 @@ def run(config_path, pids, libs, state_dir, socket_path, trace_launches, log_lev
     and attention entropy that dispatchers report on the hint socket. When
     an anomaly fires it writes the last 30 s to a flight recording in the
     state directory, and turns per-launch probes on for a while. Logs go to
-    stderr; SIGTERM or Ctrl-C stops it cleanly. Needs root.
+    stderr; SIGTERM or Ctrl-C stops it cleanly. Needs root. Metrics for
+    Prometheus are served on :9464/metrics (see dashboards/ for Grafana
+    and alert rules).
 
     \b
     Examples:
       sudo mmtrace run
       sudo mmtrace run --config /etc/mmtrace/mmtrace.toml
       sudo mmtrace run --pid 4242 --state-dir /tmp/mmtrace --trace-launches
+      sudo mmtrace run --metrics-address 127.0.0.1:9464
     """
     import logging
     from pathlib import Path
@@ -231,12 +237,19 @@ def run(config_path, pids, libs, state_dir, socket_path, trace_launches, log_lev
         cfg.socket = Path(socket_path)
     if trace_launches is not None:
         cfg.adaptive_launches = not trace_launches
+    if metrics_address is not None:
+        cfg.metrics_address = metrics_address
     why_not = set_niceness(cfg.nice)
     if why_not:
         logging.getLogger("mmtrace.daemon").warning(why_not)
+    from mmtrace.exporters.prometheus import MetricsAddressError
     daemon = Daemon(cfg)
     daemon.stop.install()
-    daemon.run()
+    try:
+        daemon.run()
+    except MetricsAddressError as exc:
+        daemon.close()
+        raise MmtraceError(str(exc)) from None
 
 
 @cli.command()

@@ -52,6 +52,10 @@ class DaemonConfig:
     launch_burst_s: float = 120.0
     discover_interval_s: float = 2.0
     nice: int = DEFAULT_NICE                # the daemon's own CPU priority
+    metrics_address: str = ":9464"          # Prometheus endpoint; "off": none
+    metrics_top_k: int = 10                 # workloads named in labels, the rest "other"
+    metrics_pid_label: bool = False         # also label those top-K by pid
+    device_poll_interval_s: float = 1.0     # GPU/NPU state (NVML, npu-smi); 0: off
     p99: P99Settings = field(default_factory=P99Settings)
     entropy: EntropySettings = field(default_factory=EntropySettings)
     otlp: OtlpSettings = field(default_factory=OtlpSettings)
@@ -118,4 +122,7 @@ def load_config(path: Path | None) -> DaemonConfig:
     if min(cfg.tick_s, cfg.ring_seconds, cfg.ring_capacity, cfg.device_ring_capacity) <= 0:
         raise MmtraceError(f"config {path}: tick_s, ring_seconds, ring_capacity and "
                            "device_ring_capacity must be positive")
+    if cfg.metrics_top_k < 0 or cfg.device_poll_interval_s < 0:
+        raise MmtraceError(f"config {path}: metrics_top_k and device_poll_interval_s must not be "
+                           "negative")
     return cfg

@@ -9,10 +9,11 @@ latencies, attention entropy), and acts on what the detectors say.
 
 import logging
 import os
-from collections import deque
 import platform
 import re
+import threading
 import time
+from collections import Counter, deque
 from dataclasses import asdict
 from pathlib import Path
 
@@ -23,7 +24,9 @@ from mmtrace.bpf import device as device_stream
 from mmtrace.bpf import sched as sched_stream
 from mmtrace.detectors.entropy_drift import EntropyDriftDetector
 from mmtrace.detectors.p99_drift import P99Drift
+from mmtrace.exporters import npu_smi, nvml, prometheus
 from mmtrace.exporters import status as status_view
+from mmtrace.exporters.event_counts import EventCounts
 
 from . import latency_series as ls
 from . import probes as probe_loader
@@ -113,11 +116,21 @@ class Daemon:
         self._next_sweep = 0.0
         self.forgotten_series = 0
         self.otlp = _otlp_traces(config, lambda rows: describe(rows, self.infos, self.op_name_of))
+        # Read by the metrics endpoint's thread: tick() runs under the lock.
+        self.lock = threading.Lock()
+        self.counts = EventCounts(infos)
+        self.anomaly_counts: Counter = Counter()
+        self.hint_counts: Counter = Counter()
+        self.entropy_latest: dict[str, float] = {}
+        self.nvml = None                    # DeviceMonitor of the GPUs
+        self.npu = None                     # ... of the Ascend NPUs, where npu-smi is
+        self.metrics = None
 
     # ------------------------------------------------------------ lifecycle
 
     def start(self):
         cfg = self.config
+        self._start_exporters()
         options = probe_loader.ProbeOptions(pids=tuple(cfg.pids),
                                             trace_launches=not cfg.adaptive_launches)
         self.sources = DeviceSources(cfg.libs, cfg.pids, discover=True)
@@ -132,9 +145,40 @@ class Daemon:
                  list(cfg.pids) or "all", "on alarm" if cfg.adaptive_launches else "on",
                  cfg.state_dir)
 
+    def _start_exporters(self):
+        """The metrics endpoint first: a taken port ends the start at once."""
+        cfg = self.config
+        if cfg.metrics_address not in ("", "off"):
+            labels = prometheus.Labels(cfg.metrics_top_k, cfg.metrics_pid_label)
+            self.metrics = prometheus.MetricsEndpoint(
+                cfg.metrics_address, prometheus.registry_for(self, labels))
+            log.info("metrics on %s/metrics", self.metrics.address)
+        if cfg.device_poll_interval_s > 0:
+            self.nvml = nvml.monitor(cfg.device_poll_interval_s)
+            self.nvml.start()
+            if npu_smi.available():
+                self.npu = npu_smi.monitor(cfg.device_poll_interval_s)
+                self.npu.start()
+
+    def device_state(self) -> dict:
+        """Device state for the dispatcher: per GPU / NPU its weight, resource
+        profile and the figures they come from; for each source, "up" or why not."""
+        out = {}
+        for kind, monitor in (("gpus", self.nvml), ("npus", self.npu)):
+            out[kind] = [d.as_dict() for d in monitor.devices()] if monitor else []
+            out[f"{kind}_source"] = (monitor.error or "up") if monitor else "off"
+        return out
+
     def close(self):
         if self.otlp is not None:
             self.otlp.shutdown()
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        for monitor in (self.nvml, self.npu):
+            if monitor is not None:
+                monitor.close()
+        self.nvml = self.npu = None
         if self.server is not None:
             self.server.close()
             self.server = None
@@ -146,7 +190,8 @@ class Daemon:
         self.start()
         try:
             while not self.stop:
-                self.tick()
+                with self.lock:
+                    self.tick()
                 time.sleep(self.config.tick_s)
         finally:
             self.close()
@@ -183,6 +228,7 @@ class Daemon:
                     not (self.proc_root / match.group(1)).exists():
                 self.p99.reset(name)
                 self.forgotten_series += 1
+        self.counts.forget_exited()
 
     def _device(self):
         return self.loaded.device if self.loaded is not None else None
@@ -194,6 +240,7 @@ class Daemon:
 
     def _on_runq(self, batch):
         self.runq_ring.push(batch)
+        self.counts.on_runq(batch, self.submitters)
         self._observe(ls.runq_series(self.p99.series_id, batch, self.submitters))
 
     def _on_device(self, batch):
@@ -205,6 +252,7 @@ class Daemon:
                 self.op_name_of = {(pid, addr): name for pid, addr, name in self.op_names}
         self.submitters.learn(batch)
         aligned = self.aligner.push(batch)
+        self.counts.on_device(aligned, self.aligner.last_retired)
         self._observe(ls.sync_series(self.p99.series_id, aligned))
         self._observe(ls.retire_series(self.p99.series_id, self.aligner.last_retired))
         if self.otlp is not None:
@@ -223,6 +271,9 @@ class Daemon:
                 samples = [{**s, "modality": s.get("modality", msg["modality"])}
                            for s in (msg.get("values") or [msg]) if isinstance(s, dict)]
                 self._keep_entropy(samples, msg["modality"], ts)
+                values = [s["value"] for s in samples if isinstance(s.get("value"), (int, float))]
+                if values and len(self.entropy_latest) < self.modalities.limit:
+                    self.entropy_latest[str(msg["modality"])] = sum(values) / len(values)
                 try:
                     self._act(self.entropy.update(samples, ts_ns=ts))
                 except ValueError as exc:
@@ -302,6 +353,8 @@ class Daemon:
             self.anomalies.append(anomaly)
             del self.anomalies[:-1000]
             firing = anomaly.get("state") == "firing"
+            if firing:
+                self.anomaly_counts[anomaly.get("detector", "unknown")] += 1
             log.warning("anomaly %s %s %s", anomaly.get("detector"),
                         anomaly.get("series") or anomaly.get("kind"), anomaly.get("state"))
             if not firing:
@@ -351,7 +404,9 @@ class Daemon:
                 "evidence": ev, "issued_ns": time.monotonic_ns()}
         self.recent_hints.append({k: hint[k] for k in ("id", "kind", "target", "value",
                                                        "ttl_s", "reason", "issued_ns")})
-        self.hints_sent += self.server.broadcast(hint)
+        sent = self.server.broadcast(hint)
+        self.hints_sent += sent
+        self.hint_counts["cpu_contention"] += sent
 
 
 def _otlp_traces(config: DaemonConfig, describe_rows):

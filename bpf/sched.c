@@ -29,6 +29,8 @@ BPF_ARRAY(cpu_current, u32, MMTRACE_MAX_CPUS);
 
 /* log2 histogram of delays in microseconds, runqlat's buckets. */
 BPF_PERCPU_ARRAY(runq_hist_log2_us, u64, 64);
+/* The sum of those delays in ns: a Prometheus histogram carries its sum. */
+BPF_PERCPU_ARRAY(runq_delay_sum_ns, u64, 1);
 BPF_RINGBUF_OUTPUT(runq_events, MMTRACE_RUNQ_RINGBUF_PAGES);
 
 /* Mark a thread runnable: in place when it has an entry, else a new one.
@@ -156,6 +158,10 @@ TRACEPOINT_PROBE(sched, sched_switch)
     u64 *bucket = runq_hist_log2_us.lookup(&slot);
     if (bucket)
         (*bucket)++;
+    u32 zero = 0;
+    u64 *sum = runq_delay_sum_ns.lookup(&zero);
+    if (sum)
+        *sum += delay;
 
     struct runq_event *ev = runq_events.ringbuf_reserve(sizeof(*ev));
     if (!ev) {

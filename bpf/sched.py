@@ -6,6 +6,7 @@ SOURCE = "sched.c"
 RINGBUF = "runq_events"
 LAYOUT_MAP = "layout_runq_event"
 HIST_MAP = "runq_hist_log2_us"
+SUM_MAP = "runq_delay_sum_ns"
 
 # Mirrors struct runq_event; checked against the compiled layout at load time.
 RUNQ_EVENT = np.dtype([
@@ -22,3 +23,8 @@ RUNQ_EVENT = np.dtype([
 def hist_from_table(table) -> list[int]:
     """The in-kernel log2 histogram (per-CPU sums), index k = [2^k, 2^(k+1)) µs."""
     return [int(sum(table[table.Key(k)])) for k in range(len(table))]
+
+
+def sum_from_table(table) -> int:
+    """The in-kernel sum of the histogram's delays, ns (per-CPU sums)."""
+    return int(sum(table[table.Key(0)]))

@@ -71,6 +71,7 @@ import numpy as np
 __all__ = ["EntropyDriftDetector"]
 
 _KINDS = ("entropy_rise", "entropy_collapse", "entropy_spread")
+KINDS = _KINDS     # public: what exporters label
 _TOLERANCE = 1e-6  # float noise around the ends of [0, 1] is accepted and clipped
 _HOLD = 0.5  # a firing alarm holds while the deviation exceeds this share of its threshold
 

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.bpf
 
 CONFIG = """
 ring_seconds = 30.0
+metrics_address = "127.0.0.1:0"     # any free port: :9464 may be taken on a shared host
 flight_min_interval_s = 5.0
 [p99]
 window_s = 0.5

@@ -1,0 +1,207 @@
+"""What the metrics count of the event streams: a sink of the daemon's one
+ingest path, fed a batch at a time with numpy (no per-event Python work).
+
+- device submissions per API, memcpy bytes per (API, direction);
+- sync-wait and submit-to-retire histograms per stream (gpu, npu);
+- run-queue delay histograms per process that does GPU/NPU work.
+
+Everything only grows, as Prometheus counters must. `snapshot()` hands a
+scrape a copy taken under the lock; the ingest thread holds the same lock
+for the few array additions of a batch.
+"""
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from mmtrace.bpf import device as device_stream
+
+SYNC = device_stream.KIND_IDS["sync"]
+MEMCPY = device_stream.KIND_IDS["memcpy"]
+SUBMISSION_KINDS = np.array([device_stream.KIND_IDS[k] for k in device_stream.SUBMISSION_KINDS])
+# Upper bounds in seconds, powers of two of a microsecond: 1 µs .. ~1 s for
+# run-queue delays, 1 µs .. ~16 s for sync waits and submit-to-retire.
+RUNQ_BOUNDS = tuple(2.0 ** k * 1e-6 for k in range(21))
+DEVICE_BOUNDS = tuple(2.0 ** k * 1e-6 for k in range(25))
+MAX_PROCESSES = 4096
+
+
+@dataclass
+class Histogram:
+    """Counts per bucket (`bounds` upper bounds, then +Inf) and the sum."""
+    bounds: tuple
+    counts: np.ndarray = None
+    sum: float = 0.0
+
+    def __post_init__(self):
+        if self.counts is None:
+            self.counts = np.zeros(len(self.bounds) + 1, np.int64)
+
+    def add(self, values_s: np.ndarray):
+        if len(values_s):
+            index = np.searchsorted(self.bounds, values_s, side="left")
+            self.counts += np.bincount(index, minlength=len(self.counts))
+            self.sum += float(values_s.sum())
+
+    def merge(self, other: "Histogram"):
+        self.counts += other.counts
+        self.sum += other.sum
+
+    def copy(self) -> "Histogram":
+        return Histogram(self.bounds, self.counts.copy(), self.sum)
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """Prometheus buckets: (le, cumulative count), +Inf last."""
+        running = np.cumsum(self.counts).tolist()
+        les = [f"{b:.9g}" for b in self.bounds] + ["+Inf"]
+        return list(zip(les, running))
+
+
+@dataclass
+class ProcessRunq:
+    name: str
+    hist: Histogram = field(default_factory=lambda: Histogram(RUNQ_BOUNDS))
+
+
+@dataclass
+class CountsSnapshot:
+    submissions: dict          # (stream, kind, api) -> count
+    memcpy_bytes: dict         # (stream, direction) -> bytes
+    sync_wait: dict            # stream -> Histogram
+    submit_to_retire: dict     # stream -> Histogram
+    processes: dict            # pid -> ProcessRunq
+
+
+class EventCounts:
+    """Fed by the daemon (on_runq, on_device); read by the Prometheus
+    collector (snapshot). The /proc root is injectable for process names."""
+
+    def __init__(self, infos: dict | None = None, proc_root: Path = Path("/proc"),
+                 max_processes: int = MAX_PROCESSES):
+        self.infos = infos if infos is not None else device_stream.default_infos()
+        self.proc_root = Path(proc_root)
+        self.max_processes = max_processes
+        size = max(self.infos, default=0) + 1
+        self._known = np.zeros(size, bool)
+        self._known[list(self.infos)] = True
+        self._stream = np.array([self.infos[i].stream if i in self.infos else ""
+                                 for i in range(size)], dtype=object)
+        self._lock = threading.Lock()
+        self._submissions = np.zeros(size, np.int64)
+        self._memcpy = np.zeros((size, 256), np.int64)
+        self._sync_wait = {s: Histogram(DEVICE_BOUNDS) for s in ("gpu", "npu")}
+        self._retire = {s: Histogram(DEVICE_BOUNDS) for s in ("gpu", "npu")}
+        self._processes: dict[int, ProcessRunq] = {}
+        self.processes_dropped = 0
+
+    # ------------------------------------------------------------- ingest
+
+    def on_runq(self, batch: np.ndarray, submitters):
+        """Run-queue events; those of threads that do device work count per process."""
+        mine = batch[submitters.mask(batch["tid"])] if len(batch) else batch
+        if not len(mine):
+            return
+        pids, first, inverse = np.unique(mine["pid"], return_index=True, return_inverse=True)
+        delays = mine["delay_ns"] / 1e9
+        with self._lock:
+            for k, pid in enumerate(pids.tolist()):
+                proc = self._process(pid, mine["comm"][first[k]])
+                if proc is not None:
+                    proc.hist.add(delays[inverse == k])
+
+    def on_device(self, aligned: np.ndarray, retired: np.ndarray):
+        """Aligned device events of a batch, and the submissions it retired."""
+        api = aligned["api"].astype(np.int64)
+        known = (api < len(self._known)) & self._known[np.minimum(api, len(self._known) - 1)]
+        aligned, api = aligned[known], api[known]
+        submitted = np.isin(aligned["kind"], SUBMISSION_KINDS)
+        memcpy = aligned["kind"] == MEMCPY
+        syncs = ((aligned["kind"] == SYNC)
+                 & ((aligned["flags"] & device_stream.FLAG_RETURNED) != 0))
+        with self._lock:
+            self._submissions += np.bincount(api[submitted], minlength=len(self._submissions))
+            if memcpy.any():
+                np.add.at(self._memcpy, (api[memcpy], aligned["direction"][memcpy]),
+                          aligned["bytes"][memcpy].astype(np.int64))
+            for stream, hist in self._sync_wait.items():
+                mask = syncs & (self._stream[api] == stream)
+                hist.add(aligned["duration_ns"][mask] / 1e9)
+            if len(retired):
+                r_api = np.minimum(retired["api"].astype(np.int64), len(self._stream) - 1)
+                latency = np.maximum(retired["retired_ns"] - retired["ts_ns"].astype(np.int64),
+                                     0) / 1e9
+                for stream, hist in self._retire.items():
+                    hist.add(latency[self._stream[r_api] == stream])
+
+    def forget_exited(self):
+        """Drop processes that have exited (their counts leave with them)."""
+        with self._lock:
+            for pid in [p for p in self._processes if not (self.proc_root / str(p)).exists()]:
+                del self._processes[pid]
+
+    def _process(self, pid: int, thread_comm: bytes) -> ProcessRunq | None:
+        proc = self._processes.get(pid)
+        if proc is None:
+            if len(self._processes) >= self.max_processes:
+                self.processes_dropped += 1
+                return None
+            proc = self._processes[pid] = ProcessRunq(self._name(pid, thread_comm))
+        return proc
+
+    def _name(self, pid: int, thread_comm: bytes) -> str:
+        """The process's name; for one gone already, that of a thread of it."""
+        try:
+            name = (self.proc_root / str(pid) / "comm").read_text().strip()
+        except OSError:
+            name = ""
+        return name or thread_comm.decode(errors="replace").rstrip("\0") or "unknown"
+
+    # --------------------------------------------------------------- read
+
+    def snapshot(self) -> CountsSnapshot:
+        with self._lock:
+            submissions = self._submissions.copy()
+            memcpy = self._memcpy.copy()
+            sync_wait = {s: h.copy() for s, h in self._sync_wait.items()}
+            retire = {s: h.copy() for s, h in self._retire.items()}
+            processes = {pid: ProcessRunq(p.name, p.hist.copy())
+                         for pid, p in self._processes.items()}
+        subs, bytes_ = {}, {}
+        for api_id in np.flatnonzero(submissions).tolist():
+            info = self.infos[api_id]
+            key = (info.stream, info.kind, info.api)
+            subs[key] = subs.get(key, 0) + int(submissions[api_id])
+        for api_id, direction in zip(*np.nonzero(memcpy)):
+            info = self.infos[int(api_id)]
+            name = device_stream.direction_names(info.stream).get(int(direction), "unknown")
+            key = (info.stream, name)
+            bytes_[key] = bytes_.get(key, 0) + int(memcpy[api_id, direction])
+        return CountsSnapshot(subs, bytes_, sync_wait, retire, processes)
+
+
+def top_k(processes: dict, k: int, with_pid: bool = False) -> list[tuple[tuple, Histogram]]:
+    """Per-process histograms under bounded labels: the k busiest workloads
+    by wake-ups, keyed by process name (or name and pid when `with_pid`),
+    and the rest folded into `other`. Ranked by wake-ups since the daemon
+    started, the set changes only when one workload overtakes another; then
+    `other` may step down once, which Prometheus takes for a counter reset."""
+    groups: dict[tuple, Histogram] = {}
+    for pid, proc in processes.items():
+        key = (proc.name, str(pid)) if with_pid else (proc.name,)
+        if key in groups:
+            groups[key].merge(proc.hist)
+        else:
+            groups[key] = proc.hist.copy()
+    ranked = sorted(groups.items(), key=lambda kv: (-int(kv[1].counts.sum()), kv[0]))
+    other_key = ("other", "other") if with_pid else ("other",)
+    kept = [(key, hist) for key, hist in ranked[:k] if key != other_key]
+    named = {key for key, _ in kept}
+    rest = [hist for key, hist in ranked if key not in named]
+    if rest:
+        other = Histogram(RUNQ_BOUNDS)
+        for hist in rest:
+            other.merge(hist)
+        kept.append((other_key, other))
+    return kept

@@ -1,0 +1,285 @@
+"""The Prometheus collector over the daemon's state, fed with event
+batches as the ingest path feeds it (no eBPF here: the kernel families are
+tested against a real Prometheus in test_metrics_bpf.py), the exposition
+checked line for line and by promtool, and the endpoint over real HTTP."""
+
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+from prometheus_client import generate_latest
+
+from mmtrace.agent.config import DaemonConfig
+from mmtrace.agent.daemon import Daemon
+from mmtrace.bpf import device as device_stream
+from mmtrace.bpf import sched as sched_stream
+from mmtrace.exporters import prometheus
+from mmtrace.exporters.event_counts import RUNQ_BOUNDS
+
+API = {a.symbol: a.id for a in device_stream.default_table().apis}
+KIND = device_stream.KIND_IDS
+
+
+def dev_events(rows) -> np.ndarray:
+    out = np.zeros(len(rows), device_stream.DEV_EVENT)
+    for i, row in enumerate(rows):
+        for key, value in row.items():
+            out[key][i] = value
+    return out
+
+
+def runq_events(rows) -> np.ndarray:
+    out = np.zeros(len(rows), sched_stream.RUNQ_EVENT)
+    for i, (pid, tid, delay_ns, *comm) in enumerate(rows):
+        out[i] = (1_000_000 + i, delay_ns, pid, tid, 0, 0, comm[0] if comm else b"t")
+    return out
+
+
+def launch(pid, tid, ts, op_id, api="cudaLaunchKernel"):
+    return dict(ts_ns=ts, pid=pid, tid=tid, api=API[api], kind=KIND["launch"], op_id=op_id,
+                stream_handle=7, direction=device_stream.NO_DIRECTION)
+
+
+def memcpy(pid, tid, ts, op_id, nbytes, direction):
+    return dict(ts_ns=ts, pid=pid, tid=tid, api=API["cudaMemcpyAsync"], kind=KIND["memcpy"],
+                op_id=op_id, bytes=nbytes, direction=direction, stream_handle=7)
+
+
+def sync(pid, tid, ts, duration_ns):
+    return dict(ts_ns=ts, pid=pid, tid=tid, api=API["cudaStreamSynchronize"],
+                kind=KIND["sync"], duration_ns=duration_ns, stream_handle=7,
+                flags=device_stream.FLAG_RETURNED, direction=device_stream.NO_DIRECTION)
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    proc = tmp_path / "proc"
+    for pid, name in ((100, "vision_enc"), (200, "decoder"), (300, "decoder"), (400, "tok")):
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "comm").write_text(name + "\n")
+    d = Daemon(DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "sock"))
+    d.counts.proc_root = proc
+    return d
+
+
+def scrape(daemon, **labels) -> list[str]:
+    registry = prometheus.registry_for(daemon, prometheus.Labels(**labels))
+    return generate_latest(registry).decode().splitlines()
+
+
+def family(lines, name) -> list[str]:
+    return [line for line in lines if line.startswith(name + "{") or line.startswith(name + " ")]
+
+
+def feed_gpu_work(d):
+    # pid 100: two launches, two memcpys, a sync of 3 ms retiring all four
+    d._on_device(dev_events([
+        launch(100, 101, 1000, 1), launch(100, 101, 2000, 2, "cudaLaunchKernel_ptsz"),
+        memcpy(100, 101, 3000, 3, 4096, 1), memcpy(100, 101, 4000, 4, 1000, 2),
+        sync(100, 101, 5000, 3_000_000)]))
+    # pids 200 and 300 (both "decoder") and 400 ("tok") launch too
+    d._on_device(dev_events([launch(200, 201, 6000, 1, "cudaLaunchKernelExC"),
+                             launch(300, 301, 6500, 1), launch(400, 401, 7000, 1)]))
+
+
+def test_device_families_carry_the_batches_counts(daemon):
+    feed_gpu_work(daemon)
+    lines = scrape(daemon)
+    assert family(lines, "mmtrace_device_submissions_total") == [
+        'mmtrace_device_submissions_total{api="cudaLaunchKernel",kind="launch",stream="gpu"} 4.0',
+        'mmtrace_device_submissions_total{api="cudaLaunchKernelExC",kind="launch",stream="gpu"}'
+        ' 1.0',
+        'mmtrace_device_submissions_total{api="cudaMemcpyAsync",kind="memcpy",stream="gpu"} 2.0']
+    assert family(lines, "mmtrace_device_memcpy_bytes_total") == [
+        'mmtrace_device_memcpy_bytes_total{direction="d2h",stream="gpu"} 1000.0',
+        'mmtrace_device_memcpy_bytes_total{direction="h2d",stream="gpu"} 4096.0']
+    # 3 ms: above the 2.048 ms bound, within 4.096 ms
+    assert 'mmtrace_device_sync_wait_seconds_bucket{le="0.002048",stream="gpu"} 0.0' in lines
+    assert 'mmtrace_device_sync_wait_seconds_bucket{le="0.004096",stream="gpu"} 1.0' in lines
+    assert 'mmtrace_device_sync_wait_seconds_sum{stream="gpu"} 0.003' in lines
+    # the sync (ending at 5000 + 3 ms) retired the four submissions of pid 100
+    assert 'mmtrace_device_submit_to_retire_seconds_count{stream="gpu"} 4.0' in lines
+    total = (3_005_000 * 4 - (1000 + 2000 + 3000 + 4000)) / 1e9
+    got = float(family(lines, "mmtrace_device_submit_to_retire_seconds_sum")[0].split()[-1])
+    assert got == pytest.approx(total)
+
+
+def test_submitter_runq_is_per_process_name_capped_at_top_k(daemon):
+    feed_gpu_work(daemon)
+    daemon._on_runq(runq_events(
+        [(100, 101, 1_500)] * 5 + [(200, 201, 3_000_000)] * 2 + [(300, 301, 10)] * 2
+        + [(400, 401, 700_000)] + [(500, 501, 9_000_000)]))   # 500 submits nothing
+    lines = scrape(daemon, top_k=2)
+    counts = family(lines, "mmtrace_submitter_runq_delay_seconds_count")
+    # busiest first: vision_enc 5, decoder = pids 200 + 300 (4), tok folded into other
+    assert counts == ['mmtrace_submitter_runq_delay_seconds_count{process="vision_enc"} 5.0',
+                      'mmtrace_submitter_runq_delay_seconds_count{process="decoder"} 4.0',
+                      'mmtrace_submitter_runq_delay_seconds_count{process="other"} 1.0']
+    assert ('mmtrace_submitter_runq_delay_seconds_bucket{le="1e-06",process="vision_enc"} 0.0'
+            in lines)
+    assert ('mmtrace_submitter_runq_delay_seconds_bucket{le="2e-06",process="vision_enc"} 5.0'
+            in lines)
+    buckets = family(lines, "mmtrace_submitter_runq_delay_seconds_bucket")
+    assert len(buckets) == 3 * (len(RUNQ_BOUNDS) + 1)
+    assert RUNQ_BOUNDS[0] == 1e-6 and 1.0 < RUNQ_BOUNDS[-1] < 1.1
+    # pids only when the operator asks, still within top-K
+    lines = scrape(daemon, top_k=1, with_pid=True)
+    assert family(lines, "mmtrace_submitter_runq_delay_seconds_count") == [
+        'mmtrace_submitter_runq_delay_seconds_count{pid="100",process="vision_enc"} 5.0',
+        'mmtrace_submitter_runq_delay_seconds_count{pid="other",process="other"} 5.0']
+
+
+def test_a_process_gone_from_proc_is_named_by_its_threads(daemon):
+    daemon._on_device(dev_events([launch(600, 601, 1000, 1)]))
+    daemon._on_runq(runq_events([(600, 601, 5_000, b"short_lived")]))
+    assert family(scrape(daemon), "mmtrace_submitter_runq_delay_seconds_count") == [
+        'mmtrace_submitter_runq_delay_seconds_count{process="short_lived"} 1.0']
+
+
+def test_detectors_anomalies_hints_and_entropy(daemon):
+    lines = scrape(daemon)
+    # zeros before anything happened: alert expressions have series to judge
+    assert 'mmtrace_anomalies_total{detector="p99_drift"} 0.0' in lines
+    assert 'mmtrace_hints_total{kind="cpu_contention"} 0.0' in lines
+    assert ('mmtrace_detector_series{detector="attention_entropy",series="entropy_rise",'
+            'state="firing"} 0.0') in lines
+    daemon.p99.series_id("runq_delay{pid=100}")
+    daemon.p99.series_id("sync_wait{pid=100,stream=0x7}")
+    daemon._act([{"detector": "p99_drift", "series": "runq_delay{pid=100}",
+                  "state": "firing", "ts_ns": 1, "evidence": {}},
+                 {"detector": "p99_drift", "series": "runq_delay{pid=100}",
+                  "state": "resolved", "ts_ns": 2, "evidence": {}}])
+    daemon._on_messages([(None, {"type": "entropy", "modality": "vision", "values": [
+        {"layer": "0", "head": 0, "value": 0.25}, {"layer": "0", "head": 1, "value": 0.75}]})])
+    lines = scrape(daemon)
+    assert 'mmtrace_anomalies_total{detector="p99_drift"} 1.0' in lines
+    assert 'mmtrace_attention_entropy{modality="vision"} 0.5' in lines
+    assert ('mmtrace_detector_series{detector="p99_drift",series="runq_delay",state="normal"}'
+            ' 1.0') in lines
+    assert ('mmtrace_detector_series{detector="p99_drift",series="sync_wait",state="firing"}'
+            ' 0.0') in lines
+    assert ('mmtrace_detector_series{detector="attention_entropy",series="entropy_rise",'
+            'state="normal"} 1.0') in lines
+    # no NVML configured in this daemon: the gauge says so
+    assert "mmtrace_nvml_up 0.0" in lines
+    assert any(line.startswith("mmtrace_process_resident_memory_bytes ") for line in lines)
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian's prometheus)")
+def test_exposition_passes_promtool(daemon):
+    feed_gpu_work(daemon)
+    text = "\n".join(scrape(daemon)) + "\n"
+    result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_endpoint_serves_and_a_taken_port_is_one_error(daemon):
+    registry = prometheus.registry_for(daemon, prometheus.Labels())
+    endpoint = prometheus.MetricsEndpoint("127.0.0.1:0", registry)
+    try:
+        url = f"http://127.0.0.1:{endpoint.port}/metrics"
+        body = urllib.request.urlopen(url, timeout=10).read().decode()
+        assert "# TYPE mmtrace_device_submissions_total counter" in body
+        with pytest.raises(prometheus.MetricsAddressError,
+                           match=r"127\.0\.0\.1:\d+: cannot listen \(the port is taken\)"):
+            prometheus.MetricsEndpoint(f"127.0.0.1:{endpoint.port}", registry)
+    finally:
+        endpoint.close()
+
+
+@pytest.mark.parametrize("text", ["9464", "localhost:", "host:port", ":70000", ""])
+def test_bad_addresses_name_what_was_expected(text):
+    with pytest.raises(prometheus.MetricsAddressError, match="expected HOST:PORT or :PORT"):
+        prometheus.parse_address(text)
+
+
+def test_addresses():
+    assert prometheus.parse_address(":9464") == ("", 9464)
+    assert prometheus.parse_address("[::1]:9000") == ("::1", 9000)
+    assert prometheus.parse_address("10.0.0.1:80") == ("10.0.0.1", 80)
+
+
+def test_run_with_a_taken_port_exits_2_with_one_line(mmtrace_cli, tmp_path):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        port = taken.getsockname()[1]
+        result = mmtrace_cli("run", "--metrics-address", f"127.0.0.1:{port}", "--state-dir",
+                             tmp_path, "--socket", tmp_path / "sock")
+    finally:
+        taken.close()
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"mmtrace: error: metrics address 127.0.0.1:{port}: cannot listen (the port is taken)"]
+    result = mmtrace_cli("run", "--metrics-address", "nowhere", "--state-dir", tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("mmtrace: error: metrics address: expected HOST:PORT or "
+                                     ":PORT (e.g. :9464), got 'nowhere'")
+
+
+def test_events_of_unknown_apis_are_not_counted(daemon):
+    unknown = [dict(launch(100, 101, 1000, 1), api=api) for api in (30, 999, 65535)]
+    daemon._on_device(dev_events(unknown + [launch(100, 101, 2000, 2)]))
+    assert family(scrape(daemon), "mmtrace_device_submissions_total") == [
+        'mmtrace_device_submissions_total{api="cudaLaunchKernel",kind="launch",stream="gpu"} 1.0']
+
+
+def test_bpf_program_run_time_where_the_kernel_measures_it(tmp_path):
+    class Fn:
+        def __init__(self, fd):
+            self.fd = fd
+
+    class Bpf:
+        funcs = {b"tracepoint__sched__sched_switch": Fn(7), "on_cudaLaunchKernel": Fn(9)}
+
+    proc = tmp_path / "proc"
+    (proc / "sys" / "kernel").mkdir(parents=True)
+    (proc / "self" / "fdinfo").mkdir(parents=True)
+    (proc / "self" / "fdinfo" / "7").write_text(
+        "pos:\t0\nprog_type:\t5\nrun_time_ns:\t2500000000\nrun_cnt:\t1000\n")
+    (proc / "self" / "fdinfo" / "9").write_text("pos:\t0\nprog_type:\t2\n")   # no stats
+    collector = prometheus.DaemonCollector(None, proc_root=proc)
+    (proc / "sys" / "kernel" / "bpf_stats_enabled").write_text("0\n")
+    families = {f.name: f for f in collector._bpf_run_time(Bpf())}
+    assert [s.value for s in families["mmtrace_bpf_stats_enabled"].samples] == [0]
+    assert "mmtrace_bpf_program_run_seconds" not in families
+    (proc / "sys" / "kernel" / "bpf_stats_enabled").write_text("1\n")
+    families = {f.name: f for f in collector._bpf_run_time(Bpf())}
+    run_s = families["mmtrace_bpf_program_run_seconds"].samples
+    assert [(s.labels, s.value) for s in run_s] == [
+        ({"program": "tracepoint__sched__sched_switch"}, 2.5)]
+    assert [s.value for s in families["mmtrace_bpf_program_runs"].samples] == [1000]
+
+
+def test_hints_count_what_subscribed_dispatchers_received(daemon, tmp_path):
+    from mmtrace.agent.hint_socket import HintServer
+    daemon.server = HintServer(tmp_path / "hint.sock")
+    clients = []
+    try:
+        for _ in range(2):
+            client = socket.socket(socket.AF_UNIX)
+            client.connect(str(tmp_path / "hint.sock"))
+            client.sendall(b'{"v":1,"type":"subscribe"}\n')
+            clients.append(client)
+        deadline = time.monotonic() + 5
+        while sum(c.subscribed for c in daemon.server.clients.values()) < 2:
+            assert time.monotonic() < deadline
+            daemon.server.poll(0.02)
+        daemon._act([{"detector": "p99_drift", "series": "runq_delay{pid=100}",
+                      "state": "firing", "ts_ns": 1, "evidence": {"p99": 0.004,
+                                                                   "baseline": 0.001}}])
+        clients[0].settimeout(5)
+        assert b'"kind":"cpu_contention"' in clients[0].recv(65536)
+        lines = scrape(daemon)
+        assert 'mmtrace_hints_total{kind="cpu_contention"} 2.0' in lines
+        assert 'mmtrace_anomalies_total{detector="p99_drift"} 1.0' in lines
+    finally:
+        for client in clients:
+            client.close()
+        daemon.close()
