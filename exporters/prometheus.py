@@ -109,7 +109,8 @@ class Labels:
 class DaemonCollector:
     """Reads the daemon at scrape time. `daemon` offers: lock, loaded (or
     None), counts (EventCounts), probe_states, p99, entropy, entropy_latest,
-    anomaly_counts, hint_counts, nvml and npu (DeviceMonitors or None)."""
+    anomaly_counts, hint_counts, nvml and npu (DeviceMonitors or None),
+    otlp (exporters.otlp.OtlpTraces or None)."""
 
     def __init__(self, daemon, labels: Labels = Labels(), proc_root: Path = Path("/proc")):
         self.daemon = daemon
@@ -136,6 +137,8 @@ class DaemonCollector:
         yield from self._probes(loaded, probe_states)
         yield from self._detectors(detector_rows, entropy, anomalies, hints)
         yield from self._devices(d.nvml, d.npu)
+        if getattr(d, "otlp", None) is not None:
+            yield from self._otlp(d.otlp.stats)
 
     # ------------------------------------------------------------ kernel
 
@@ -283,6 +286,20 @@ class DaemonCollector:
         for kind in sorted(set(KNOWN_HINTS) | set(hints)):
             h.add_metric([kind], hints.get(kind, 0))
         yield h
+
+    # -------------------------------------------------------------- otlp
+
+    def _otlp(self, stats):
+        spans = CounterMetricFamily(
+            "mmtrace_otlp_spans_total",
+            "OTLP spans by outcome: exported, failed (in batches the collector refused or "
+            "never got), dropped (queue full), capped (sampled submissions over the rate cap).",
+            labels=["outcome"])
+        for outcome in ("exported", "failed", "dropped", "capped"):
+            spans.add_metric([outcome], getattr(stats, outcome))
+        yield spans
+        yield CounterMetricFamily("mmtrace_otlp_export_failures_total",
+                                  "OTLP export batches that failed.", value=stats.failed_batches)
 
     # ----------------------------------------------------------- devices
 

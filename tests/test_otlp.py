@@ -7,6 +7,7 @@ messages."""
 import gzip
 import http.server
 import json
+import re
 import socket
 import threading
 import time
@@ -147,6 +148,11 @@ def test_a_stuck_collector_costs_counted_drops_never_a_stall():
     t.shutdown(deadline_s=0.5)
     assert time.monotonic() - start < 2.0
     t.shutdown()                                 # idempotent
+    stuck.release.set()                          # the stuck batch ends (and is counted) here
+    deadline = time.monotonic() + 5
+    while t.stats.failed_batches == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert t.stats.failed >= 64
 
 
 def test_evidence_of_any_shape_becomes_valid_attributes():
@@ -305,3 +311,10 @@ def test_a_dead_collector_leaves_the_daemon_running_and_counts_failures(tmp_path
     assert any(a.get("state") == "firing" for a in daemon.anomalies)
     assert daemon.otlp.stats.failed >= 1 and daemon.otlp.stats.failed_batches >= 1
     assert slowest < 0.25, f"a tick took {slowest:.3f} s while the collector was down"
+    # ... and the failures are in the metrics
+    from prometheus_client import generate_latest
+    from mmtrace.exporters import prometheus
+    text = generate_latest(prometheus.registry_for(daemon, prometheus.Labels())).decode()
+    failed = re.search(r'^mmtrace_otlp_spans_total\{outcome="failed"\} (\S+)$', text, re.M)
+    assert failed and float(failed.group(1)) == daemon.otlp.stats.failed
+    assert re.search(r"^mmtrace_otlp_export_failures_total [1-9]", text, re.M)
