@@ -11,9 +11,11 @@ sync, ITERS times, each second).
    built from the kernel maps and the daemon's state under its lock),
    median and p95 of --scrapes scrapes, with the default labels (top 10
    processes by name) and with pid labels on for a top 100.
-2. Daemon CPU with metrics on (scraped every second, as Prometheus would)
-   against metrics and NVML off, side by side over the same workload:
-   the daemon's utime + stime over --seconds of steady state, per round.
+2. Daemon CPU, side by side over the same workload, per round: metrics
+   and OTLP off; metrics on (scraped every second, as Prometheus would);
+   metrics on and OTLP traces to a receiver on loopback (1 % of the
+   submissions sampled, at most 200 spans/s): the daemon's utime + stime
+   over --seconds of steady state.
 
 Needs root, gcc and the nvidia-cuda-runtime-cu12 wheel. Writes
 bench/out/metrics.json.
@@ -137,9 +139,11 @@ def scrape_cost(natives, loops, scrapes: int, config: str) -> dict:
             "workload_series": len(workloads)}
 
 
-def cpu_round(natives, loops, seconds: float, metrics_on: bool) -> float:
+def cpu_round(natives, loops, seconds: float, metrics_on: bool, otlp_url: str | None = None):
     port = free_port() if metrics_on else None
     config = "" if metrics_on else "device_poll_interval_s = 0\n"
+    if otlp_url:
+        config += f'[otlp]\nendpoint = "{otlp_url}"\nsample_ratio = 0.01\n'
     with tempfile.TemporaryDirectory() as tmp:
         daemon = Daemon(Path(tmp), natives.cudart, loops.pids, config, port)
         try:
@@ -158,6 +162,7 @@ def cpu_round(natives, loops, seconds: float, metrics_on: bool) -> float:
 
 def main():
     from gpu_fixtures import build_natives
+    from otlp_receiver import Receiver
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--processes", type=int, default=100)
     parser.add_argument("--scrapes", type=int, default=50)
@@ -172,13 +177,18 @@ def main():
         out["scrape_top10_by_name"] = scrape_cost(natives, loops, args.scrapes, "")
         out["scrape_top100_with_pid"] = scrape_cost(
             natives, loops, args.scrapes, "metrics_top_k = 100\nmetrics_pid_label = true\n")
-        on, off = [], []
+        on, off, both = [], [], []
+        receiver = Receiver()
         for _ in range(args.rounds):
             on.append(cpu_round(natives, loops, args.seconds, True))
             off.append(cpu_round(natives, loops, args.seconds, False))
+            both.append(cpu_round(natives, loops, args.seconds, True, receiver.url))
         out["daemon_cpu_metrics_on"] = on
         out["daemon_cpu_metrics_off"] = off
+        out["daemon_cpu_metrics_and_otlp_on"] = both
+        out["otlp_spans_received"] = len(receiver.spans)
         out["daemon_cpu_on_minus_off"] = min(on) - min(off)
+        out["daemon_cpu_both_on_minus_off"] = min(both) - min(off)
     finally:
         loops.close()
     (ROOT / "bench" / "out").mkdir(exist_ok=True)
