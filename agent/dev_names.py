@@ -34,13 +34,26 @@ READ_LIMIT = 4096
 _DEVICE_STUB = re.compile(r"^__device_stub__(Z\w+)")
 
 
-def kernel_of_stub(function: str | None) -> str | None:
-    """The demangled kernel name a host stub's (demangled) name carries,
-    else None: "__device_stub__ZN6vision11patch_embedEPfi(float*, int)" ->
-    "vision::patch_embed(float*, int)"."""
+_SIMPLE_NAME = re.compile(r"^_Z(\d+)")
+
+
+def kernel_of_stub(raw: str, elf) -> str | None:
+    """The kernel a host stub (raw symbol `raw` of ElfSymbols `elf`) launches,
+    named as its host function is (what cudaLaunchKernel is given), else
+    None: _Z41__device_stub__ZN6vision11patch_embedEPfiPfi ->
+    "vision::patch_embed(float*, int)". The stub's name always carries a
+    mangled name; an extern "C" kernel's host function has the plain one."""
     from .symbols import demangle
-    match = _DEVICE_STUB.match(function or "")
-    return demangle("_" + match.group(1)) if match else None
+    match = _DEVICE_STUB.match(demangle(raw))
+    if match is None:
+        return None
+    mangled = "_" + match.group(1)
+    simple = _SIMPLE_NAME.match(mangled)
+    if simple and not elf.defines(mangled):
+        plain = mangled[simple.end():simple.end() + int(simple.group(1))]
+        if elf.defines(plain):
+            return plain
+    return demangle(mangled)
 
 
 class DeviceNames:
@@ -127,9 +140,9 @@ class DeviceNames:
         rows = []
         if self.resolver is None:
             return rows
-        for addr, function in zip(addrs.tolist(), self.resolver.resolve_many(int(pid), addrs)):
+        kernels = self.resolver.resolve_many(int(pid), addrs, namer=kernel_of_stub)
+        for addr, kernel in zip(addrs.tolist(), kernels):
             self._remember((pid, addr))
-            kernel = kernel_of_stub(function)
             if kernel is not None:
                 rows.append([pid, addr, kernel])
                 self.counters["callers_named"] += 1

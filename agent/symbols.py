@@ -384,6 +384,13 @@ class ElfSymbols:
             self._local_functions = self._defined(self._tables[1], local_only=True)
         return set(self._functions | self._local_functions)
 
+    def defines(self, name: str) -> bool:
+        """Whether a function of this name is defined, at any binding."""
+        self.defined_functions()
+        if self._local_functions is None:
+            self._local_functions = self._defined(self._tables[1], local_only=True)
+        return name in self._functions or name in self._local_functions
+
     @staticmethod
     def _defined(table: _SymbolTable | None, exported_only: bool = False,
                  skip_values: np.ndarray | None = None,
@@ -735,18 +742,20 @@ class AddressResolver:
             return None
         return self.resolve_many(pid, np.array([addr], dtype=np.uint64))[0]
 
-    def resolve_many(self, pid: int, addrs: np.ndarray) -> list[str | None]:
+    def resolve_many(self, pid: int, addrs: np.ndarray, namer=None) -> list[str | None]:
         """Resolve a batch of addresses of one process: a dict lookup for the
         addresses seen before (a model launches the same kernels over and
-        over), one vectorised pass for the rest."""
+        over), one vectorised pass for the rest. `namer(raw symbol, ElfSymbols)`
+        -> name or None replaces demangling (its answers are not cached)."""
         addrs = np.asarray(addrs, dtype=np.uint64)
         out: list[str | None] = [None] * len(addrs)
         if not len(addrs):
             return out
         maps = self._process_maps(pid, refresh=False)
         if maps is None:
-            return self._after_exit(pid, addrs, out)
-        pending = np.array(self._from_cache(maps, addrs, out), dtype=np.int64)
+            return self._after_exit(pid, addrs, out, namer)
+        pending = np.arange(len(addrs)) if namer else np.array(
+            self._from_cache(maps, addrs, out), dtype=np.int64)
         if not len(pending):
             return out
         where = maps.find_many(addrs[pending])
@@ -758,14 +767,15 @@ class AddressResolver:
         self.counters["no_mapping"] += int((where < 0).sum())
         for i in np.unique(where[where >= 0]).tolist():
             rows = pending[where == i]
-            for row, name, reason in zip(rows.tolist(), *self._in_mapping(pid, maps, i,
-                                                                           addrs[rows])):
+            for row, name, reason in zip(rows.tolist(), *self._in_mapping(
+                    pid, maps, i, addrs[rows], namer)):
                 out[row] = name
                 self.counters[reason] += 1
-                self._remember(maps, int(addrs[row]), name, reason)
+                if namer is None:
+                    self._remember(maps, int(addrs[row]), name, reason)
         return out
 
-    def _after_exit(self, pid: int, addrs: np.ndarray, out: list) -> list:
+    def _after_exit(self, pid: int, addrs: np.ndarray, out: list, namer=None) -> list:
         """Names from the files the process had loaded, where the kernel
         told where (images); the process itself is gone."""
         if self.images is None:
@@ -776,7 +786,7 @@ class AddressResolver:
                 vaddr = (addr - bias) % (1 << 64)
                 raw = elf.function_at(vaddr) if elf.holds_vaddr(vaddr) else None
                 if raw is not None:
-                    out[row] = self._present(raw)
+                    out[row] = namer(raw, elf) if namer else self._present(raw)
                     break
             self.counters["resolved_after_exit" if out[row] else "unresolved_after_exit"] += 1
         return out
@@ -803,7 +813,8 @@ class AddressResolver:
             maps.outcomes.clear()
         maps.outcomes[addr] = (name, reason)
 
-    def _in_mapping(self, pid: int, maps: ProcessMaps, i: int, addrs: np.ndarray):
+    def _in_mapping(self, pid: int, maps: ProcessMaps, i: int, addrs: np.ndarray,
+                    namer=None):
         """(names, reasons) for addresses inside mapping i."""
         elf = self._mapping_elf(pid, maps, i)
         if not isinstance(elf, ElfSymbols):
@@ -813,7 +824,8 @@ class AddressResolver:
         names, reasons = [], []
         for valid, raw in zip(ok.tolist(), elf.functions_at(vaddrs)):
             found = valid and raw is not None
-            names.append(self._present(raw) if found else None)
+            names.append(None if not found else namer(raw, elf) if namer
+                         else self._present(raw))
             reasons.append("resolved" if found else "no_symbol")
         return names, reasons
 

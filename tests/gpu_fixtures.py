@@ -41,9 +41,10 @@ def gcc(args: list[str]):
         raise RuntimeError(f"gcc {' '.join(args)} failed:\n{result.stderr}")
 
 
-def build_library(source: str, out_dir: Path, soname: str) -> Path:
+def build_library(source: str, out_dir: Path, soname: str, flags=()) -> Path:
     out = out_dir / soname
-    gcc([*STANDIN_FLAGS, f"-Wl,-soname,{soname}", "-o", str(out), str(NATIVE / source)])
+    gcc([*STANDIN_FLAGS, *flags, f"-Wl,-soname,{soname}", "-o", str(out),
+         str(NATIVE / source)])
     return out
 
 

@@ -15,6 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from gpu_fixtures import DeviceSession, cudart_path
@@ -136,6 +137,24 @@ def test_every_call_recorded_once_with_its_kernel_name(session, build, mode):
     assert_recorded_exactly(_decoded(session, out["pid"]), out)
     if mode == "exit":
         assert session.names.resolver.counters["resolved_after_exit"] > 0
+    assert _named_by_callers(session, out["pid"]) == [name for name, *_ in LAUNCHES[:6]]
+
+
+def _named_by_callers(session: DeviceSession, pid: int) -> list:
+    """The <<<>>> launches' names when their handles name nothing (a
+    driver's cudaKernel_t whose __cudaGetKernel ran before tracing): from
+    their callers, nvcc's host stubs, resolved afresh."""
+    from mmtrace.agent.dev_names import DeviceNames
+    from mmtrace.agent.device_view import DeviceContext, decode
+    from mmtrace.agent.record import exited_process_resolver
+    from mmtrace.bpf import device
+    events = session.events(pid).copy()
+    launches = np.flatnonzero(events["kind"] == device.KIND_IDS["launch"])[:6]
+    events["handle"][launches] = 0xDEAD0000 + np.arange(len(launches))
+    names = DeviceNames(device.default_infos(),
+                        resolver=exited_process_resolver(session.loaded, lambda: session.libs))
+    rows = decode(events, DeviceContext.from_meta([{"op_names": names.process(events)}]))
+    return [rows.op_name[i] for i in range(len(rows)) if rows.kind[i] == "launch"][:6]
 
 
 @pytest.mark.bpf
