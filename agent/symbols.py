@@ -511,6 +511,14 @@ class ElfSymbols:
         vaddrs = offsets - seg_off[safe] + seg["vaddr"].astype(np.uint64)[safe]
         return np.where(ok, vaddrs, 0).astype(np.uint64), ok
 
+    def offset_of_vaddr(self, vaddr: int) -> int | None:
+        """The file offset of a virtual address, through the PT_LOAD segment
+        whose file bytes hold it; None when none does."""
+        for seg in self._segments:
+            if int(seg["vaddr"]) <= vaddr < int(seg["vaddr"]) + int(seg["filesz"]):
+                return vaddr - int(seg["vaddr"]) + int(seg["offset"])
+        return None
+
     def holds_vaddr(self, vaddr: int) -> bool:
         """Whether a PT_LOAD segment's memory holds ELF virtual address `vaddr`."""
         seg = self._segments

@@ -184,3 +184,53 @@ def test_static_runtime_of_a_new_process_is_discovered_without_lib():
     finally:
         session.close()
         fresh.unlink()
+
+
+def stripped(build: str) -> Path:
+    """A copy of a build without its symbol table (strip, as packagers do)."""
+    program, _ = built(build)
+    out = program.with_name(program.name + "-stripped")
+    if not out.exists():
+        subprocess.run(["strip", "-o", str(out), str(program)], check=True)
+    return out
+
+
+def test_only_a_stripped_static_runtime_is_untraceable():
+    from mmtrace.agent.discovery import untraceable_reason
+    from mmtrace.agent.symbols import ElfSymbols
+    reasons = {name: untraceable_reason(ElfSymbols.read(path)) for name, path in [
+        ("static", built("static-13")[0]), ("shared stripped", stripped("shared-13")),
+        ("static stripped", stripped("static-13"))]}
+    assert reasons["static"] is None and reasons["shared stripped"] is None
+    assert reasons["static stripped"].startswith("carries a static CUDA runtime")
+
+
+@pytest.fixture
+def stripped_static_program():
+    """A stripped static-runtime build, running."""
+    program = stripped("static-13")
+    run = Program(program, "linger")
+    yield program
+    run.call()
+    run.finish()
+
+
+@pytest.mark.bpf
+def test_doctor_names_a_stripped_executable_with_a_static_runtime(
+        stripped_static_program, mmtrace_cli):
+    result = mmtrace_cli("doctor", "--json", timeout=300)
+    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    check = checks["untraceable_cuda"]
+    assert not check["ok"]
+    assert f"{stripped_static_program}: carries a static CUDA runtime" in check["detail"]
+    assert "no symbol table" in check["detail"]
+
+
+@pytest.mark.bpf
+def test_record_warns_of_a_stripped_executable_with_a_static_runtime(
+        stripped_static_program, mmtrace_cli, tmp_path):
+    out = tmp_path / "r.mmtr"
+    result = mmtrace_cli("record", "-o", out, "--duration", "1", timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert (f"mmtrace: warning: {stripped_static_program}: carries a static CUDA runtime"
+            in result.stderr)
