@@ -27,15 +27,13 @@ struct cu_launch_config {
 /* Who called a runtime launch: <<<>>> compiles into a host stub per kernel
  * (__device_stub__<kernel>) that calls the launch, directly or through a
  * static helper, so the caller names the kernel when the handle cannot
- * (CUDA 13's <<<>>> passes a cudaKernel_t, zero when __cudaGetKernel
- * failed or ran before tracing began). At entry [rsp] is the return
- * address; [rbp + 8] is the caller's own when the caller keeps a frame
- * pointer, else whatever rbp holds leads nowhere and reads as 0. */
-static __always_inline void set_callers(struct pt_regs *ctx, struct dev_event *ev)
+ * (an opaque cudaKernel_t whose __cudaGetKernel ran before tracing). At
+ * entry [rsp] is the return address (read by the decoders with the stack
+ * arguments where they have some); [rbp + 8] is the caller's own when the
+ * caller keeps a frame pointer (nvcc's default -O0 host code does), else
+ * rbp leads nowhere and it reads as 0. */
+static __always_inline void set_outer_caller(struct pt_regs *ctx, struct dev_event *ev)
 {
-    if (bpf_probe_read_user(&ev->return_ip, sizeof(ev->return_ip),
-                            (void *)PT_REGS_SP(ctx)) != 0)
-        ev->return_ip = 0;
     if (bpf_probe_read_user(&ev->outer_return_ip, sizeof(ev->outer_return_ip),
                             (void *)(PT_REGS_FP(ctx) + 8)) != 0)
         ev->outer_return_ip = 0;
@@ -71,11 +69,12 @@ static __always_inline int launch_runtime(struct pt_regs *ctx, u16 api, u32 slot
     ev->block_x = (u32)block_xy;
     ev->block_y = block_xy >> 32;
     ev->block_z = (u32)PT_REGS_PARM5(ctx);
-    u64 stack[2];
-    read_user(ev, stack, sizeof(stack), STACK_ARG(ctx, 1));
-    ev->shared_mem_bytes = stack[0];
-    ev->stream_handle = stack[1];
-    set_callers(ctx, ev);
+    u64 stack[3];   /* the return address, then the stack arguments */
+    read_user(ev, stack, sizeof(stack), STACK_ARG(ctx, 0));
+    ev->return_ip = stack[0];
+    ev->shared_mem_bytes = stack[1];
+    ev->stream_handle = stack[2];
+    set_outer_caller(ctx, ev);
     dev_submit(ev);
     return 0;
 }
@@ -92,7 +91,8 @@ static __always_inline int launch_runtime_ex(struct pt_regs *ctx, u16 api, u32 s
     set_shape(ev, cfg.grid, cfg.block);
     ev->shared_mem_bytes = cfg.shared_mem;
     ev->stream_handle = cfg.stream;
-    set_callers(ctx, ev);
+    read_user(ev, &ev->return_ip, sizeof(ev->return_ip), STACK_ARG(ctx, 0));
+    set_outer_caller(ctx, ev);
     dev_submit(ev);
     return 0;
 }
