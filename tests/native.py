@@ -41,7 +41,8 @@ def nvcc_build(source: Path, *flags: str, name: str, out_dir: Path = BUILD) -> P
         return None
     source = Path(source)
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
-    digest = hashlib.sha1(source.read_bytes() + " ".join(flags).encode()
+    headers = b"".join(h.read_bytes() for h in sorted(NATIVE.glob("*.h")))
+    digest = hashlib.sha1(source.read_bytes() + headers + " ".join(flags).encode()
                           + version.encode()).hexdigest()[:10]
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / f"{name}-{digest}"
