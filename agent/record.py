@@ -168,7 +168,7 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
     loaded = probe_loader.load(options)
     threads = ThreadProcesses()
     own_stop = stop is None
-    stop = stop or StopFlag()
+    stop = StopFlag() if own_stop else stop     # an unset flag is falsy: keep it
     if own_stop:
         stop.install()
     writer = None
@@ -263,7 +263,7 @@ class _DeviceRecording:
             return {}
         return {"device_probes": self.device.states(),
                 "device_probe_summary": self.device.summary(),
-                "name_resolution": dict(self.names.counters),
+                "name_resolution": self.names.report(),
                 "discovery": self.sources.counters(),
                 "untraceable_files": self.sources.untraceable()}
 
