@@ -30,7 +30,7 @@ from .dev_names import DeviceNames
 from .event_ring import EventRing
 from .flight import FlightRecorder
 from .hint_socket import HintServer
-from .record import CPU_PROBE_STATE, DeviceSources, StopFlag
+from .record import CPU_PROBE_STATE, DeviceSources, StopFlag, exited_process_resolver
 from .threads import ThreadProcesses
 
 log = logging.getLogger("mmtrace.daemon")
@@ -110,8 +110,10 @@ class Daemon:
         cfg = self.config
         options = probe_loader.ProbeOptions(pids=tuple(cfg.pids),
                                             trace_launches=not cfg.adaptive_launches)
-        self.sources = DeviceSources(cfg.libs, cfg.pids, discover=True)
+        self.sources = DeviceSources(cfg.libs, cfg.pids, discover=True, warn=log.warning)
         self.loaded = probe_loader.load(options)
+        self.names = DeviceNames(device_stream.default_infos(), resolver=exited_process_resolver(
+            self.loaded, self.sources.known_files))
         try:
             self.server = HintServer(cfg.socket)
         except OSError as exc:

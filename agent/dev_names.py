@@ -76,6 +76,18 @@ class DeviceNames:
         aclnn = by_symbol.get("aclnn")
         self._aclnn_api = aclnn.id if aclnn else None
 
+    def report(self) -> dict[str, int]:
+        """Every count of what was named and why not: these, the address
+        resolver's (process_gone, no_symbol, resolved_after_exit, ...) and
+        its images' (no_load_frames, build_id_unknown)."""
+        out = dict(self.counters)
+        resolver = self.resolver
+        for source in (getattr(resolver, "counters", {}),
+                       getattr(getattr(resolver, "images", None), "counters", {})):
+            for name, value in source.items():
+                out[f"address_{name}"] = out.get(f"address_{name}", 0) + int(value)
+        return out
+
     def process(self, batch: np.ndarray) -> list[list]:
         """Fill unread names in `batch` (in place); return the new
         [pid, address, name] rows for the recording's op_names table."""

@@ -65,27 +65,26 @@ class ProcessImages:
         self.counters: dict[str, int] = {}
         self._by_build_id: dict[bytes, ElfSymbols] = {}
         self._indexed: set[FileKey] = set()
-        self._images: OrderedDict[int, list] = OrderedDict()
+        self._images: OrderedDict[tuple[int, bytes], list] = OrderedDict()
 
     def images(self, pid: int) -> list[tuple[int, ElfSymbols]]:
-        cached = self._images.get(pid)
-        if cached is not None:
-            return cached
         frames = self._frames(pid)
         if frames is None:
             self._count("no_load_frames")
             return []
+        # Keyed by the frames too: a reused pid is another process.
+        key = (pid, frames.tobytes())
+        cached = self._images.get(key)
+        if cached is not None:
+            return cached
         self._index(list(self.known_files()) + [p for p in [self._exe_path(pid)] if p])
         found = frame_biases(frames, self._by_build_id.get)
         if not found:
             self._count("build_id_unknown")
-        self._images[pid] = found
+        self._images[key] = found
         while len(self._images) > self.max_processes:
             self._images.popitem(last=False)
         return found
-
-    def forget(self, pid: int) -> None:
-        self._images.pop(pid, None)
 
     def _count(self, name: str):
         self.counters[name] = self.counters.get(name, 0) + 1
