@@ -12,6 +12,7 @@ files on disk, through the load frames the kernel took)."""
 import json
 import os
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -136,7 +137,7 @@ def test_every_call_recorded_once_with_its_kernel_name(session, build, mode):
         run.finish()
     assert_recorded_exactly(_decoded(session, out["pid"]), out)
     if mode == "exit":
-        assert session.names.resolver.counters["resolved_after_exit"] > 0
+        assert session.names.report()["address_resolved_after_exit"] > 0
     assert _named_by_callers(session, out["pid"]) == [name for name, *_ in LAUNCHES[:6]]
 
 
@@ -157,15 +158,54 @@ def _named_by_callers(session: DeviceSession, pid: int) -> list:
     return [rows.op_name[i] for i in range(len(rows)) if rows.kind[i] == "launch"][:6]
 
 
+def _private_copy(program: Path) -> Path:
+    """A copy with an inode of its own: no probe session holds it yet."""
+    fresh = program.with_name(f"{program.name}-{os.getpid()}-{time.monotonic_ns()}")
+    fresh.write_bytes(program.read_bytes())
+    fresh.chmod(0o755)
+    return fresh
+
+
+@pytest.mark.bpf
+def test_record_names_every_call_of_a_static_program_started_after_it(tmp_path):
+    """mmtrace record, no --lib: the program starts after the recorder,
+    is found by discovery, and exits at once after its last call."""
+    from mmtrace.agent.device_view import DeviceContext, decode
+    from mmtrace.agent.record import StopFlag, record
+    from mmtrace.agent.recording import read_recording
+    fresh = _private_copy(built("static-13")[0])
+    output = tmp_path / "static.mmtr"
+    stop = StopFlag()
+    recorder = threading.Thread(target=record, args=(output, 120), kwargs={"stop": stop})
+    recorder.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not (output.exists() and output.stat().st_size) and recorder.is_alive():
+            assert time.monotonic() < deadline, "the recorder did not start"
+            time.sleep(0.1)
+        run = Program(fresh, "exit")
+        time.sleep(4.0)     # discovery looks at processes every 2 s
+        out = run.call()
+        run.finish()
+        time.sleep(0.3)
+    finally:
+        stop.reason = "test"
+        recorder.join(timeout=60)
+        fresh.unlink()
+    rec = read_recording(output)
+    events = rec.events["dev.event"]
+    rows = decode(events[events["pid"] == out["pid"]], DeviceContext.from_meta(rec.meta))
+    assert_recorded_exactly(rows, out)
+    assert rec.footer["name_resolution"]["address_resolved_after_exit"] > 0
+    assert any(p.get("path") == str(fresh) and p["state"] == "attached"
+               for doc in rec.meta for p in doc.get("probes", ()))
+
+
 @pytest.mark.bpf
 def test_static_runtime_of_a_new_process_is_discovered_without_lib():
     from mmtrace.agent.device_probes import wanted
     from mmtrace.agent.discovery import Discoverer
-    program, _ = built("static-13")
-    # A copy of its own: the module's session must not already probe it.
-    fresh = program.with_name(program.name + "-discovered")
-    fresh.write_bytes(program.read_bytes())
-    fresh.chmod(0o755)
+    fresh = _private_copy(built("static-13")[0])
     session = DeviceSession([])
     try:
         discoverer = Discoverer(wanted, search_paths=[])
