@@ -107,6 +107,11 @@ class DeviceNames:
         """(pid, distinct addresses not seen before) for each process."""
         stub = np.isin(batch["api"], self._stub_apis) & (batch["handle"] != 0)
         alias = np.isin(batch["api"], self._alias_apis) & (batch["alias"] != 0)
+        # A cudaKernel_t is named through its host function (alias), never
+        # looked up as an address of the process itself.
+        made = alias & (batch["handle"] != 0) & (batch["handle"] != batch["alias"])
+        for pid, handle in zip(batch["pid"][made].tolist(), batch["handle"][made].tolist()):
+            self._remember((pid, handle))
         by_ip = np.zeros(len(batch), bool)
         if self._aclnn_api is not None:
             by_ip = (batch["api"] == self._aclnn_api) & (batch["symbol_id"] == 0)

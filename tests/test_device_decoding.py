@@ -89,6 +89,8 @@ def test_a_cudakernel_handle_takes_the_name_of_its_host_function():
     names = DeviceNames(infos, resolver=FakeResolver({(42, 0x1000): "vision::patch(int)"}))
     rows = decode(ev, DeviceContext.from_meta([{"op_names": names.process(ev)}]))
     assert list(rows.op_name) == ["vision::patch(int)", None]
+    # The handle __cudaGetKernel made is not looked up as an address.
+    assert names.counters == {"resolved": 1, "unresolved": 1}
 
 
 def test_unreadable_strings_are_counted_not_fatal(tmp_path):
