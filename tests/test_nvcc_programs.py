@@ -141,6 +141,23 @@ def test_every_call_recorded_once_with_its_kernel_name(session, build, mode):
     assert _named_by_callers(session, out["pid"]) == [name for name, *_ in LAUNCHES[:6]]
 
 
+@pytest.mark.bpf
+@pytest.mark.parametrize("build", ["static-13", "shared-13"])
+def test_one_uprobe_per_symbol_records_the_same(build):
+    """Kernels without uprobe_multi links: bcc's perf-event uprobes, on
+    local symbols of the executable too."""
+    program, runtime = built(build)
+    session = DeviceSession([runtime], attach_mode="single")
+    try:
+        run = Program(program, "exit")
+        out = run.call()
+        run.finish()
+        session.drain()
+        assert_recorded_exactly(_decoded(session, out["pid"]), out)
+    finally:
+        session.close()
+
+
 def _named_by_callers(session: DeviceSession, pid: int) -> list:
     """The <<<>>> launches' names when their handles name nothing (a
     driver's cudaKernel_t whose __cudaGetKernel ran before tracing): from
