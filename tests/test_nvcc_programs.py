@@ -83,6 +83,19 @@ class Program:
         assert self.proc.wait(timeout=30) == 0
 
 
+def run_and_drain(session: DeviceSession, run: Program, mode: str) -> dict:
+    """Let `run` call; read its events after it exited ("exit") or while
+    it still lives ("linger"). Returns what it printed."""
+    out = run.call()
+    if mode == "exit":
+        run.finish()                # gone before its events are read
+        session.drain()
+    else:
+        session.drain()
+        run.finish()
+    return out
+
+
 def _decoded(session: DeviceSession, pid: int):
     from mmtrace.agent.device_view import decode
     return decode(session.events(pid), session.context())
@@ -127,14 +140,7 @@ def _buildable(build: str) -> bool:
 @pytest.mark.parametrize("mode", ["linger", "exit"])
 def test_every_call_recorded_once_with_its_kernel_name(session, build, mode):
     program, _ = built(build)
-    run = Program(program, mode)
-    out = run.call()
-    if mode == "exit":
-        run.finish()                # gone before its events are read
-        session.drain()
-    else:
-        session.drain()
-        run.finish()
+    out = run_and_drain(session, Program(program, mode), mode)
     assert_recorded_exactly(_decoded(session, out["pid"]), out)
     if mode == "exit":
         assert session.names.report()["address_resolved_after_exit"] > 0
@@ -149,10 +155,7 @@ def test_one_uprobe_per_symbol_records_the_same(build):
     program, runtime = built(build)
     session = DeviceSession([runtime], attach_mode="single")
     try:
-        run = Program(program, "exit")
-        out = run.call()
-        run.finish()
-        session.drain()
+        out = run_and_drain(session, Program(program, "exit"), "exit")
         assert_recorded_exactly(_decoded(session, out["pid"]), out)
     finally:
         session.close()
@@ -234,9 +237,7 @@ def test_static_runtime_of_a_new_process_is_discovered_without_lib():
         assert {"cudaLaunchKernel", "__cudaGetKernel", "cudaMemcpyAsync",
                 "cudaStreamSynchronize"} <= found[0].symbols
         session.device.add(found[0])
-        out = run.call()
-        session.drain()
-        run.finish()
+        out = run_and_drain(session, run, "linger")
         assert_recorded_exactly(_decoded(session, out["pid"]), out)
     finally:
         session.close()
