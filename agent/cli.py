@@ -112,7 +112,9 @@ def record(output, duration, pids, libs, nice):
     if why_not:
         click.echo(f"mmtrace: warning: {why_not}", err=True)
     result = recorder.record(output, duration, pids=pids, libs=libs,
-                             progress=recorder.Progress())
+                             progress=recorder.Progress(),
+                             warn=lambda text: click.echo(f"mmtrace: warning: {text}",
+                                                          err=True))
     click.echo(f"wrote {output}: {result.events:,} events, {result.lost:,} lost, "
                f"{result.duration_s:.1f} s", err=True)
 

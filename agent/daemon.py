@@ -38,7 +38,7 @@ from .device_view import describe
 from .event_ring import EventRing
 from .flight import FlightRecorder
 from .hint_socket import HintServer
-from .record import CPU_PROBE_STATE, DeviceSources, StopFlag
+from .record import CPU_PROBE_STATE, DeviceSources, StopFlag, exited_process_resolver
 from .threads import ThreadProcesses
 
 log = logging.getLogger("mmtrace.daemon")
@@ -133,9 +133,11 @@ class Daemon:
         self._start_exporters()
         options = probe_loader.ProbeOptions(pids=tuple(cfg.pids),
                                             trace_launches=not cfg.adaptive_launches)
-        self.sources = DeviceSources(cfg.libs, cfg.pids, discover=True)
+        self.sources = DeviceSources(cfg.libs, cfg.pids, discover=True, warn=log.warning)
         self.loaded = probe_loader.load(options)
         self._counters_at_start = self.loaded.counters()
+        self.names = DeviceNames(device_stream.default_infos(), resolver=exited_process_resolver(
+            self.loaded, self.sources.known_files))
         try:
             self.server = HintServer(cfg.socket)
         except OSError as exc:

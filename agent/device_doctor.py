@@ -9,23 +9,42 @@ from pathlib import Path
 from .doctor import Check
 
 NAME = "gpu_npu_probes"
+UNTRACEABLE = "untraceable_cuda"
 
 
-def check_device_probes(host, ready: bool) -> Check:
-    """Not required: a host without GPU/NPU libraries still traces the CPU.
-    `ready`: the required checks passed (else loading is not tried)."""
+def device_checks(host, ready: bool) -> list[Check]:
+    """The probes check, and the files running CUDA code that no probe can
+    reach, from one discovery scan (as `record` would make it)."""
     if not ready:
-        return Check(NAME, False, False, "not tried: fix the MISSING lines first")
+        return [Check(NAME, False, False, "not tried: fix the MISSING lines first")]
     if Path(host.proc) != Path("/proc") or Path(host.sys) != Path("/sys"):
-        return Check(NAME, False, False, "not tried on an injected host root")
-    from . import probes
+        return [Check(NAME, False, False, "not tried on an injected host root")]
     from .device_probes import wanted
-    from .errors import MmtraceError
     try:
-        from .discovery import find_targets
-        targets = find_targets(wanted)
+        from .discovery import Discoverer
     except ImportError:
-        targets = []
+        return [check_device_probes([])]
+    discoverer = Discoverer(wanted)
+    targets = discoverer.poll()
+    return [check_device_probes(targets), check_untraceable(discoverer.untraceable)]
+
+
+def check_untraceable(untraceable: dict[str, str]) -> Check:
+    """Not required: names each file found that runs CUDA code no probe can
+    reach (a stripped executable with a static runtime), and why."""
+    if not untraceable:
+        return Check(UNTRACEABLE, True, False, "every file found running CUDA code can be "
+                     "probed")
+    detail = "; ".join(f"{path}: {why}" for path, why in sorted(untraceable.items()))
+    return Check(UNTRACEABLE, False, False,
+                 f"{len(untraceable)} file(s) cannot be traced: " + detail)
+
+
+def check_device_probes(targets: list) -> Check:
+    """Not required: a host without GPU/NPU libraries still traces the CPU.
+    Loads the programs and attaches to `targets`, then detaches."""
+    from . import probes
+    from .errors import MmtraceError
     if not targets:
         return Check(NAME, True, False, "no CUDA or Ascend library found to probe "
                      "(the CPU stream is unaffected)", "mmtrace record --lib PATH adds one")

@@ -70,7 +70,7 @@ def decode(events: np.ndarray, ctx: DeviceContext) -> DeviceRows:
     api_ids = aligned["api"].astype(np.int64)
     exported = np.array([infos[i].kind in device_stream.EXPORTED_KINDS if i in infos else False
                          for i in range(int(api_ids.max(initial=0)) + 1)], bool)
-    function_names = _function_names(aligned, infos, demangle)
+    function_names = _function_names(aligned, infos, demangle, ctx.op_names)
     rows = aligned[exported[api_ids]] if len(aligned) else aligned
     n = len(rows)
     stream = np.empty(n, object)
@@ -96,7 +96,7 @@ def decode(events: np.ndarray, ctx: DeviceContext) -> DeviceRows:
             continue
         pids = rows["pid"][at].tolist()
         if info.library == "cudart":
-            op_name[at] = [ctx.op_names.get(k) for k in zip(pids, rows["handle"][at].tolist())]
+            op_name[at] = _runtime_launch_names(rows[at], ctx.op_names, function_names)
         elif info.library == "cuda":
             op_name[at] = [function_names.get(k)
                            for k in zip(pids, rows["handle"][at].tolist())]
@@ -113,14 +113,39 @@ def decode(events: np.ndarray, ctx: DeviceContext) -> DeviceRows:
     return DeviceRows(rows, stream, kind, api, op_name, direction, fields)
 
 
-def _function_names(events: np.ndarray, infos: dict, demangle) -> dict:
-    """(pid, CUfunction) -> kernel name, from cuModuleGetFunction's returns
-    (later definitions of a handle win: events are in time order)."""
+def _runtime_launch_names(rows: np.ndarray, op_names: dict, function_names: dict) -> list:
+    """A runtime launch's kernel: its handle (a host function, or a
+    cudaKernel_t __cudaGetKernel made), else its caller when that is the
+    kernel's host stub (dev_names.py)."""
+    out = []
+    callers = "return_ip" in (rows.dtype.names or ())
+    for i, (pid, handle) in enumerate(zip(rows["pid"].tolist(), rows["handle"].tolist())):
+        name = op_names.get((pid, handle)) or function_names.get((pid, handle))
+        if name is None and callers:
+            name = (op_names.get((pid, int(rows["return_ip"][i])))
+                    or op_names.get((pid, int(rows["outer_return_ip"][i]))))
+        out.append(name)
+    return out
+
+
+def _function_names(events: np.ndarray, infos: dict, demangle, op_names: dict) -> dict:
+    """(pid, handle) -> kernel name, from the returns of the calls that make
+    kernel handles (later definitions of a handle win: events are in time
+    order): cuModuleGetFunction, cuLibraryGetKernel and cuFuncGetName name
+    theirs; cuKernelGetFunction's CUfunction and __cudaGetKernel's
+    cudaKernel_t take the name of what they stand for (a CUkernel, a host
+    function named in op_names)."""
     ids = [i for i, info in infos.items() if info.kind == "function_name"]
     rows = events[np.isin(events["api"], ids) & (events["ret"] == 0) & (events["handle"] != 0)]
+    aliases = (rows["alias"].tolist() if "alias" in (rows.dtype.names or ())
+               else [0] * len(rows))
     out = {}
-    for pid, handle, raw, flag in zip(rows["pid"].tolist(), rows["handle"].tolist(),
-                                      rows["name"].tolist(), rows["flags"].tolist()):
+    for pid, handle, raw, flag, alias in zip(rows["pid"].tolist(), rows["handle"].tolist(),
+                                             rows["name"].tolist(), rows["flags"].tolist(),
+                                             aliases):
+        if alias:
+            out[(pid, handle)] = out.get((pid, alias)) or op_names.get((pid, alias))
+            continue
         truncated = bool(flag & device_stream.FLAG_NAME_TRUNCATED)
         text = _name_text(raw, truncated)
         if text is not None and not truncated:

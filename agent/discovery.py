@@ -93,8 +93,11 @@ class Discoverer:
     unreadable_file, not_elf, elf_unreadable (truncated or corrupt ELF),
     deleted_mapping (a mapped file deleted since; reached through map_files
     where possible), maps_malformed_lines, lib_without_wanted_symbols (a
-    --lib file defining none of the wanted symbols); and examined (files
-    parsed), targets (returned so far)."""
+    --lib file defining none of the wanted symbols), untraceable (files in
+    `untraceable`); and examined (files parsed), targets (returned so far).
+
+    `untraceable`: path -> why, for files that carry what is traced but
+    cannot be probed (a stripped executable with a static CUDA runtime)."""
 
     def __init__(self, wanted: Wanted, pids: Iterable[int] | None = None,
                  extra_paths: Iterable[str | os.PathLike] = (),
@@ -108,6 +111,7 @@ class Discoverer:
         self.search_paths = None if search_paths is None else tuple(map(str, search_paths))
         self.clock = clock
         self.counters: Counter[str] = Counter()
+        self.untraceable: dict[str, str] = {}
         self._returned: dict[tuple[int, int], LibraryTarget] = {}
         self._wanted_by_file: dict[FileKey, frozenset[str]] = {}
         self._maps_seen: set[tuple[str, int]] = set()
@@ -324,7 +328,7 @@ class Discoverer:
         ident = (st.st_dev, st.st_ino)
         if ident in found:
             return None
-        symbols = self._wanted_symbols(host_path, st)
+        symbols = self._wanted_symbols(host_path, st, plain_path or host_path)
         if isinstance(symbols, str):
             return symbols
         if symbols:
@@ -332,9 +336,11 @@ class Discoverer:
                                          st.st_dev, st.st_ino, symbols, origin)
         return None
 
-    def _wanted_symbols(self, path: str, st: os.stat_result) -> frozenset[str] | str:
-        """The wanted symbols `path` defines, parsed once per file version;
-        a reason string when the file cannot be read now."""
+    def _wanted_symbols(self, path: str, st: os.stat_result,
+                        shown_as: str) -> frozenset[str] | str:
+        """The wanted symbols `path` defines, at any binding (a static
+        runtime's are local), parsed once per file version; a reason string
+        when the file cannot be read now."""
         key = FileKey.of(st)
         cached = self._wanted_by_file.get(key)
         if cached is not None:
@@ -354,7 +360,12 @@ class Discoverer:
         else:
             self.counters["examined"] += 1
             key = elf.key
-            result = frozenset(name for name in elf.defined_functions() if self.wanted(name))
+            result = frozenset(name for name in elf.defined_functions(local=True)
+                               if self.wanted(name))
+            why = untraceable_reason(elf) if not result else None
+            if why and shown_as not in self.untraceable:
+                self.untraceable[shown_as] = why
+                self.counters["untraceable"] += 1
         self._wanted_by_file[key] = result
         return result
 
@@ -370,6 +381,21 @@ class Discoverer:
             if (plain.st_dev, plain.st_ino) == (st.st_dev, st.st_ino):
                 return os.path.realpath(plain_path)
         return host_path
+
+
+def untraceable_reason(elf: ElfSymbols) -> str | None:
+    """Why a file that defines no probed symbol still runs CUDA code that
+    cannot be traced, else None: a CUDA runtime linked statically (nvcc's
+    default) into a file stripped of its symbol table. The runtime's
+    functions then have no names to attach to. Its signs: kernels embedded
+    (.nvFatBinSegment) and neither libcudart nor libcuda linked."""
+    if elf.has_symbol_table or ".nvFatBinSegment" not in elf.section_names:
+        return None
+    if any(lib.startswith(("libcudart.so", "libcuda.so")) for lib in elf.needed):
+        return None
+    return ("carries a static CUDA runtime (embedded kernels in .nvFatBinSegment, no "
+            "libcudart linked) and has no symbol table (stripped): its CUDA calls cannot "
+            "be probed; build it with -cudart shared, or keep its symbols (no strip, no -s)")
 
 
 def check_extra_path(path: str | os.PathLike) -> str:

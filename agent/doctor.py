@@ -149,8 +149,8 @@ def run_checks(host: Host | None = None) -> list[Check]:
     except ImportError:
         return checks
     checks += discovery.doctor_checks(host)
-    from .device_doctor import check_device_probes
-    return checks + [check_device_probes(host, tracing_ready(checks))]
+    from .device_doctor import device_checks
+    return checks + device_checks(host, tracing_ready(checks))
 
 
 def tracing_ready(checks: list[Check]) -> bool:

@@ -83,9 +83,11 @@ class DeviceSources:
     discovery finds while recording (new processes, new files). The first
     scan runs in a thread from creation on, beside the eBPF compilation."""
 
-    def __init__(self, libs=(), pids=(), discover: bool = True):
+    def __init__(self, libs=(), pids=(), discover: bool = True, warn=None):
         from .device_probes import wanted
         self.discoverer = None
+        self.warn = warn
+        self._warned: set[str] = set()
         self.libs = tuple(str(p) for p in libs)
         try:
             from . import discovery
@@ -119,8 +121,27 @@ class DeviceSources:
             self._scan = None
             if self._first_error is not None:
                 raise self._first_error
-            return self._first
-        return self.discoverer.poll_if_due() if self.discoverer is not None else []
+            found = self._first
+        else:
+            found = self.discoverer.poll_if_due() if self.discoverer is not None else []
+        self._warn_untraceable()
+        return found
+
+    def untraceable(self) -> dict[str, str]:
+        """Files running CUDA code that cannot be probed: path -> why."""
+        return dict(self.discoverer.untraceable) if self.discoverer is not None else {}
+
+    def known_files(self) -> list[str]:
+        """Every file probes were attached to: where a build id is looked up."""
+        return [t.path for t in self.discoverer.targets] if self.discoverer is not None \
+            else list(self.libs)
+
+    def _warn_untraceable(self):
+        for path, why in self.untraceable().items():
+            if path not in self._warned:
+                self._warned.add(path)
+                if self.warn is not None:
+                    self.warn(f"{path}: {why}")
 
     def counters(self) -> dict:
         return dict(self.discoverer.counters) if self.discoverer is not None else {}
@@ -137,16 +158,17 @@ def device_probe_target(path: str):
 def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 0.025,
            progress: Progress | None = None, stop: StopFlag | None = None,
            options: probe_loader.ProbeOptions | None = None, libs=(),
-           discover: bool = True) -> RecordResult:
+           discover: bool = True, warn=None) -> RecordResult:
     """Record every stream to `output`. GPU/NPU probes go on every library
     given in `libs` and, with `discover`, every one found while recording;
-    all probes trace (per-launch ones included) unless `options` says not."""
+    all probes trace (per-launch ones included) unless `options` says not.
+    `warn(text)` is told of files that run CUDA code and cannot be traced."""
     options = options or probe_loader.ProbeOptions(pids=tuple(pids))
-    sources = DeviceSources(libs, options.pids, discover) if options.device else None
+    sources = DeviceSources(libs, options.pids, discover, warn) if options.device else None
     loaded = probe_loader.load(options)
     threads = ThreadProcesses()
     own_stop = stop is None
-    stop = stop or StopFlag()
+    stop = StopFlag() if own_stop else stop     # an unset flag is falsy: keep it
     if own_stop:
         stop.install()
     writer = None
@@ -208,7 +230,8 @@ class _DeviceRecording:
         self.writer = writer
         self.device = loaded.device
         self.sources = sources if self.device is not None else None
-        self.names = DeviceNames(device_stream.default_infos())
+        self.names = DeviceNames(device_stream.default_infos(), resolver=exited_process_resolver(
+            loaded, sources.known_files if self.sources is not None else list))
         self._symbols_written = 0
 
     def attach(self, first: bool = False) -> list[dict]:
@@ -240,8 +263,17 @@ class _DeviceRecording:
             return {}
         return {"device_probes": self.device.states(),
                 "device_probe_summary": self.device.summary(),
-                "name_resolution": dict(self.names.counters),
-                "discovery": self.sources.counters()}
+                "name_resolution": self.names.report(),
+                "discovery": self.sources.counters(),
+                "untraceable_files": self.sources.untraceable()}
+
+
+def exited_process_resolver(loaded, known_files):
+    """An AddressResolver that also names the addresses of processes gone by
+    the time their events are read, from the load frames the kernel took."""
+    from .process_images import ProcessImages
+    from .symbols import AddressResolver
+    return AddressResolver(images=ProcessImages(loaded.bpf, known_files))
 
 
 def _drain(loaded, writer, threads, device=None, max_rounds: int = 8) -> int:

@@ -31,7 +31,11 @@ ELF_MAGIC = b"\x7fELF"
 PT_LOAD = 1
 SHT_SYMTAB = 2
 SHT_STRTAB = 3
+SHT_DYNAMIC = 6
+SHT_NOTE = 7
 SHT_DYNSYM = 11
+DT_NEEDED = 1
+NT_GNU_BUILD_ID = 3
 SHN_UNDEF = 0
 STT_FUNC = 2
 STT_GNU_IFUNC = 10
@@ -193,14 +197,20 @@ class ElfSymbols:
     """The symbol tables and load segments of one ELF file version."""
 
     def __init__(self, path: str, key: FileKey, elf_type: int, segments: np.ndarray,
-                 dynsym: _SymbolTable | None, symtab: _SymbolTable | None):
+                 dynsym: _SymbolTable | None, symtab: _SymbolTable | None,
+                 section_names: frozenset = frozenset(), needed: tuple = (),
+                 build_id: bytes = b""):
         self.path = path
         self.key = key
         self.elf_type = elf_type
+        self.section_names = section_names     # ".text", ".nvFatBinSegment", ...
+        self.needed = needed                   # DT_NEEDED: "libcudart.so.13", ...
+        self.build_id = build_id               # NT_GNU_BUILD_ID's bytes; b"" if none
         self._segments = np.sort(segments, order="offset")
         self._tables = (dynsym, symtab)
         self._dynamic_functions: frozenset[str] | None = None
         self._functions: frozenset[str] | None = None
+        self._local_functions: frozenset[str] | None = None
         self._index: _FunctionIndex | None = None
         self._names: dict[int, str] = {}         # index entry -> chosen alias
 
@@ -239,7 +249,7 @@ class ElfSymbols:
             raise ElfError(f"{path}: unknown ELF class {ident[4]} or byte order {ident[5]}")
         layout = _layout(ident[4], "<" if ident[5] == 1 else ">")
         (e_type, _machine, _version, _entry, phoff, shoff, _flags, _ehsize, phentsize,
-         phnum, shentsize, shnum, _shstrndx) = layout.header.unpack(
+         phnum, shentsize, shnum, shstrndx) = layout.header.unpack(
             reader.read(16, layout.header.size, "ELF header"))
 
         segments = np.zeros(0, dtype=layout.segment)
@@ -253,7 +263,61 @@ class ElfSymbols:
         sections = cls._sections(reader, layout, shoff, shnum, shentsize)
         dynsym = cls._table(reader, layout, sections, SHT_DYNSYM, ".dynsym")
         symtab = cls._table(reader, layout, sections, SHT_SYMTAB, ".symtab")
-        return cls(path, key, e_type, segments, dynsym, symtab)
+        return cls(path, key, e_type, segments, dynsym, symtab,
+                   cls._section_names(reader, sections, shstrndx),
+                   cls._needed(reader, layout, sections), cls._build_id(reader, sections))
+
+    @staticmethod
+    def _section_names(reader, sections, shstrndx) -> frozenset:
+        if not 0 < shstrndx < len(sections):
+            return frozenset()
+        names = sections[shstrndx]
+        strings = reader.read(int(names["offset"]), int(names["size"]),
+                              "section name table")
+        return frozenset(_symbol_names(strings, np.unique(sections["name"]
+                                                          [sections["name"] < len(strings)])))
+
+    @staticmethod
+    def _needed(reader, layout, sections) -> tuple:
+        """The DT_NEEDED entries of .dynamic, in order."""
+        found = np.flatnonzero(sections["type"] == SHT_DYNAMIC)
+        if not len(found):
+            return ()
+        sec = sections[found[0]]
+        link = int(sec["link"])
+        if link >= len(sections) or sections[link]["type"] != SHT_STRTAB:
+            return ()
+        word = layout.section["addr"]
+        entry = np.dtype([("tag", word), ("value", word)])
+        count = int(sec["size"]) // entry.itemsize
+        dynamic = reader.array(int(sec["offset"]), count, entry, ".dynamic")
+        strings = reader.read(int(sections[link]["offset"]), int(sections[link]["size"]),
+                              "string table of .dynamic")
+        offsets = dynamic["value"][(dynamic["tag"] == DT_NEEDED)
+                                   & (dynamic["value"] < len(strings))]
+        return tuple(_symbol_name(strings, int(off)) for off in offsets)
+
+    @staticmethod
+    def _build_id(reader, sections) -> bytes:
+        """The GNU build id note's bytes, b"" when the file has none."""
+        for sec in sections[sections["type"] == SHT_NOTE]:
+            data = reader.read(int(sec["offset"]), int(sec["size"]), "note section")
+            at = 0
+            while at + 12 <= len(data):
+                namesz, descsz, kind = struct.unpack_from("<III", data, at)
+                name_end = at + 12 + (namesz + 3 & ~3)
+                desc_end = name_end + (descsz + 3 & ~3)
+                if desc_end > len(data):
+                    break
+                if kind == NT_GNU_BUILD_ID and data[at + 12:at + 12 + namesz] == b"GNU\0":
+                    return data[name_end:name_end + descsz]
+                at = desc_end
+        return b""
+
+    @property
+    def has_symbol_table(self) -> bool:
+        """A .symtab: functions the dynamic linker does not export are named."""
+        return self._tables[1] is not None
 
     @staticmethod
     def _sections(reader, layout, shoff, shnum, shentsize) -> np.ndarray:
@@ -298,9 +362,11 @@ class ElfSymbols:
             self._dynamic_functions = self._defined(self._tables[0], exported_only=False)
         return set(self._dynamic_functions)
 
-    def defined_functions(self) -> set[str]:
+    def defined_functions(self, local: bool = False) -> set[str]:
         """.dynsym's defined functions plus the global and weak functions of
-        .symtab: a runtime linked statically into an executable is only there."""
+        .symtab: a runtime linked statically into an executable is only there.
+        `local`: the local functions of .symtab too (a static runtime's API
+        functions are local once linked: cudaLaunchKernel in nvcc's output)."""
         if self._functions is None:
             self.defined_dynamic_functions()
             dynsym, symtab = self._tables
@@ -312,16 +378,30 @@ class ElfSymbols:
             # .dynsym lacks can add a name, so only those are decoded.
             self._functions = self._dynamic_functions | self._defined(
                 symtab, exported_only=True, skip_values=exported)
-        return set(self._functions)
+        if not local:
+            return set(self._functions)
+        if self._local_functions is None:
+            self._local_functions = self._defined(self._tables[1], local_only=True)
+        return set(self._functions | self._local_functions)
+
+    def defines(self, name: str) -> bool:
+        """Whether a function of this name is defined, at any binding."""
+        self.defined_functions()
+        if self._local_functions is None:
+            self._local_functions = self._defined(self._tables[1], local_only=True)
+        return name in self._functions or name in self._local_functions
 
     @staticmethod
-    def _defined(table: _SymbolTable | None, exported_only: bool,
-                 skip_values: np.ndarray | None = None) -> frozenset[str]:
+    def _defined(table: _SymbolTable | None, exported_only: bool = False,
+                 skip_values: np.ndarray | None = None,
+                 local_only: bool = False) -> frozenset[str]:
         if table is None:
             return frozenset()
         mask = _function_mask(table.symbols)
         if exported_only:
             mask &= _exported_mask(table.symbols)
+        if local_only:
+            mask &= ~_exported_mask(table.symbols)
         chosen = table.symbols[mask]
         if skip_values is not None and len(skip_values) and len(chosen):
             chosen = chosen[~np.isin(chosen["value"], skip_values)]
@@ -430,6 +510,19 @@ class ElfSymbols:
         ok = (i >= 0) & (offsets < seg_off[safe] + seg["filesz"].astype(np.uint64)[safe])
         vaddrs = offsets - seg_off[safe] + seg["vaddr"].astype(np.uint64)[safe]
         return np.where(ok, vaddrs, 0).astype(np.uint64), ok
+
+    def offset_of_vaddr(self, vaddr: int) -> int | None:
+        """The file offset of a virtual address, through the PT_LOAD segment
+        whose file bytes hold it; None when none does."""
+        for seg in self._segments:
+            if int(seg["vaddr"]) <= vaddr < int(seg["vaddr"]) + int(seg["filesz"]):
+                return vaddr - int(seg["vaddr"]) + int(seg["offset"])
+        return None
+
+    def holds_vaddr(self, vaddr: int) -> bool:
+        """Whether a PT_LOAD segment's memory holds ELF virtual address `vaddr`."""
+        seg = self._segments
+        return bool(((seg["vaddr"] <= vaddr) & (vaddr < seg["vaddr"] + seg["memsz"])).any())
 
     def runtime_to_vaddr(self, addr: int, map_start: int, map_offset: int) -> int | None:
         """ELF virtual address of runtime address `addr` inside a mapping of
@@ -623,11 +716,17 @@ class AddressResolver:
     no_mapping, not_file_backed (heap, stack, JIT code), process_gone,
     maps_unreadable, maps_malformed_lines, file_missing, file_unreadable,
     file_deleted (deleted and map_files unavailable), not_elf,
-    elf_unreadable (truncated or corrupt), name_truncated."""
+    elf_unreadable (truncated or corrupt), name_truncated; with `images`,
+    resolved_after_exit and unresolved_after_exit.
+
+    `images(pid)` -> [(load bias, ElfSymbols)], where given, names the
+    addresses of a process that has exited from its files on disk
+    (agent/process_images.py)."""
 
     def __init__(self, proc_root: Path = Path("/proc"), *, max_processes: int = 4096,
                  refresh_interval_s: float = 0.05, max_name_len: int = 4096,
-                 clock=time.monotonic):
+                 clock=time.monotonic, images=None):
+        self.images = images
         self.proc_root = Path(proc_root)
         self.max_processes = max_processes
         # A miss re-reads the maps (a library dlopen'ed since), at most this
@@ -651,18 +750,20 @@ class AddressResolver:
             return None
         return self.resolve_many(pid, np.array([addr], dtype=np.uint64))[0]
 
-    def resolve_many(self, pid: int, addrs: np.ndarray) -> list[str | None]:
+    def resolve_many(self, pid: int, addrs: np.ndarray, namer=None) -> list[str | None]:
         """Resolve a batch of addresses of one process: a dict lookup for the
         addresses seen before (a model launches the same kernels over and
-        over), one vectorised pass for the rest."""
+        over), one vectorised pass for the rest. `namer(raw symbol, ElfSymbols)`
+        -> name or None replaces demangling (its answers are not cached)."""
         addrs = np.asarray(addrs, dtype=np.uint64)
         out: list[str | None] = [None] * len(addrs)
         if not len(addrs):
             return out
         maps = self._process_maps(pid, refresh=False)
         if maps is None:
-            return out
-        pending = np.array(self._from_cache(maps, addrs, out), dtype=np.int64)
+            return self._after_exit(pid, addrs, out, namer)
+        pending = np.arange(len(addrs)) if namer else np.array(
+            self._from_cache(maps, addrs, out), dtype=np.int64)
         if not len(pending):
             return out
         where = maps.find_many(addrs[pending])
@@ -674,11 +775,28 @@ class AddressResolver:
         self.counters["no_mapping"] += int((where < 0).sum())
         for i in np.unique(where[where >= 0]).tolist():
             rows = pending[where == i]
-            for row, name, reason in zip(rows.tolist(), *self._in_mapping(pid, maps, i,
-                                                                           addrs[rows])):
+            for row, name, reason in zip(rows.tolist(), *self._in_mapping(
+                    pid, maps, i, addrs[rows], namer)):
                 out[row] = name
                 self.counters[reason] += 1
-                self._remember(maps, int(addrs[row]), name, reason)
+                if namer is None:
+                    self._remember(maps, int(addrs[row]), name, reason)
+        return out
+
+    def _after_exit(self, pid: int, addrs: np.ndarray, out: list, namer=None) -> list:
+        """Names from the files the process had loaded, where the kernel
+        told where (images); the process itself is gone."""
+        if self.images is None:
+            return out
+        found = self.images.images(pid)
+        for row, addr in enumerate(addrs.tolist()):
+            for bias, elf in found:
+                vaddr = (addr - bias) % (1 << 64)
+                raw = elf.function_at(vaddr) if elf.holds_vaddr(vaddr) else None
+                if raw is not None:
+                    out[row] = namer(raw, elf) if namer else self._present(raw)
+                    break
+            self.counters["resolved_after_exit" if out[row] else "unresolved_after_exit"] += 1
         return out
 
     # Outcomes are cached per maps version; a process that resolves this many
@@ -703,7 +821,8 @@ class AddressResolver:
             maps.outcomes.clear()
         maps.outcomes[addr] = (name, reason)
 
-    def _in_mapping(self, pid: int, maps: ProcessMaps, i: int, addrs: np.ndarray):
+    def _in_mapping(self, pid: int, maps: ProcessMaps, i: int, addrs: np.ndarray,
+                    namer=None):
         """(names, reasons) for addresses inside mapping i."""
         elf = self._mapping_elf(pid, maps, i)
         if not isinstance(elf, ElfSymbols):
@@ -713,7 +832,8 @@ class AddressResolver:
         names, reasons = [], []
         for valid, raw in zip(ok.tolist(), elf.functions_at(vaddrs)):
             found = valid and raw is not None
-            names.append(self._present(raw) if found else None)
+            names.append(None if not found else namer(raw, elf) if namer
+                         else self._present(raw))
             reasons.append("resolved" if found else "no_symbol")
         return names, reasons
 

@@ -3,9 +3,12 @@
 1. Per call: a loop of cudaLaunchKernel calls untraced, with an empty
    uprobe on cudaLaunchKernel, and fully traced by mmtrace (the launch
    decoder: scope, op_id, run-queue delay, device, comm, stack arguments,
-   ring buffer), each way of attaching against an empty program attached
-   the same way (a uprobe_multi link; a perf-event uprobe through bcc).
-   The trap dominates; the goal is traced / empty <= 1.10.
+   callers, ring buffer), each way of attaching against an empty program
+   attached the same way (a uprobe_multi link; a perf-event uprobe through
+   bcc). The trap dominates; the goal is traced / empty <= 1.10. Measured
+   twice: on libcudart.so.12, and on the same loop built by nvcc the
+   default way, its runtime (CUDA 13) linked statically into the
+   executable (skipped without nvcc).
 2. The adaptive mode: a launch-heavy loop (L launches per memcpy + sync)
    with the per-launch probes detached, against the same loop untraced. No
    driver here, so a launch returns at once; each launch is followed by
@@ -21,7 +24,9 @@ Prints a table; writes bench/out/gpu_probes.json.
 """
 
 import argparse
+import dataclasses
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -33,6 +38,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+
+from native import NATIVE, nvcc_build  # noqa: E402
 
 EMPTY_PROGRAM = "int empty(struct pt_regs *ctx) { return 0; }"
 RING_PAGES = 1 << 15     # 128 MiB: 600k device events
@@ -88,36 +95,37 @@ def empty_multi_link(cudart: Path, program=None, attach: bool = True):
     return program, UprobeMultiLink(fn.fd, str(cudart).encode(), [offset], [0])
 
 
-def per_call(natives, calls: int, repeat: int) -> dict:
-    """ns per cudaLaunchKernel call in each configuration. Every program is
-    loaded up front; each round attaches one configuration, runs, detaches,
-    so that all see the same host load; the fastest round of each counts."""
+def per_call(loop_binary: Path, runtime: Path, calls: int, repeat: int) -> dict:
+    """ns per cudaLaunchKernel call in each configuration, the runtime's
+    cudaLaunchKernel in file `runtime` (a libcudart, or the loop itself when
+    it is linked statically). Every program is loaded up front; each round
+    attaches one configuration, runs, detaches, so that all see the same
+    host load; the fastest round of each counts."""
     import bcc
     from mmtrace.agent import probes
-    loop = Loop(natives.launch_loop, launch_only=True)
+    loop = Loop(loop_binary, launch_only=True)
     empty_bcc = bcc.BPF(text=EMPTY_PROGRAM)
-    empty_multi, _ = empty_multi_link(natives.cudart, attach=False)
+    empty_multi, _ = empty_multi_link(runtime, attach=False)
     traced = {}
     for mode in ("multi", "single"):
         # A ring that holds a whole run: a full ring drops events, and a
         # dropped event costs less than a delivered one.
         traced[mode] = probes.load(probes.ProbeOptions(attach_mode=mode, trace_launches=False,
                                                        dev_ringbuf_pages=RING_PAGES))
-        traced[mode].device.add_path(str(natives.cudart))
+        traced[mode].device.add_path(str(runtime))
 
     def run_untraced():
         return loop.run(calls)
 
     def run_empty_single():
-        empty_bcc.attach_uprobe(name=str(natives.cudart), sym="cudaLaunchKernel",
-                                fn_name="empty")
+        empty_bcc.attach_uprobe(name=str(runtime), sym="cudaLaunchKernel", fn_name="empty")
         try:
             return loop.run(calls)
         finally:
-            empty_bcc.detach_uprobe(name=str(natives.cudart), sym="cudaLaunchKernel")
+            empty_bcc.detach_uprobe(name=str(runtime), sym="cudaLaunchKernel")
 
     def run_empty_multi():
-        _, link = empty_multi_link(natives.cudart, program=empty_multi)
+        _, link = empty_multi_link(runtime, program=empty_multi)
         try:
             return loop.run(calls)
         finally:
@@ -270,15 +278,27 @@ def main(argv=None):
     parser.add_argument("--events", type=int, default=300_000)
     parser.add_argument("-o", "--output", default=str(ROOT / "bench" / "out" / "gpu_probes.json"))
     args = parser.parse_args(argv)
-    from gpu_fixtures import build_natives
+    from gpu_fixtures import build_natives, build_program
     with tempfile.TemporaryDirectory() as tmp:
         natives = build_natives(Path(tmp))
+        # A private copy of libcudart: uprobes that other tracers left on the
+        # shared file's inode make bcc's attach by symbol fail (EINVAL).
+        cudart = Path(tmp) / "private" / natives.cudart.name
+        cudart.parent.mkdir()
+        shutil.copy(natives.cudart, cudart)
+        natives = dataclasses.replace(natives, cudart=cudart, launch_loop=build_program(
+            "launch_loop.c", cudart.parent, [cudart]))
         results = {
-            "per_call": per_call(natives, args.calls, args.repeat),
+            "per_call": per_call(natives.launch_loop, natives.cudart, args.calls, args.repeat),
             "adaptive": adaptive(natives, args.iterations, args.launches_per_sync,
                                  args.launch_ns, args.repeat),
             "python_cpu": python_cpu(natives, args.events),
         }
+        static_loop = nvcc_build(NATIVE / "launch_loop.c", "-cudart", "static", f"-I{NATIVE}",
+                                 name="launch_loop-static")
+        if static_loop is not None:
+            results["per_call_static"] = per_call(static_loop, static_loop, args.calls,
+                                                  args.repeat)
     print_table(results)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -286,10 +306,9 @@ def main(argv=None):
     print(f"\nwrote {out}")
 
 
-def print_table(r: dict):
-    c, a, p = r["per_call"], r["adaptive"], r["python_cpu"]
-    rows = [
-        ("cudaLaunchKernel, untraced", f"{c['untraced_ns']:.0f} ns/call", ""),
+def per_call_rows(c: dict, what: str) -> list[tuple]:
+    return [
+        (f"cudaLaunchKernel ({what}), untraced", f"{c['untraced_ns']:.0f} ns/call", ""),
         ("  + empty program, uprobe_multi link", f"{c['empty_multi_ns']:.0f} ns/call", ""),
         ("  + mmtrace, uprobe_multi link", f"{c['traced_multi_ns']:.0f} ns/call",
          f"{c['traced_multi_vs_empty']:.3f}x empty (goal <= 1.10); decoder "
@@ -298,6 +317,15 @@ def print_table(r: dict):
         ("  + mmtrace, bcc uprobe per symbol", f"{c['traced_single_ns']:.0f} ns/call",
          f"{c['traced_single_vs_empty']:.3f}x empty (goal <= 1.10); decoder "
          f"{c['decoder_ns_single']:.0f} ns"),
+    ]
+
+
+def print_table(r: dict):
+    a, p = r["adaptive"], r["python_cpu"]
+    rows = per_call_rows(r["per_call"], "libcudart.so.12")
+    if "per_call_static" in r:
+        rows += per_call_rows(r["per_call_static"], "static runtime in the executable")
+    rows += [
         (f"loop of {a['launches_per_sync']} launches + copy + sync, untraced",
          f"{a['untraced_s'] * 1e3:.1f} ms", f"launch stand-in {a['launch_ns_stand_in']} ns"),
         ("  adaptive (launch probes off)", f"{a['adaptive_s'] * 1e3:.1f} ms",

@@ -9,7 +9,7 @@
  * the probed address in userspace where cookies are not available. */
 static __always_inline int aclnn_launch(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    struct dev_event *ev = entry_event(api, DEV_LAUNCH);
+    struct dev_event *ev = entry_event(ctx, api, DEV_LAUNCH);
     if (!ev)
         return 0;
     ev->probe_ip = PT_REGS_IP(ctx);
@@ -23,7 +23,7 @@ static __always_inline int aclnn_launch(struct pt_regs *ctx, u16 api, u32 slot)
 /* An aclop call: opType (const char *) first, the stream on the stack. */
 static __always_inline int aclop_launch(struct pt_regs *ctx, u16 api, u32 stack_slot)
 {
-    struct dev_event *ev = entry_event(api, DEV_LAUNCH);
+    struct dev_event *ev = entry_event(ctx, api, DEV_LAUNCH);
     if (!ev)
         return 0;
     read_name(ev, (const char *)PT_REGS_PARM1(ctx));
@@ -52,7 +52,7 @@ static __always_inline int aclop_compile_execute(struct pt_regs *ctx, u16 api, u
  * aclmdlDataset *output, aclrtStream stream) */
 static __always_inline int model_execute_async(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    struct dev_event *ev = entry_event(api, DEV_MODEL_EXEC);
+    struct dev_event *ev = entry_event(ctx, api, DEV_MODEL_EXEC);
     if (!ev)
         return 0;
     ev->handle = (u32)PT_REGS_PARM1(ctx);
@@ -64,7 +64,7 @@ static __always_inline int model_execute_async(struct pt_regs *ctx, u16 api, u32
 /* aclmdlExecute(uint32_t modelId, input, output): blocks until done; timed. */
 static __always_inline int model_execute(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    struct dev_event *ev = call_event(api, DEV_MODEL_EXEC);
+    struct dev_event *ev = call_event(ctx, api, DEV_MODEL_EXEC);
     if (!ev)
         return 0;
     ev->handle = (u32)PT_REGS_PARM1(ctx);
@@ -74,9 +74,10 @@ static __always_inline int model_execute(struct pt_regs *ctx, u16 api, u32 slot)
 
 /* The aclrtLaunchKernel family: handle and block count first, the stream
  * where each signature puts it. */
-static __always_inline int acl_kernel_launch(u16 api, u64 handle, u32 blocks, u64 stream)
+static __always_inline int acl_kernel_launch(struct pt_regs *ctx, u16 api, u64 handle,
+                                             u32 blocks, u64 stream)
 {
-    struct dev_event *ev = entry_event(api, DEV_LAUNCH);
+    struct dev_event *ev = entry_event(ctx, api, DEV_LAUNCH);
     if (!ev)
         return 0;
     ev->handle = handle;
@@ -92,7 +93,7 @@ static __always_inline int acl_kernel_launch(u16 api, u64 handle, u32 blocks, u6
  * void *argsData, size_t argsSize, aclrtStream stream) */
 static __always_inline int acl_launch_kernel(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    return acl_kernel_launch(api, PT_REGS_PARM1(ctx), (u32)PT_REGS_PARM2(ctx),
+    return acl_kernel_launch(ctx, api, PT_REGS_PARM1(ctx), (u32)PT_REGS_PARM2(ctx),
                              PT_REGS_PARM5(ctx));
 }
 
@@ -101,7 +102,7 @@ static __always_inline int acl_launch_kernel(struct pt_regs *ctx, u16 api, u32 s
  * numBlocks, stream, cfg, hostArgs, argsSize, ...): the stream third. */
 static __always_inline int acl_launch_kernel_cfg(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    return acl_kernel_launch(api, PT_REGS_PARM1(ctx), (u32)PT_REGS_PARM2(ctx),
+    return acl_kernel_launch(ctx, api, PT_REGS_PARM1(ctx), (u32)PT_REGS_PARM2(ctx),
                              PT_REGS_PARM3(ctx));
 }
 
@@ -109,7 +110,7 @@ static __always_inline int acl_launch_kernel_cfg(struct pt_regs *ctx, u16 api, u
  * count, aclrtMemcpyKind kind, aclrtStream stream) */
 static __always_inline int acl_memcpy_async(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    struct dev_event *ev = entry_event(api, DEV_MEMCPY);
+    struct dev_event *ev = entry_event(ctx, api, DEV_MEMCPY);
     if (!ev)
         return 0;
     ev->bytes = PT_REGS_PARM4(ctx);
@@ -123,7 +124,7 @@ static __always_inline int acl_memcpy_async(struct pt_regs *ctx, u16 api, u32 sl
  * aclrtMemcpyKind kind): blocks; timed. */
 static __always_inline int acl_memcpy(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    struct dev_event *ev = call_event(api, DEV_MEMCPY);
+    struct dev_event *ev = call_event(ctx, api, DEV_MEMCPY);
     if (!ev)
         return 0;
     ev->bytes = PT_REGS_PARM4(ctx);

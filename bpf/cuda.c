@@ -24,6 +24,21 @@ struct cu_launch_config {
     u64 stream;
 };
 
+/* Who called a runtime launch: <<<>>> compiles into a host stub per kernel
+ * (__device_stub__<kernel>) that calls the launch, directly or through a
+ * static helper, so the caller names the kernel when the handle cannot
+ * (an opaque cudaKernel_t whose __cudaGetKernel ran before tracing). At
+ * entry [rsp] is the return address (read by the decoders with the stack
+ * arguments where they have some); [rbp + 8] is the caller's own when the
+ * caller keeps a frame pointer (nvcc's default -O0 host code does), else
+ * rbp leads nowhere and it reads as 0. */
+static __always_inline void set_outer_caller(struct pt_regs *ctx, struct dev_event *ev)
+{
+    if (bpf_probe_read_user(&ev->outer_return_ip, sizeof(ev->outer_return_ip),
+                            (void *)(PT_REGS_FP(ctx) + 8)) != 0)
+        ev->outer_return_ip = 0;
+}
+
 /* Grid and block sizes of the Ex launches' config structs. */
 static __always_inline void set_shape(struct dev_event *ev, const u32 grid[3],
                                       const u32 block[3])
@@ -38,10 +53,12 @@ static __always_inline void set_shape(struct dev_event *ev, const u32 grid[3],
 
 /* cudaLaunchKernel / cudaLaunchCooperativeKernel (const void *func, dim3
  * gridDim, dim3 blockDim, void **args, size_t sharedMem, cudaStream_t
- * stream): a 12-byte dim3 by value takes two registers (x | y << 32, z). */
+ * stream): a 12-byte dim3 by value takes two registers (x | y << 32, z).
+ * func may be a cudaKernel_t: nvcc 13's <<<>>> passes the one
+ * __cudaGetKernel made, through __cudaLaunchKernel. */
 static __always_inline int launch_runtime(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    struct dev_event *ev = entry_event(api, DEV_LAUNCH);
+    struct dev_event *ev = entry_event(ctx, api, DEV_LAUNCH);
     if (!ev)
         return 0;
     u64 grid_xy = PT_REGS_PARM2(ctx), block_xy = PT_REGS_PARM4(ctx);
@@ -52,10 +69,12 @@ static __always_inline int launch_runtime(struct pt_regs *ctx, u16 api, u32 slot
     ev->block_x = (u32)block_xy;
     ev->block_y = block_xy >> 32;
     ev->block_z = (u32)PT_REGS_PARM5(ctx);
-    u64 stack[2];
-    read_user(ev, stack, sizeof(stack), STACK_ARG(ctx, 1));
-    ev->shared_mem_bytes = stack[0];
-    ev->stream_handle = stack[1];
+    u64 stack[3];   /* the return address, then the stack arguments */
+    read_user(ev, stack, sizeof(stack), STACK_ARG(ctx, 0));
+    ev->return_ip = stack[0];
+    ev->shared_mem_bytes = stack[1];
+    ev->stream_handle = stack[2];
+    set_outer_caller(ctx, ev);
     dev_submit(ev);
     return 0;
 }
@@ -63,7 +82,7 @@ static __always_inline int launch_runtime(struct pt_regs *ctx, u16 api, u32 slot
 /* cudaLaunchKernelExC(const cudaLaunchConfig_t *config, const void *func, void **args) */
 static __always_inline int launch_runtime_ex(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    struct dev_event *ev = entry_event(api, DEV_LAUNCH);
+    struct dev_event *ev = entry_event(ctx, api, DEV_LAUNCH);
     if (!ev)
         return 0;
     ev->handle = PT_REGS_PARM2(ctx);
@@ -72,6 +91,8 @@ static __always_inline int launch_runtime_ex(struct pt_regs *ctx, u16 api, u32 s
     set_shape(ev, cfg.grid, cfg.block);
     ev->shared_mem_bytes = cfg.shared_mem;
     ev->stream_handle = cfg.stream;
+    read_user(ev, &ev->return_ip, sizeof(ev->return_ip), STACK_ARG(ctx, 0));
+    set_outer_caller(ctx, ev);
     dev_submit(ev);
     return 0;
 }
@@ -81,7 +102,7 @@ static __always_inline int launch_runtime_ex(struct pt_regs *ctx, u16 api, u32 s
  * hStream, ...): 32-bit stack slots hold garbage in their upper halves. */
 static __always_inline int launch_driver(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    struct dev_event *ev = entry_event(api, DEV_LAUNCH);
+    struct dev_event *ev = entry_event(ctx, api, DEV_LAUNCH);
     if (!ev)
         return 0;
     ev->handle = PT_REGS_PARM1(ctx);
@@ -102,7 +123,7 @@ static __always_inline int launch_driver(struct pt_regs *ctx, u16 api, u32 slot)
 /* cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra) */
 static __always_inline int launch_driver_ex(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    struct dev_event *ev = entry_event(api, DEV_LAUNCH);
+    struct dev_event *ev = entry_event(ctx, api, DEV_LAUNCH);
     if (!ev)
         return 0;
     ev->handle = PT_REGS_PARM2(ctx);
@@ -119,7 +140,7 @@ static __always_inline int launch_driver_ex(struct pt_regs *ctx, u16 api, u32 sl
  * cudaEventRecord(event, stream). */
 static __always_inline int handle_and_stream(struct pt_regs *ctx, u16 api, u8 kind)
 {
-    struct dev_event *ev = entry_event(api, kind);
+    struct dev_event *ev = entry_event(ctx, api, kind);
     if (!ev)
         return 0;
     ev->handle = PT_REGS_PARM1(ctx);
@@ -141,7 +162,7 @@ static __always_inline int event_record(struct pt_regs *ctx, u16 api, u32 slot)
 /* cudaMemcpyAsync(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind, cudaStream_t stream) */
 static __always_inline int memcpy_runtime_async(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    struct dev_event *ev = entry_event(api, DEV_MEMCPY);
+    struct dev_event *ev = entry_event(ctx, api, DEV_MEMCPY);
     if (!ev)
         return 0;
     ev->bytes = PT_REGS_PARM3(ctx);
@@ -155,7 +176,7 @@ static __always_inline int memcpy_runtime_async(struct pt_regs *ctx, u16 api, u3
  * size_t ByteCount, CUstream hStream): the direction is the function's. */
 static __always_inline int memcpy_driver(struct pt_regs *ctx, u16 api, u8 direction)
 {
-    struct dev_event *ev = entry_event(api, DEV_MEMCPY);
+    struct dev_event *ev = entry_event(ctx, api, DEV_MEMCPY);
     if (!ev)
         return 0;
     ev->bytes = PT_REGS_PARM3(ctx);
@@ -183,7 +204,7 @@ static __always_inline int memcpy_driver_async(struct pt_regs *ctx, u16 api, u32
 /* cudaMemcpy(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind): timed. */
 static __always_inline int memcpy_runtime(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    struct dev_event *ev = call_event(api, DEV_MEMCPY);
+    struct dev_event *ev = call_event(ctx, api, DEV_MEMCPY);
     if (!ev)
         return 0;
     ev->bytes = PT_REGS_PARM3(ctx);
@@ -192,21 +213,53 @@ static __always_inline int memcpy_runtime(struct pt_regs *ctx, u16 api, u32 slot
     return 0;
 }
 
-/* cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name):
- * both are read at return, when the driver has read the name (so its page
- * is in memory) and written the handle. */
-static __always_inline int get_function(struct pt_regs *ctx, u16 api, u32 slot)
+/* Calls that write a kernel handle through their first argument: read at
+ * return. cuModuleGetFunction / cuLibraryGetKernel (out, module or
+ * library, const char *name) name it: the name is read at return too, when
+ * the driver has read it (so its page is in memory). __cudaGetKernel /
+ * cudaGetKernel (cudaKernel_t *out, const void *hostFunction) and
+ * cuKernelGetFunction (CUfunction *out, CUkernel kernel) make a handle
+ * that stands for another (alias). */
+static __always_inline int handle_out_call(struct pt_regs *ctx, u16 api, u32 slot,
+                                           u64 alias, u64 name_addr)
 {
-    struct dev_event *ev = call_event(api, DEV_FUNCTION_NAME);
+    struct dev_event *ev = call_event(ctx, api, DEV_FUNCTION_NAME);
     if (!ev)
         return 0;
     ev->handle = PT_REGS_PARM1(ctx);    /* the out-parameter until return */
-    ev->name_addr = PT_REGS_PARM3(ctx);
+    ev->alias = alias;
+    ev->name_addr = name_addr;
     call_store(ev, slot);
     return 0;
 }
 
-static __always_inline int get_function_return(struct pt_regs *ctx, u16 api, u32 slot)
+static __always_inline int get_function(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    return handle_out_call(ctx, api, slot, 0, PT_REGS_PARM3(ctx));
+}
+
+static __always_inline int get_alias(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    return handle_out_call(ctx, api, slot, PT_REGS_PARM2(ctx), 0);
+}
+
+/* cuFuncGetName(const char **name, CUfunction hfunc): the name pointer is
+ * written by the call, its string read at return. */
+static __always_inline int func_get_name(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    struct dev_event *ev = call_event(ctx, api, DEV_FUNCTION_NAME);
+    if (!ev)
+        return 0;
+    ev->name_addr = PT_REGS_PARM1(ctx);     /* the out-parameter until return */
+    ev->handle = PT_REGS_PARM2(ctx);
+    call_store(ev, slot);
+    return 0;
+}
+
+/* At the return of either: the handle, read through the out-parameter
+ * (`name_indirect` 0), or the name, through the pointer cuFuncGetName
+ * wrote (1); then the name's string. */
+static __always_inline int returned_handle(struct pt_regs *ctx, u32 slot, int name_indirect)
 {
     u64 key;
     struct dev_event *entry = call_lookup(&key, slot);
@@ -214,14 +267,29 @@ static __always_inline int get_function_return(struct pt_regs *ctx, u16 api, u32
         return 0;
     struct dev_event *ev = returned_event(ctx, entry);
     if (ev) {
-        u64 out = entry->handle;
-        ev->handle = 0;
+        u64 name = entry->name_addr;
+        ev->name_addr = 0;
+        if (!name_indirect)
+            ev->handle = 0;
         if (ev->ret == 0) {
-            read_user(ev, &ev->handle, sizeof(ev->handle), (void *)out);
-            read_name(ev, (const char *)entry->name_addr);
+            if (name_indirect)
+                read_user(ev, &name, sizeof(name), (void *)entry->name_addr);
+            else
+                read_user(ev, &ev->handle, sizeof(ev->handle), (void *)entry->handle);
+            read_name(ev, (const char *)name);
         }
         dev_submit(ev);
     }
     calls_in_flight.delete(&key);
     return 0;
+}
+
+static __always_inline int handle_out_return(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    return returned_handle(ctx, slot, 0);
+}
+
+static __always_inline int func_get_name_return(struct pt_regs *ctx, u16 api, u32 slot)
+{
+    return returned_handle(ctx, slot, 1);
 }

@@ -27,6 +27,7 @@ _STREAM_SYNC = dict(return_impl="timed_return", fields=frozenset({STREAM}), sync
 _DEVICE_SYNC = dict(return_impl="timed_return", sync_scope="device")
 _GRAPH = dict(fields=frozenset({HANDLE, STREAM}))
 _RECORD = dict(fields=frozenset({HANDLE, STREAM}))
+_ALIAS = dict(return_impl="handle_out_return")
 
 APIS = (
     # runtime (libcudart, or linked statically into an executable)
@@ -55,6 +56,11 @@ APIS = (
     _runtime(19, "cudaEventRecordWithFlags", "event_record", "event_record", **_RECORD),
     _runtime(20, "cudaEventRecordWithFlags_ptsz", "event_record", "event_record", **_RECORD),
     _runtime(21, "cudaSetDevice", "set_device", "set_device", return_impl="set_device_return"),
+    # nvcc 13's <<<>>> takes a cudaKernel_t for each kernel once, then calls
+    # __cudaLaunchKernel with it, which jumps to cudaLaunchKernel (in 12.9
+    # and 13.0, shared and static): probed there, so counted once.
+    _runtime(24, "__cudaGetKernel", "function_name", "get_alias", **_ALIAS),
+    _runtime(25, "cudaGetKernel", "function_name", "get_alias", **_ALIAS),
     # driver (libcuda.so.1: Triton, cuBLAS, and maybe the runtime itself)
     _driver(40, "cuLaunchKernel", "launch", "launch_driver", **_LAUNCH),
     _driver(41, "cuLaunchKernel_ptsz", "launch", "launch_driver", **_LAUNCH),
@@ -76,5 +82,12 @@ APIS = (
     _driver(55, "cuStreamSynchronize_ptsz", "sync", "sync_stream", **_STREAM_SYNC),
     _driver(56, "cuCtxSynchronize", "sync", "sync_device", **_DEVICE_SYNC),
     _driver(57, "cuModuleGetFunction", "function_name", "get_function",
-            return_impl="get_function_return"),
+            return_impl="handle_out_return"),
+    # CUDA 12+ library loading (cuBLAS, cuBLASLt): the CUkernel by name, the
+    # CUfunction of a CUkernel; and a CUfunction's name asked of the driver.
+    _driver(58, "cuLibraryGetKernel", "function_name", "get_function",
+            return_impl="handle_out_return"),
+    _driver(59, "cuKernelGetFunction", "function_name", "get_alias", **_ALIAS),
+    _driver(60, "cuFuncGetName", "function_name", "func_get_name",
+            return_impl="func_get_name_return"),
 )

@@ -26,7 +26,7 @@ enum dev_kind {
     DEV_SYNC,
     DEV_MODEL_EXEC,
     DEV_EVENT_RECORD,   /* cudaEventRecord: where a later event sync points */
-    DEV_FUNCTION_NAME,  /* cuModuleGetFunction's result: handle -> name */
+    DEV_FUNCTION_NAME,  /* a kernel handle's name, or the handle it stands for */
 };
 
 enum dev_flag {
@@ -50,6 +50,11 @@ struct dev_event {
     u64 probe_ip;           /* address probed (aclnn: the op, when no cookie) */
     u64 name_addr;          /* user address of `name`: read in userspace when the
                              * kernel could not (a page not yet faulted in) */
+    u64 alias;              /* DEV_FUNCTION_NAME: what `handle` stands for (the
+                             * host function of a cudaKernel_t, the CUkernel of a
+                             * CUfunction) */
+    u64 return_ip;          /* launches: the caller's return address, [rsp] */
+    u64 outer_return_ip;    /* and its caller's, [rbp + 8] where rbp is a frame */
     u32 grid_x, grid_y, grid_z;     /* flat, not arrays: recordings keep */
     u32 block_x, block_y, block_z;  /* scalar fields only */
     u32 pid;
@@ -82,12 +87,70 @@ BPF_HASH(op_seq, u32, u64, MMTRACE_MAX_PROCESSES);
 /* thread -> device set by cudaSetDevice / aclrtSetDevice */
 BPF_HASH(thread_device, u32, s32, MMTRACE_MAX_THREADS);
 
+/* Where a process's files are loaded, taken at its first submission: the
+ * user stack twice, as addresses and as (build id, file offset) pairs. A
+ * frame that has both gives the load bias of its file, so that addresses
+ * of the process (kernel host functions, callers) are named from the file
+ * on disk after the process has exited. The kernel unwinds frame pointers;
+ * at a uprobe on a function's entry it adds the caller's return address. */
+#define MMTRACE_LOAD_FRAMES 8
+#ifndef MMTRACE_MAX_PROCESS_FILES
+#define MMTRACE_MAX_PROCESS_FILES 4096
+#endif
+#define MMTRACE_EXE_PATH_LEN 256
+
+struct load_frames {
+    u64 ips[MMTRACE_LOAD_FRAMES];
+    struct bpf_stack_build_id ids[MMTRACE_LOAD_FRAMES];
+    s64 ips_bytes;          /* bpf_get_stack's results: bytes, or -errno */
+    s64 ids_bytes;
+};
+
+BPF_TABLE("lru_hash", u32, struct load_frames, load_frames, MMTRACE_MAX_PROCESS_FILES);
+BPF_PERCPU_ARRAY(load_frames_scratch, struct load_frames, 1);
+
+/* The executable each process ran, as execve named it: the file the build
+ * ids of its frames are looked up in once the process is gone. */
+struct exe_path {
+    char path[MMTRACE_EXE_PATH_LEN];
+};
+BPF_TABLE("lru_hash", u32, struct exe_path, exe_paths, MMTRACE_MAX_PROCESS_FILES);
+BPF_PERCPU_ARRAY(exe_path_scratch, struct exe_path, 1);
+
+static __always_inline void capture_load_frames(struct pt_regs *ctx, u32 tgid)
+{
+    u32 zero = 0;
+    struct load_frames *f = load_frames_scratch.lookup(&zero);
+    if (!f)
+        return;
+    __builtin_memset(f, 0, sizeof(*f));
+    f->ips_bytes = bpf_get_stack(ctx, f->ips, sizeof(f->ips), BPF_F_USER_STACK);
+    f->ids_bytes = bpf_get_stack(ctx, f->ids, sizeof(f->ids),
+                                 BPF_F_USER_STACK | BPF_F_USER_BUILD_ID);
+    load_frames.update(&tgid, f);
+}
+
+TRACEPOINT_PROBE(sched, sched_process_exec)
+{
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    if (!tgid_in_scope(tgid))
+        return 0;
+    u32 zero = 0;
+    struct exe_path *p = exe_path_scratch.lookup(&zero);
+    if (!p)
+        return 0;
+    __builtin_memset(p, 0, sizeof(*p));
+    TP_DATA_LOC_READ_STR(p->path, filename, sizeof(p->path));
+    exe_paths.update(&tgid, p);
+    return 0;
+}
+
 static __always_inline u64 call_key(u32 tid, u32 slot)
 {
     return ((u64)tid << 8) | slot;
 }
 
-static __always_inline u64 next_op_id(u32 tgid)
+static __always_inline u64 next_op_id(struct pt_regs *ctx, u32 tgid)
 {
     u64 *seq = op_seq.lookup(&tgid);
     if (!seq) {
@@ -98,13 +161,15 @@ static __always_inline u64 next_op_id(u32 tgid)
             count(CNT_OP_SEQ_MAP_FULL);
             return 0;
         }
+        capture_load_frames(ctx, tgid);
     }
     return __sync_fetch_and_add(seq, 1) + 1;
 }
 
 /* Zero the event and fill what every event carries; callers have checked
  * the scope already, so that out-of-scope calls cost one lookup. */
-static __always_inline void dev_begin(struct dev_event *ev, u16 api, u8 kind)
+static __always_inline void dev_begin(struct pt_regs *ctx, struct dev_event *ev, u16 api,
+                                      u8 kind)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32;
@@ -126,7 +191,7 @@ static __always_inline void dev_begin(struct dev_event *ev, u16 api, u8 kind)
     bpf_get_current_comm(&ev->comm, sizeof(ev->comm));
     if (kind == DEV_LAUNCH || kind == DEV_GRAPH_LAUNCH || kind == DEV_MEMCPY ||
         kind == DEV_MODEL_EXEC)
-        ev->op_id = next_op_id(tgid);
+        ev->op_id = next_op_id(ctx, tgid);
 }
 
 static __always_inline int in_scope(void)
@@ -218,23 +283,23 @@ static __always_inline struct dev_event *call_lookup(u64 *key, u32 slot)
  * scope or there is no room: an entry-only event, built in the ring buffer
  * and sent with dev_submit(); a call timed by a uretprobe, built in per-CPU
  * scratch and kept with call_store() until its return. */
-static __always_inline struct dev_event *entry_event(u16 api, u8 kind)
+static __always_inline struct dev_event *entry_event(struct pt_regs *ctx, u16 api, u8 kind)
 {
     if (!in_scope())
         return NULL;
     struct dev_event *ev = dev_reserve();
     if (ev)
-        dev_begin(ev, api, kind);
+        dev_begin(ctx, ev, api, kind);
     return ev;
 }
 
-static __always_inline struct dev_event *call_event(u16 api, u8 kind)
+static __always_inline struct dev_event *call_event(struct pt_regs *ctx, u16 api, u8 kind)
 {
     if (!in_scope())
         return NULL;
     struct dev_event *ev = call_begin();
     if (ev)
-        dev_begin(ev, api, kind);
+        dev_begin(ctx, ev, api, kind);
     return ev;
 }
 
@@ -260,7 +325,7 @@ static __always_inline struct dev_event *returned_event(struct pt_regs *ctx,
 /* Timed syncs: (stream), (event) or (void). */
 static __always_inline int sync_call(struct pt_regs *ctx, u16 api, u32 slot, int arg)
 {
-    struct dev_event *ev = call_event(api, DEV_SYNC);
+    struct dev_event *ev = call_event(ctx, api, DEV_SYNC);
     if (!ev)
         return 0;
     if (arg == 1)
@@ -305,7 +370,7 @@ static __always_inline int timed_return(struct pt_regs *ctx, u16 api, u32 slot)
  * device once the call has succeeded; no event. */
 static __always_inline int set_device(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    struct dev_event *ev = call_event(api, 0);
+    struct dev_event *ev = call_event(ctx, api, 0);
     if (!ev)
         return 0;
     ev->device = (s32)PT_REGS_PARM1(ctx);

@@ -36,6 +36,9 @@ DEV_EVENT = np.dtype([
     ("shared_mem_bytes", "<u8"),
     ("probe_ip", "<u8"),
     ("name_addr", "<u8"),
+    ("alias", "<u8"),
+    ("return_ip", "<u8"),
+    ("outer_return_ip", "<u8"),
     # Scalar fields only: a recording stores each field's numpy type string.
     ("grid_x", "<u4"), ("grid_y", "<u4"), ("grid_z", "<u4"),
     ("block_x", "<u4"), ("block_y", "<u4"), ("block_z", "<u4"),

@@ -41,9 +41,10 @@ def gcc(args: list[str]):
         raise RuntimeError(f"gcc {' '.join(args)} failed:\n{result.stderr}")
 
 
-def build_library(source: str, out_dir: Path, soname: str) -> Path:
+def build_library(source: str, out_dir: Path, soname: str, flags=()) -> Path:
     out = out_dir / soname
-    gcc([*STANDIN_FLAGS, f"-Wl,-soname,{soname}", "-o", str(out), str(NATIVE / source)])
+    gcc([*STANDIN_FLAGS, *flags, f"-Wl,-soname,{soname}", "-o", str(out),
+         str(NATIVE / source)])
     return out
 
 
@@ -95,12 +96,16 @@ class DeviceSession:
     def __init__(self, libs=(), **options):
         from mmtrace.agent import probes
         from mmtrace.agent.dev_names import DeviceNames
+        from mmtrace.agent.record import exited_process_resolver
         from mmtrace.bpf import device
         self.loaded = probes.load(probes.ProbeOptions(**options))
         self.states = []
-        for lib in libs:
-            self.states += self.loaded.device.add_path(str(lib))
-        self.names = DeviceNames(device.default_infos())
+        self.libs = [str(lib) for lib in libs]
+        for lib in self.libs:
+            self.states += self.loaded.device.add_path(lib)
+        self.names = DeviceNames(device.default_infos(),
+                                 resolver=exited_process_resolver(self.loaded,
+                                                                  lambda: self.libs))
         self.op_names = []
         self.dev = []
         self.cpu = []

@@ -1,6 +1,7 @@
 """Build the C workloads and stand-ins that tests and benchmarks run."""
 
 import hashlib
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -28,6 +29,29 @@ def build(source: Path, *, shared: bool = False, flags=(), out_dir: Path = BUILD
         if shared:
             cmd[1:1] = ["-shared", "-fPIC"]
         subprocess.run(cmd + flags, check=True, capture_output=True, text=True)
+        Path(str(out) + ".tmp").rename(out)
+    return out
+
+
+def nvcc_build(source: Path, *flags: str, name: str, out_dir: Path = BUILD) -> Path:
+    """Build a .cu source with the real nvcc (cached by source, flags and
+    nvcc's version, like build()); None when nvcc is not installed."""
+    nvcc = shutil.which("nvcc") or shutil.which("/usr/local/cuda/bin/nvcc")
+    if nvcc is None:
+        return None
+    source = Path(source)
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    headers = b"".join(h.read_bytes() for h in sorted(NATIVE.glob("*.h")))
+    digest = hashlib.sha1(source.read_bytes() + headers + " ".join(flags).encode()
+                          + version.encode()).hexdigest()[:10]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / f"{name}-{digest}"
+    if not out.exists():
+        result = subprocess.run([nvcc, "-o", str(out) + ".tmp", str(source), *flags],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"nvcc {source.name} {' '.join(flags)} failed:\n"
+                               f"{result.stderr}")
         Path(str(out) + ".tmp").rename(out)
     return out
 

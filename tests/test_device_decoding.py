@@ -48,7 +48,7 @@ class FakeResolver:
         self.names = names
         self.calls = 0
 
-    def resolve_many(self, pid, addrs):
+    def resolve_many(self, pid, addrs, namer=None):
         self.calls += 1
         return [self.names.get((pid, int(a))) for a in addrs]
 
@@ -69,6 +69,28 @@ def test_host_stub_names_are_resolved_once_per_address():
     assert resolver.calls == 1
     names.process(launch_events(1, handle=0x2000))
     assert names.counters["unresolved"] == 1
+
+
+def test_a_cudakernel_handle_takes_the_name_of_its_host_function():
+    """nvcc 13's <<<>>>: __cudaGetKernel(&handle, host function) once, then
+    launches with the handle (a driver's opaque cudaKernel_t)."""
+    from mmtrace.agent.device_view import DeviceContext, decode
+    infos = device.default_infos()
+    get_kernel = next(i for i, info in infos.items() if info.symbol == "__cudaGetKernel")
+    ev = np.zeros(3, device.DEV_EVENT)
+    ev["pid"] = 42
+    ev["ts_ns"] = [1, 2, 3]
+    ev["api"] = [get_kernel, 1, 1]
+    ev["kind"] = [device.KIND_IDS["function_name"], device.KIND_IDS["launch"],
+                  device.KIND_IDS["launch"]]
+    ev["flags"][0] = device.FLAG_RETURNED
+    ev["handle"] = [0x7F0000C0FFEE, 0x7F0000C0FFEE, 0x7F0000BAD000]
+    ev["alias"][0] = 0x1000
+    names = DeviceNames(infos, resolver=FakeResolver({(42, 0x1000): "vision::patch(int)"}))
+    rows = decode(ev, DeviceContext.from_meta([{"op_names": names.process(ev)}]))
+    assert list(rows.op_name) == ["vision::patch(int)", None]
+    # The handle __cudaGetKernel made is not looked up as an address.
+    assert names.counters == {"resolved": 1, "unresolved": 1}
 
 
 def test_unreadable_strings_are_counted_not_fatal(tmp_path):

@@ -169,6 +169,28 @@ def test_static_runtime_in_an_executable_is_found_in_symtab_only(built):
 
 
 @NEEDS_GCC
+def test_local_functions_build_id_and_needed_libraries(built):
+    """What nvcc's static runtime looks like once linked (its API local),
+    and what names a file besides its symbols, checked against binutils."""
+    stubs = ElfSymbols.read(built["stubs"])
+    assert "local_helper" not in stubs.defined_functions()
+    assert {"local_helper", "hidden_helper"} <= stubs.defined_functions(local=True)
+    assert stubs.defines("local_helper") and stubs.defines("vision_encoder_stub")
+    assert not stubs.defines("printf")
+    main = ElfSymbols.read(built["main"])
+    notes = subprocess.run(["readelf", "-n", str(built["main"])], check=True,
+                           capture_output=True, text=True).stdout
+    build_ids = [line.split()[-1] for line in notes.splitlines() if "Build ID" in line]
+    assert [main.build_id.hex()] == build_ids
+    dynamic = subprocess.run(["readelf", "-d", str(built["main"])], check=True,
+                             capture_output=True, text=True).stdout
+    assert list(main.needed) == [line.split("[")[1].rstrip("]") for line in
+                                 dynamic.splitlines() if "(NEEDED)" in line]
+    assert {"libstubs.so", "libencoders.so"} <= set(main.needed)
+    assert {".text", ".symtab", ".dynamic"} <= main.section_names and main.has_symbol_table
+
+
+@NEEDS_GCC
 def test_version_suffixes_are_stripped(tmp_path):
     script = tmp_path / "vers.map"
     script.write_text("LIBDEMO_1 { global: demo_launch; local: *; };\n")
@@ -383,6 +405,37 @@ def fake_process(proc_root: Path, pid: int, maps_lines: list[str]) -> Path:
     (d / "root").symlink_to("/")
     (d / "maps").write_text("".join(line + "\n" for line in maps_lines))
     return d
+
+
+@NEEDS_GCC
+def test_gone_process_resolves_from_the_files_its_load_frames_name(built, tmp_path):
+    """A frame the kernel kept (address, and build id + file offset) gives
+    its file's load bias; the process's other addresses in that file are
+    then named from the file on disk, the process long gone."""
+    from mmtrace.agent.process_images import LOAD_FRAMES_LAYOUT, frame_biases
+    elf = ElfSymbols.read(built["main"])
+    launch, _, _ = nm_defined(built["main"], dynamic=False)["cudaLaunchKernel"]
+    main, _, _ = nm_defined(built["main"], dynamic=False)["main"]
+    bias = 0x5555_0000_0000
+    frames = np.zeros(1, LOAD_FRAMES_LAYOUT)[0]
+    frames["ips"][:2] = [bias + launch, 0x7F00_0000_1234]     # the second: a file unknown
+    frames["ids"]["status"][:2] = [1, 1]
+    frames["ids"]["build_id"][0] = elf.build_id.ljust(20, b"\0")
+    frames["ids"]["build_id"][1] = b"\x42" * 20
+    frames["ids"]["offset"][0] = elf.offset_of_vaddr(launch)
+    frames["ips_bytes"], frames["ids_bytes"] = 16, 64
+    found = frame_biases(frames, {elf.build_id: elf}.get)
+    assert [(b, e.path) for b, e in found] == [(bias, elf.path)]
+
+    class Images:
+        def images(self, pid):
+            return found
+    resolver = AddressResolver(tmp_path, images=Images())    # no /proc: every pid is gone
+    names = resolver.resolve_many(4242, np.array([bias + main + 1, bias + launch, 0x10],
+                                                 np.uint64))
+    assert names == ["main", "cudaLaunchKernel", None]
+    assert resolver.counters["resolved_after_exit"] == 2
+    assert resolver.counters["unresolved_after_exit"] == 1
 
 
 @NEEDS_CUDART
