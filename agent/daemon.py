@@ -329,7 +329,7 @@ class Daemon:
         return {"v": 1, "type": "status", "daemon_pid": os.getpid(),
                 "uptime_s": (now - self.started_ns) / 1e9, "span_s": round(span_s, 3),
                 "launch_probes": ("on" if not self.config.adaptive_launches else
-                                  "burst" if device is not None and device.launches_attached()
+                                  "burst" if device is not None and device.launches_attached
                                   else "on alarm"),
                 "processes": processes,
                 "anomalies": status_view.active_anomalies(self.anomalies),

@@ -201,6 +201,16 @@ def test_prometheus_scrapes_what_the_streams_produced(natives, tmp_path):  # noq
             time.sleep(0.7)
         send_entropy(tmp_path / "hint.sock", [0.25, 0.75])
 
+        # `mmtrace top` shows the same live figures (its --json screen)
+        top = subprocess.run([sys.executable, "-m", "mmtrace.agent", "top", "--json", "--socket",
+                              tmp_path / "hint.sock"], capture_output=True, text=True, timeout=30)
+        assert top.returncode == 0, top.stderr
+        status = json.loads(top.stdout)
+        row = next(p for p in status["processes"] if p["pid"] == loop.pid)
+        shown = row["launches_per_s"] * status["span_s"]     # launches in the span
+        assert 0 < shown <= LOOP_RUNS * LOOP_N * LOOP_L and row["sync_wait_p99_ms"] is not None
+        assert status["launch_probes"] == "on"
+
         # A forced run-queue delay, alone in the scope while it runs.
         slow = ('sum(mmtrace_runq_delay_seconds_count) - '
                 'sum(mmtrace_runq_delay_seconds_bucket{le="0.004096"})')
