@@ -16,7 +16,6 @@ import pwd
 import re
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -28,9 +27,9 @@ import pytest
 
 from conftest import MMTRACE
 from gpu_fixtures import cudart_path
+from unit_file import UNIT, comments, service_settings
 
 ROOT = Path(__file__).resolve().parent.parent
-UNIT = ROOT / "systemd" / "mmtrace.service"
 SYSUSERS = ROOT / "systemd" / "mmtrace.sysusers"
 SANDBOX = Path(__file__).resolve().parent / "unit_sandbox.py"
 INSTALLED_MMTRACE = "/opt/mmtrace/.venv/bin/mmtrace"
@@ -40,24 +39,6 @@ EXPOSURE_MAX = 3.0
 
 needs_systemd_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None,
                                            reason="needs systemd-analyze (package systemd)")
-
-
-def service_settings(path: Path = UNIT) -> dict[str, list[str]]:
-    """[Service] settings, each name with its values in order."""
-    out: dict[str, list[str]] = {}
-    section = None
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if line.startswith("["):
-            section = line
-        elif section == "[Service]" and line and not line.startswith("#"):
-            name, _, value = line.partition("=")
-            out.setdefault(name, []).append(value)
-    return out
-
-
-def comments(path: Path = UNIT) -> str:
-    return "\n".join(line for line in path.read_text().splitlines() if line.startswith("#"))
 
 
 @pytest.fixture
