@@ -7,7 +7,9 @@ consistently, and match the systemd unit and the sample configuration.
 The image build itself (scripts/image) takes minutes and the network: it is
 not run here."""
 
+import os
 import re
+import stat
 import subprocess
 import tomllib
 from pathlib import Path
@@ -167,6 +169,41 @@ def test_metrics_port_is_probed_annotated_served_and_monitored():
     monitor = core("ServiceMonitor")["spec"]
     assert monitor["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     assert [e["port"] for e in monitor["endpoints"]] == [service_port["name"]]
+
+
+def init_container() -> dict:
+    (only,) = pod_spec()["initContainers"]
+    return only
+
+
+def test_host_directories_get_the_units_modes_and_the_socket_group():
+    command = init_container()["command"][-1]
+    settings = service_settings()
+    group = container()["securityContext"]["runAsGroup"]
+    assert init_container()["securityContext"]["runAsGroup"] == group
+    assert f"chmod {settings['StateDirectoryMode'][0]} /var/lib/mmtrace" in command
+    assert f"chmod {settings['RuntimeDirectoryMode'][0]} /run/mmtrace" in command
+    assert f"chgrp {group} /run/mmtrace" in command
+    assert init_container()["image"] == container()["image"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop to uid 0 without capabilities")
+def test_init_command_needs_no_capability(tmp_path):
+    """As the init container runs it: uid 0, its group, no capabilities, on
+    directories that root owns as the kubelet creates them."""
+    state, run = tmp_path / "var/lib/mmtrace", tmp_path / "run/mmtrace"
+    for d in (state, run):
+        d.mkdir(parents=True, mode=0o755)
+        os.chown(d, 0, 0)
+    command = (init_container()["command"][-1].replace("/var/lib/mmtrace", str(state))
+               .replace("/run/mmtrace", str(run)))
+    group = init_container()["securityContext"]["runAsGroup"]
+    result = subprocess.run(["setpriv", "--reuid=0", f"--regid={group}", "--clear-groups",
+                             "--inh-caps=-all", "--bounding-set=-all", "--", "/bin/sh", "-c",
+                             command], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700
+    assert stat.S_IMODE(run.stat().st_mode) == 0o750 and run.stat().st_gid == group
 
 
 def test_resources_are_bounded():
