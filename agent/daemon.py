@@ -33,12 +33,13 @@ from . import probes as probe_loader
 from .align import ApiRoles, Aligner
 from .config import DaemonConfig
 from .dev_names import DeviceNames
-from .errors import MmtraceError
 from .device_view import describe
+from .errors import MmtraceError
 from .event_ring import EventRing
 from .flight import FlightRecorder
 from .hint_socket import HintServer
 from .record import CPU_PROBE_STATE, DeviceSources, StopFlag, exited_process_resolver
+from .sd_notify import Notifier
 from .threads import ThreadProcesses
 
 log = logging.getLogger("mmtrace.daemon")
@@ -188,14 +189,18 @@ class Daemon:
             self.loaded.close()
             self.loaded = None
 
-    def run(self):
+    def run(self, notifier: Notifier | None = None):
+        systemd = notifier or Notifier()
         self.start()
+        systemd.ready(f"tracing; metrics {self.metrics.address if self.metrics else 'off'}")
         try:
             while not self.stop:
                 with self.lock:
                     self.tick()
+                systemd.watchdog()          # the loop itself proves it is alive
                 time.sleep(self.config.tick_s)
         finally:
+            systemd.stopping()
             self.close()
         log.info("stopped by %s", self.stop.reason or "request")
 
