@@ -65,11 +65,22 @@ def require_privileges():
 
 
 def require_tracefs():
-    if not any((p / "sched" / "sched_switch").exists() for p in TRACEFS_EVENTS):
+    denied = []
+    for events in TRACEFS_EVENTS:
+        try:
+            if (events / "sched" / "sched_switch").exists():
+                return
+        except PermissionError:
+            denied.append(str(events))
+    if denied:
+        # debugfs is mode 0700: root, or CAP_DAC_READ_SEARCH, may look inside.
         raise MmtraceError(
-            "tracefs is not mounted (no /sys/kernel/debug/tracing/events/sched): "
-            "mount -t tracefs nodev /sys/kernel/tracing; "
-            "mount -t debugfs nodev /sys/kernel/debug")
+            f"tracefs is not readable here ({', '.join(denied)}: permission denied); "
+            "run as root, or grant CAP_DAC_READ_SEARCH besides CAP_BPF and CAP_PERFMON")
+    raise MmtraceError(
+        "tracefs is not mounted (no /sys/kernel/debug/tracing/events/sched): "
+        "mount -t tracefs nodev /sys/kernel/tracing; "
+        "mount -t debugfs nodev /sys/kernel/debug")
 
 
 @dataclass

@@ -257,8 +257,10 @@ def test_without_dac_read_search_tracefs_is_out_of_reach(unit_user, open_tmp):
     caps = [c for c in service_settings()["AmbientCapabilities"][0].split()
             if c != "CAP_DAC_READ_SEARCH"]
     result, _ = record_in_sandbox(unit_user, open_tmp, caps=caps)
-    assert result.returncode != 0
-    assert "/sys/kernel/debug/tracing" in result.stderr
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("mmtrace: error:")]
+    assert len(errors) == 1 and "/sys/kernel/debug/tracing" in errors[0]
+    assert "CAP_DAC_READ_SEARCH" in errors[0]
 
 
 @pytest.mark.bpf
