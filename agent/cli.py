@@ -216,7 +216,7 @@ def run(config_path, pids, libs, state_dir, socket_path, trace_launches, log_lev
     """
     import logging
     from pathlib import Path
-    from .config import load_config
+    from .config import check, load_config
     from .daemon import Daemon
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -231,6 +231,7 @@ def run(config_path, pids, libs, state_dir, socket_path, trace_launches, log_lev
         cfg.socket = Path(socket_path)
     if trace_launches is not None:
         cfg.adaptive_launches = not trace_launches
+    cfg = check(cfg)
     why_not = set_niceness(cfg.nice)
     if why_not:
         logging.getLogger("mmtrace.daemon").warning(why_not)
