@@ -30,6 +30,7 @@ from .dev_names import DeviceNames
 from .event_ring import EventRing
 from .flight import FlightRecorder
 from .hint_socket import HintServer
+from .log_limit import RateLimitedLog
 from .record import CPU_PROBE_STATE, DeviceSources, StopFlag
 from .threads import ThreadProcesses
 
@@ -43,6 +44,7 @@ SCHEMAS = {"cpu.runq": sched_stream.RUNQ_EVENT, "dev.event": device_stream.DEV_E
            "model.entropy": ENTROPY_SAMPLE, "request.latency": REQUEST_SAMPLE}
 MAX_CLIENT_SERIES = 256
 HINT_TTL_S = 30.0
+MAX_FUTURE_NS = 10**9       # how far a client's ts_ns may run ahead of the agent's clock
 SWEEP_INTERVAL_S = 10.0
 PID_IN_SERIES = re.compile(r"\bpid=(\d+)")
 
@@ -103,6 +105,9 @@ class Daemon:
         self.proc_root = Path("/proc")
         self._next_sweep = 0.0
         self.forgotten_series = 0
+        self.message_failures = 0       # hint socket messages whose handling raised
+        self._log_failure = RateLimitedLog(log)
+        self._ts_past_ns = int(config.ring_seconds * 1e9)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -113,7 +118,7 @@ class Daemon:
         self.sources = DeviceSources(cfg.libs, cfg.pids, discover=True)
         self.loaded = probe_loader.load(options)
         try:
-            self.server = HintServer(cfg.socket)
+            self.server = HintServer(cfg.socket, idle_timeout_s=cfg.socket_idle_timeout_s)
         except OSError as exc:
             log.error("hint socket %s unavailable (%s); running without it", cfg.socket, exc)
         self._attach_new()
@@ -154,7 +159,12 @@ class Daemon:
             else:
                 self._on_device(batch)
         if self.server is not None:
-            self._on_messages(self.server.poll(0))
+            try:
+                messages = self.server.poll(0)
+            except Exception:           # the server guards each client; this is the last line
+                messages = []
+                self._message_failed("poll")
+            self._on_messages(messages)
         now_ns = now_ns or time.monotonic_ns()
         if time.monotonic() >= self._next_sweep:
             self._next_sweep = time.monotonic() + SWEEP_INTERVAL_S
@@ -198,46 +208,64 @@ class Daemon:
                                        series.contributors))
 
     def _on_messages(self, messages):
+        """Act on the checked messages of the hint socket. They are safe to
+        use by construction (hint_protocol); should acting on one fail all
+        the same, the failure is counted and logged, and the rest go on."""
         requests = []
+        now = time.monotonic_ns()
         for client, msg in messages:
-            ts = int(msg.get("ts_ns") or time.monotonic_ns())
-            if msg["type"] == "entropy":
-                samples = [{**s, "modality": s.get("modality", msg["modality"])}
-                           for s in (msg.get("values") or [msg]) if isinstance(s, dict)]
-                self._keep_entropy(samples, msg["modality"], ts)
-                try:
-                    self._act(self.entropy.update(samples, ts_ns=ts))
-                except ValueError as exc:
-                    self.server.reply(client, {"v": 1, "type": "error",
-                                               "message": f"entropy: {exc}"})
-            elif msg["type"] == "sample":
-                name = f"request_latency{{series={msg['series']},modality={msg['modality']}}}"
-                sid = self.request_series.id(name)
-                if sid is None:
-                    self.server.reply(client, {"v": 1, "type": "error", "message":
-                                               f"more than {MAX_CLIENT_SERIES} request series; "
-                                               f"{name} ignored"})
-                    continue
-                requests.append((self.p99.series_id(name), ts, msg["value_ms"] / 1e3, sid))
+            try:
+                self._on_message(client, msg, now, requests)
+            except Exception:
+                self._message_failed(msg.get("type"))
         if requests:
-            ids, ts, values, sids = (np.array(c) for c in zip(*requests))
-            self._act(self.p99.observe(ids, ts, values))
-            rec = np.zeros(len(ids), REQUEST_SAMPLE)
-            rec["ts_ns"], rec["value_s"], rec["series"] = ts, values, sids
-            self.request_ring.push(rec)
+            try:
+                self._observe_requests(requests)
+            except Exception:
+                self._message_failed("sample")
 
-    def _keep_entropy(self, samples, modality, ts):
-        rows = [(s.get("layer"), s.get("head"), s.get("value"), s.get("modality", modality))
-                for s in samples if isinstance(s, dict)]
-        rec = np.zeros(len(rows), ENTROPY_SAMPLE)
+    def _on_message(self, client, msg: dict, now: int, requests: list):
+        ts = msg.get("ts_ns", now)
+        if not now - self._ts_past_ns <= ts <= now + MAX_FUTURE_NS:
+            # A stamp far ahead would move the detectors' clocks past every
+            # real event; one far behind is past every window.
+            self.server.error(client, f"{msg['type']}: ts_ns {ts} is {(ts - now) / 1e9:+.3g} s "
+                              f"from the agent's CLOCK_MONOTONIC; expected within "
+                              f"-{self.config.ring_seconds:g} s .. +{MAX_FUTURE_NS / 1e9:g} s")
+            return
+        if msg["type"] == "entropy":
+            self._keep_entropy(msg["values"], ts)
+            self._act(self.entropy.update(msg["values"], ts_ns=ts))
+        elif msg["type"] == "sample":
+            name = f"request_latency{{series={msg['series']},modality={msg['modality']}}}"
+            sid = self.request_series.id(name)
+            if sid is None:
+                self.server.error(client, f"more than {MAX_CLIENT_SERIES} request series; "
+                                  f"{name} ignored")
+                return
+            requests.append((self.p99.series_id(name), ts, msg["value_ms"] / 1e3, sid))
+
+    def _observe_requests(self, requests: list):
+        ids, ts, values, sids = (np.array(c) for c in zip(*requests))
+        self._act(self.p99.observe(ids, ts, values))
+        rec = np.zeros(len(ids), REQUEST_SAMPLE)
+        rec["ts_ns"], rec["value_s"], rec["series"] = ts, values, sids
+        self.request_ring.push(rec)
+
+    def _message_failed(self, kind):
+        self.message_failures += 1
+        self._log_failure.log(logging.ERROR, "hint socket: acting on a %s message failed "
+                              "(%d so far); carrying on", kind, self.message_failures,
+                              exc_info=True)
+
+    def _keep_entropy(self, samples: list[dict], ts: int):
+        rec = np.zeros(len(samples), ENTROPY_SAMPLE)
         kept = 0
-        for layer, head, value, mod in rows:
-            lid, mid = self.layers.id(str(layer)), self.modalities.id(str(mod))
-            if lid is None or mid is None or not isinstance(head, int):
+        for s in samples:
+            lid, mid = self.layers.id(s["layer"]), self.modalities.id(s["modality"])
+            if lid is None or mid is None:
                 continue
-            if not isinstance(value, (int, float)):
-                continue
-            rec[kept] = (ts, float(value), head, lid, mid, 0)
+            rec[kept] = (ts, s["value"], s["head"], lid, mid, 0)
             kept += 1
         self.entropy_ring.push(rec[:kept])
 
