@@ -218,7 +218,7 @@ def read_config_text(path: Path) -> str:
         raise MmtraceError(f"config {path}: permission denied") from None
     except OSError as exc:
         raise MmtraceError(f"config {path}: cannot open: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
+    try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
@@ -226,10 +226,11 @@ def read_config_text(path: Path) -> str:
         if st.st_size > MAX_CONFIG_BYTES:
             raise MmtraceError(f"config {path}: expected at most {MAX_CONFIG_BYTES} bytes, "
                                f"got {st.st_size}")
-        try:
-            data = f.read(MAX_CONFIG_BYTES + 1)
-        except OSError as exc:
-            raise MmtraceError(f"config {path}: cannot read: {exc.strerror}") from None
+        data = _read_at_most(fd, MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise MmtraceError(f"config {path}: cannot read: {exc.strerror}") from None
+    finally:
+        os.close(fd)
     if len(data) > MAX_CONFIG_BYTES:        # grew while being read
         raise MmtraceError(f"config {path}: expected at most {MAX_CONFIG_BYTES} bytes")
     try:
@@ -237,6 +238,17 @@ def read_config_text(path: Path) -> str:
     except UnicodeDecodeError as exc:
         raise MmtraceError(f"config {path}: not valid TOML: not UTF-8 at byte "
                            f"{exc.start}") from None
+
+
+def _read_at_most(fd: int, limit: int) -> bytes:
+    chunks, size = [], 0
+    while size < limit:
+        chunk = os.read(fd, limit - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
 
 
 def load_config(path: Path | None) -> DaemonConfig:
