@@ -25,7 +25,7 @@ from mmtrace.detectors.p99_drift import P99Drift
 from . import latency_series as ls
 from . import probes as probe_loader
 from .align import ApiRoles, Aligner
-from .config import DaemonConfig
+from .config import DaemonConfig, EntropySettings, P99Settings
 from .dev_names import DeviceNames
 from .event_ring import EventRing
 from .flight import FlightRecorder
@@ -42,11 +42,22 @@ REQUEST_SAMPLE = np.dtype([("ts_ns", "<u8"), ("value_s", "<f8"), ("series", "<u4
                            ("reserved", "<u4")])
 SCHEMAS = {"cpu.runq": sched_stream.RUNQ_EVENT, "dev.event": device_stream.DEV_EVENT,
            "model.entropy": ENTROPY_SAMPLE, "request.latency": REQUEST_SAMPLE}
-MAX_CLIENT_SERIES = 256
+MAX_CLIENT_SERIES = 64        # request series the dispatchers may open (each costs ~25 KiB in P99Drift)
 HINT_TTL_S = 30.0
 MAX_FUTURE_NS = 10**9       # how far a client's ts_ns may run ahead of the agent's clock
 SWEEP_INTERVAL_S = 10.0
 PID_IN_SERIES = re.compile(r"\bpid=(\d+)")
+
+
+def p99_detector(p: P99Settings) -> P99Drift:
+    return P99Drift(window_s=p.window_s, baseline_windows=p.baseline_windows,
+                    min_baseline_windows=p.min_baseline_windows, factor=p.factor,
+                    floor=p.floor_s, consecutive=p.consecutive, min_samples=p.min_samples,
+                    clear_factor=p.clear_factor, clear_windows=p.clear_windows)
+
+
+def entropy_detector(e: EntropySettings) -> EntropyDriftDetector:
+    return EntropyDriftDetector(tau=e.tau, consecutive=e.consecutive, delta_sigma=e.delta_sigma)
 
 
 class Names:
@@ -70,15 +81,8 @@ class Daemon:
     def __init__(self, config: DaemonConfig, stop: StopFlag | None = None):
         self.config = config
         self.stop = stop or StopFlag()
-        p = config.p99
-        self.p99 = P99Drift(window_s=p.window_s, baseline_windows=p.baseline_windows,
-                            min_baseline_windows=p.min_baseline_windows, factor=p.factor,
-                            floor=p.floor_s, consecutive=p.consecutive,
-                            min_samples=p.min_samples, clear_factor=p.clear_factor,
-                            clear_windows=p.clear_windows)
-        e = config.entropy
-        self.entropy = EntropyDriftDetector(tau=e.tau, consecutive=e.consecutive,
-                                            delta_sigma=e.delta_sigma)
+        self.p99 = p99_detector(config.p99)
+        self.entropy = entropy_detector(config.entropy)
         age = int(config.ring_seconds * 1e9)
         self.runq_ring = EventRing(sched_stream.RUNQ_EVENT, config.ring_capacity, age)
         self.entropy_ring = EventRing(ENTROPY_SAMPLE, 1 << 16, age)

@@ -367,3 +367,20 @@ def test_a_last_line_without_a_newline_is_read_at_eof(server):
     bad.shutdown(socket.SHUT_WR)
     assert "malformed" in served.read_line(bad)["message"]
     assert served.read_line(bad) is None
+
+
+def test_request_series_are_capped_per_daemon(daemon):
+    """Each series costs the P99 detector memory: past the cap, a new one
+    is refused with an error, and the ones it has are still taken."""
+    from mmtrace.agent.daemon import MAX_CLIENT_SERIES
+    served = serve_daemon(daemon)
+    c = connect(daemon.config.socket)
+    for i in range(MAX_CLIENT_SERIES + 1):
+        served.send(c, sample(series=f"s{i}"))
+    reply = served.read_line(c)
+    assert reply["message"] == (f"more than {MAX_CLIENT_SERIES} request series; "
+                                f"request_latency{{series=s{MAX_CLIENT_SERIES},modality=vision}} "
+                                "ignored")
+    served.send(c, sample(series="s0"))
+    assert served.until(lambda: len(daemon.request_ring) == MAX_CLIENT_SERIES + 1)
+    assert len(daemon.request_series.table()) == MAX_CLIENT_SERIES
