@@ -16,8 +16,7 @@ from hypothesis import strategies as st
 from mmtrace.agent import config as config_mod
 from mmtrace.agent.cli import cli
 from mmtrace.agent.errors import MmtraceError
-from mmtrace.detectors.entropy_drift import EntropyDriftDetector
-from mmtrace.detectors.p99_drift import P99Drift
+from mmtrace.agent.daemon import entropy_detector, p99_detector
 
 # Each case the loader once accepted, and the words of its error.
 BAD = [
@@ -207,12 +206,8 @@ def test_what_loads_builds_the_detectors_and_what_does_not_is_one_error(tmp_path
         assert re.match(rf"config {re.escape(str(path))}: (\d+ bad settings?: |not valid TOML)",
                         exc.message), exc.message
         return
-    p, e = cfg.p99, cfg.entropy
-    P99Drift(window_s=p.window_s, baseline_windows=p.baseline_windows,
-             min_baseline_windows=p.min_baseline_windows, factor=p.factor, floor=p.floor_s,
-             consecutive=p.consecutive, min_samples=p.min_samples,
-             clear_factor=p.clear_factor, clear_windows=p.clear_windows)
-    EntropyDriftDetector(tau=e.tau, consecutive=e.consecutive, delta_sigma=e.delta_sigma)
+    p99_detector(cfg.p99)               # the detectors check their settings too
+    entropy_detector(cfg.entropy)
     assert cfg.ring_capacity * 48 + cfg.device_ring_capacity * 224 <= 1.3 * 2**30
     assert all(type(pid) is int and pid > 0 for pid in cfg.pids)
     assert all(type(lib) is str for lib in cfg.libs)
