@@ -294,7 +294,8 @@ class HintServer:
         client.events = want
 
     def _sweep(self, now: float):
-        """Close idle clients that have not subscribed, and half-closed
+        """Close idle clients that have not subscribed (a half-closed one
+        still holding replies its peer does not read, too), and half-closed
         subscribers whose peer has since closed altogether."""
         parked = select.poll()
         waiting = {}
@@ -302,8 +303,7 @@ class HintServer:
             if client.eof and client.events == 0:
                 parked.register(client.sock, 0)         # POLLHUP is reported regardless
                 waiting[client.sock.fileno()] = client
-            elif not client.subscribed and not client.eof \
-                    and now - client.last_seen > self.idle_timeout_s:
+            elif not client.subscribed and now - client.last_seen > self.idle_timeout_s:
                 self.timed_out_clients += 1
                 try:
                     client.sock.send(_error_line(f"idle for {self.idle_timeout_s:g} s; "
