@@ -16,9 +16,9 @@ as the agent enforces it, so that a client can follow it line by line:
 - `subscribe`: nothing more.
 Names are non-empty strings of at most MAX_NAME characters without control
 characters; `head` is an int in 0..MAX_HEAD; entropy values are finite
-numbers in 0..1; `ts_ns` is an int in 0..2**63-1 (CLOCK_MONOTONIC). Keys
-not named here are ignored, so that clients may send more than this
-version reads.
+numbers in 0..1 (within VALUE_NOISE, then clipped); `ts_ns` is an int in
+0..2**63-1 (CLOCK_MONOTONIC). Keys not named here are ignored, so that
+clients may send more than this version reads.
 
 parse_line() returns a new, normalised dict (a single entropy sample comes
 back as a one-item `values`) holding only checked values, or raises
@@ -41,6 +41,7 @@ MAX_HEAD = 65535
 MAX_VALUE_MS = 3_600_000.0  # one hour: the P99 detector's largest value
 PID_MAX = 4_194_304         # the kernel's PID_MAX_LIMIT
 TS_LIMIT = 2 ** 63
+VALUE_NOISE = 1e-6          # an entropy this far outside 0..1 is float noise
 CLIENT_TYPES = ("hello", "sample", "entropy", "subscribe")
 
 
@@ -154,8 +155,16 @@ def _entropy_values(values, modality: str) -> list[dict]:
 def _entropy_sample(sample: dict, modality: str, where: str) -> dict:
     return {"layer": _name(sample, "layer", where),
             "head": _int(sample, "head", where, 0, MAX_HEAD),
-            "value": _number(sample, "value", where, 0.0, 1.0),
+            "value": _entropy_value(sample, where),
             "modality": modality}
+
+
+def _entropy_value(sample: dict, where: str) -> float:
+    """In 0..1; float noise at the ends is taken, as the detector takes it, and clipped."""
+    value = sample.get("value")
+    if type(value) not in (int, float) or not -VALUE_NOISE <= value <= 1.0 + VALUE_NOISE:
+        raise ProtocolError(f"{where}: expected value as a number in 0..1, got {_show(value)}")
+    return min(max(float(value), 0.0), 1.0)
 
 
 def _name(msg: dict, key: str, where: str) -> str:

@@ -172,3 +172,10 @@ def test_nan_in_a_message_built_in_python_is_refused():
     with pytest.raises(ProtocolError, match="value_ms as a number"):
         validate({"v": 1, "type": "sample", "series": "s", "modality": "m",
                   "value_ms": math.nan})
+
+
+@pytest.mark.parametrize("sent,kept", [(1.0000001, 1.0), (-1e-7, 0.0), (0, 0.0), (1, 1.0)])
+def test_float_noise_at_the_ends_of_an_entropy_is_clipped(sent, kept):
+    msg = parse_line(json.dumps({"v": 1, "type": "entropy", "modality": "m", "layer": "l",
+                                 "head": 0, "value": sent}).encode())
+    assert msg["values"][0]["value"] == kept and type(msg["values"][0]["value"]) is float
