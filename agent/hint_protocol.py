@@ -36,7 +36,7 @@ from itertools import accumulate
 MAX_MESSAGE = 64 * 1024
 MAX_DEPTH = 8               # a batch of entropy samples needs 3
 MAX_NAME = 256
-MAX_VALUES = 1024           # entropy samples in one message (64 KiB holds ~1900)
+MAX_VALUES = 2048           # entropy samples in one message: more than 64 KiB can hold
 MAX_HEAD = 65535
 MAX_VALUE_MS = 3_600_000.0  # one hour: the P99 detector's largest value
 PID_MAX = 4_194_304         # the kernel's PID_MAX_LIMIT

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmtrace.agent.hint_protocol import (MAX_DEPTH, MAX_HEAD, MAX_MESSAGE, MAX_NAME,
-                                         MAX_VALUE_MS, PID_MAX, ProtocolError, nesting_depth,
-                                         parse_line, validate)
+                                         MAX_VALUE_MS, MAX_VALUES, PID_MAX, ProtocolError,
+                                         nesting_depth, parse_line, validate)
 
 # Strings full of what could fool a scan: brackets, quotes, backslashes.
 tricky_text = st.text(alphabet=st.sampled_from('ab[]{}"\\,:\n é\u2028'), max_size=12)
@@ -179,3 +179,15 @@ def test_float_noise_at_the_ends_of_an_entropy_is_clipped(sent, kept):
     msg = parse_line(json.dumps({"v": 1, "type": "entropy", "modality": "m", "layer": "l",
                                  "head": 0, "value": sent}).encode())
     assert msg["values"][0]["value"] == kept and type(msg["values"][0]["value"]) is float
+
+
+def test_a_batch_that_fits_a_line_is_never_too_many_samples():
+    """The byte limit binds first: a client that fills lines up to 64 KiB
+    with the smallest samples is never refused for their number."""
+    one = {"layer": "a", "head": 0, "value": 0}
+    fits = (MAX_MESSAGE - 60) // (len(json.dumps(one, separators=(",", ":"))) + 1)
+    msg = {"v": 1, "type": "entropy", "modality": "m", "values": [one] * fits}
+    line = json.dumps(msg, separators=(",", ":")).encode()
+    assert len(line) <= MAX_MESSAGE and len(parse_line(line)["values"]) == fits <= MAX_VALUES
+    with pytest.raises(ProtocolError, match=f"got {MAX_VALUES + 1} items"):
+        validate({**msg, "values": [one] * (MAX_VALUES + 1)})
