@@ -42,6 +42,8 @@ REQUEST_SAMPLE = np.dtype([("ts_ns", "<u8"), ("value_s", "<f8"), ("series", "<u4
                            ("reserved", "<u4")])
 SCHEMAS = {"cpu.runq": sched_stream.RUNQ_EVENT, "dev.event": device_stream.DEV_EVENT,
            "model.entropy": ENTROPY_SAMPLE, "request.latency": REQUEST_SAMPLE}
+MAX_ENTROPY_HEADS = 8192   # (layer, head) pairs per modality
+MAX_MODALITIES = 8
 MAX_CLIENT_SERIES = 64        # request series the dispatchers may open (each costs ~25 KiB in P99Drift)
 HINT_TTL_S = 30.0
 MAX_FUTURE_NS = 10**9       # how far a client's ts_ns may run ahead of the agent's clock
@@ -57,7 +59,11 @@ def p99_detector(p: P99Settings) -> P99Drift:
 
 
 def entropy_detector(e: EntropySettings) -> EntropyDriftDetector:
-    return EntropyDriftDetector(tau=e.tau, consecutive=e.consecutive, delta_sigma=e.delta_sigma)
+    # Heads and modalities come from clients: bounded so that no client can
+    # grow the agent by more than ~32 MB (8 x 8192 heads with 256-character
+    # layer names), with room for an 80-layer, 64-head model per modality.
+    return EntropyDriftDetector(tau=e.tau, consecutive=e.consecutive, delta_sigma=e.delta_sigma,
+                                max_heads=MAX_ENTROPY_HEADS, max_modalities=MAX_MODALITIES)
 
 
 class Names:
@@ -97,7 +103,7 @@ class Daemon:
         self.flight = FlightRecorder(config.state_dir, config.ring_seconds,
                                      config.flight_min_interval_s)
         self.layers = Names(4096)
-        self.modalities = Names(64)
+        self.modalities = Names(MAX_MODALITIES)
         self.request_series = Names(MAX_CLIENT_SERIES)
         self.anomalies: list[dict] = []
         self.hints_sent = 0

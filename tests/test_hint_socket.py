@@ -383,3 +383,26 @@ def test_request_series_are_capped_per_daemon(daemon):
     served.send(c, sample(series="s0"))
     assert served.until(lambda: len(daemon.request_ring) == MAX_CLIENT_SERIES + 1)
     assert len(daemon.request_series.table()) == MAX_CLIENT_SERIES
+
+
+def test_entropy_heads_and_modalities_from_clients_are_bounded(daemon):
+    """Heads and modalities cost the detector memory: a client inventing
+    them is held to MAX_ENTROPY_HEADS per modality and MAX_MODALITIES."""
+    from mmtrace.agent.daemon import MAX_ENTROPY_HEADS, MAX_MODALITIES
+    served = serve_daemon(daemon)
+    c = connect(daemon.config.socket)
+    sent = 0
+    for start in range(0, MAX_ENTROPY_HEADS + 500, 1000):
+        values = [{"layer": f"l{start + i}", "head": 0, "value": 0.5} for i in range(1000)]
+        served.send(c, line(type="entropy", modality="m0", values=values))
+        sent += len(values)
+    for m in range(1, MAX_MODALITIES + 2):
+        served.send(c, entropy(modality=f"m{m}"))
+        sent += 1
+    detector = daemon.entropy
+    assert served.until(lambda: detector.accepted + detector.rejected == sent, timeout=10)
+    heads = {m: len(detector.baseline(m)) for m in (f"m{i}" for i in range(MAX_MODALITIES + 2))}
+    assert heads["m0"] == MAX_ENTROPY_HEADS
+    assert sum(1 for n in heads.values() if n) == MAX_MODALITIES
+    assert detector.rejected == sent - MAX_ENTROPY_HEADS - (MAX_MODALITIES - 1)
+    assert daemon.message_failures == 0
