@@ -44,7 +44,7 @@ SCHEMAS = {"cpu.runq": sched_stream.RUNQ_EVENT, "dev.event": device_stream.DEV_E
            "model.entropy": ENTROPY_SAMPLE, "request.latency": REQUEST_SAMPLE}
 MAX_ENTROPY_HEADS = 8192   # (layer, head) pairs per modality
 MAX_MODALITIES = 8
-MAX_CLIENT_SERIES = 64        # request series the dispatchers may open (each costs ~25 KiB in P99Drift)
+MAX_CLIENT_SERIES = 64     # request series from dispatchers (~25 KiB each in P99Drift)
 HINT_TTL_S = 30.0
 MAX_FUTURE_NS = 10**9       # how far a client's ts_ns may run ahead of the agent's clock
 SWEEP_INTERVAL_S = 10.0

@@ -30,7 +30,8 @@ from .log_limit import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
-MAX_OUTBOX = 256 * 1024        # a client this far behind in reading is disconnected (256 clients: 64 MiB at worst)
+# A client this far behind in reading is disconnected (256 clients: 64 MiB at worst).
+MAX_OUTBOX = 256 * 1024
 MAX_CLIENTS = 256
 IDLE_TIMEOUT_S = 60.0
 ERROR_BURST = 16                # errors answered in a row before the rate counts

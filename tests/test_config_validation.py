@@ -195,7 +195,8 @@ def config_texts(draw):
     return "\n".join(lines) + "\n"
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=config_texts())
 def test_what_loads_builds_the_detectors_and_what_does_not_is_one_error(tmp_path, text):
     path = write(tmp_path, text)
