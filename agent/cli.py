@@ -224,7 +224,7 @@ def run(config_path, pids, libs, state_dir, socket_path, trace_launches, metrics
     """
     import logging
     from pathlib import Path
-    from .config import load_config
+    from .config import check, load_config
     from .daemon import Daemon
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -241,6 +241,7 @@ def run(config_path, pids, libs, state_dir, socket_path, trace_launches, metrics
         cfg.adaptive_launches = not trace_launches
     if metrics_address is not None:
         cfg.metrics_address = metrics_address
+    cfg = check(cfg)
     why_not = set_niceness(cfg.nice)
     if why_not:
         logging.getLogger("mmtrace.daemon").warning(why_not)

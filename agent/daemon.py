@@ -31,13 +31,14 @@ from mmtrace.exporters.event_counts import EventCounts
 from . import latency_series as ls
 from . import probes as probe_loader
 from .align import ApiRoles, Aligner
-from .config import DaemonConfig
+from .config import DaemonConfig, EntropySettings, P99Settings
 from .dev_names import DeviceNames
 from .device_view import describe
 from .errors import MmtraceError
 from .event_ring import EventRing
 from .flight import FlightRecorder
 from .hint_socket import HintServer
+from .log_limit import RateLimitedLog
 from .record import CPU_PROBE_STATE, DeviceSources, StopFlag, exited_process_resolver
 from .sd_notify import Notifier
 from .threads import ThreadProcesses
@@ -50,10 +51,29 @@ REQUEST_SAMPLE = np.dtype([("ts_ns", "<u8"), ("value_s", "<f8"), ("series", "<u4
                            ("reserved", "<u4")])
 SCHEMAS = {"cpu.runq": sched_stream.RUNQ_EVENT, "dev.event": device_stream.DEV_EVENT,
            "model.entropy": ENTROPY_SAMPLE, "request.latency": REQUEST_SAMPLE}
-MAX_CLIENT_SERIES = 256
+MAX_ENTROPY_HEADS = 8192   # (layer, head) pairs per modality
+MAX_MODALITIES = 8
+MAX_CLIENT_SERIES = 64     # request series from dispatchers (~25 KiB each in P99Drift)
 HINT_TTL_S = 30.0
+MAX_FUTURE_NS = 10**9       # how far a client's ts_ns may run ahead of the agent's clock
 SWEEP_INTERVAL_S = 10.0
+STATUS_MIN_INTERVAL_S = 0.5
 PID_IN_SERIES = re.compile(r"\bpid=(\d+)")
+
+
+def p99_detector(p: P99Settings) -> P99Drift:
+    return P99Drift(window_s=p.window_s, baseline_windows=p.baseline_windows,
+                    min_baseline_windows=p.min_baseline_windows, factor=p.factor,
+                    floor=p.floor_s, consecutive=p.consecutive, min_samples=p.min_samples,
+                    clear_factor=p.clear_factor, clear_windows=p.clear_windows)
+
+
+def entropy_detector(e: EntropySettings) -> EntropyDriftDetector:
+    # Heads and modalities come from clients: bounded so that no client can
+    # grow the agent by more than ~32 MB (8 x 8192 heads with 256-character
+    # layer names), with room for an 80-layer, 64-head model per modality.
+    return EntropyDriftDetector(tau=e.tau, consecutive=e.consecutive, delta_sigma=e.delta_sigma,
+                                max_heads=MAX_ENTROPY_HEADS, max_modalities=MAX_MODALITIES)
 
 
 class Names:
@@ -77,15 +97,8 @@ class Daemon:
     def __init__(self, config: DaemonConfig, stop: StopFlag | None = None):
         self.config = config
         self.stop = stop or StopFlag()
-        p = config.p99
-        self.p99 = P99Drift(window_s=p.window_s, baseline_windows=p.baseline_windows,
-                            min_baseline_windows=p.min_baseline_windows, factor=p.factor,
-                            floor=p.floor_s, consecutive=p.consecutive,
-                            min_samples=p.min_samples, clear_factor=p.clear_factor,
-                            clear_windows=p.clear_windows)
-        e = config.entropy
-        self.entropy = EntropyDriftDetector(tau=e.tau, consecutive=e.consecutive,
-                                            delta_sigma=e.delta_sigma)
+        self.p99 = p99_detector(config.p99)
+        self.entropy = entropy_detector(config.entropy)
         age = int(config.ring_seconds * 1e9)
         self.runq_ring = EventRing(sched_stream.RUNQ_EVENT, config.ring_capacity, age)
         self.entropy_ring = EventRing(ENTROPY_SAMPLE, 1 << 16, age)
@@ -101,7 +114,7 @@ class Daemon:
         self.flight = FlightRecorder(config.state_dir, config.ring_seconds,
                                      config.flight_min_interval_s)
         self.layers = Names(4096)
-        self.modalities = Names(64)
+        self.modalities = Names(MAX_MODALITIES)
         self.request_series = Names(MAX_CLIENT_SERIES)
         self.anomalies: list[dict] = []
         self.hints_sent = 0
@@ -126,6 +139,10 @@ class Daemon:
         self.nvml = None                    # DeviceMonitor of the GPUs
         self.npu = None                     # ... of the Ascend NPUs, where npu-smi is
         self.metrics = None
+        self.message_failures = 0       # hint socket messages whose handling raised
+        self._log_failure = RateLimitedLog(log)
+        self._ts_past_ns = int(config.ring_seconds * 1e9)
+        self._status_cache: tuple[int, dict] | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -140,7 +157,7 @@ class Daemon:
         self.names = DeviceNames(device_stream.default_infos(), resolver=exited_process_resolver(
             self.loaded, self.sources.known_files))
         try:
-            self.server = HintServer(cfg.socket)
+            self.server = HintServer(cfg.socket, idle_timeout_s=cfg.socket_idle_timeout_s)
         except OSError as exc:
             log.error("hint socket %s unavailable (%s); running without it", cfg.socket, exc)
         self._attach_new()
@@ -219,7 +236,12 @@ class Daemon:
             else:
                 self._on_device(batch)
         if self.server is not None:
-            self._on_messages(self.server.poll(0))
+            try:
+                messages = self.server.poll(0)
+            except Exception:           # the server guards each client; this is the last line
+                messages = []
+                self._message_failed("poll")
+            self._on_messages(messages)
         now_ns = now_ns or time.monotonic_ns()
         if time.monotonic() >= self._next_sweep:
             self._next_sweep = time.monotonic() + SWEEP_INTERVAL_S
@@ -271,51 +293,70 @@ class Daemon:
                                        series.contributors))
 
     def _on_messages(self, messages):
+        """Act on the checked messages of the hint socket. They are safe to
+        use by construction (hint_protocol); should acting on one fail all
+        the same, the failure is counted and logged, and the rest go on."""
         requests = []
+        now = time.monotonic_ns()
         for client, msg in messages:
-            ts = int(msg.get("ts_ns") or time.monotonic_ns())
-            if msg["type"] == "entropy":
-                samples = [{**s, "modality": s.get("modality", msg["modality"])}
-                           for s in (msg.get("values") or [msg]) if isinstance(s, dict)]
-                self._keep_entropy(samples, msg["modality"], ts)
-                values = [s["value"] for s in samples if isinstance(s.get("value"), (int, float))]
-                if values and len(self.entropy_latest) < self.modalities.limit:
-                    self.entropy_latest[str(msg["modality"])] = sum(values) / len(values)
-                try:
-                    self._act(self.entropy.update(samples, ts_ns=ts))
-                except ValueError as exc:
-                    self.server.reply(client, {"v": 1, "type": "error",
-                                               "message": f"entropy: {exc}"})
-            elif msg["type"] == "status":
-                self.server.reply(client, self.status())
-            elif msg["type"] == "sample":
-                name = f"request_latency{{series={msg['series']},modality={msg['modality']}}}"
-                sid = self.request_series.id(name)
-                if sid is None:
-                    self.server.reply(client, {"v": 1, "type": "error", "message":
-                                               f"more than {MAX_CLIENT_SERIES} request series; "
-                                               f"{name} ignored"})
-                    continue
-                requests.append((self.p99.series_id(name), ts, msg["value_ms"] / 1e3, sid))
+            try:
+                self._on_message(client, msg, now, requests)
+            except Exception:
+                self._message_failed(msg.get("type"))
         if requests:
-            ids, ts, values, sids = (np.array(c) for c in zip(*requests))
-            self._act(self.p99.observe(ids, ts, values))
-            rec = np.zeros(len(ids), REQUEST_SAMPLE)
-            rec["ts_ns"], rec["value_s"], rec["series"] = ts, values, sids
-            self.request_ring.push(rec)
+            try:
+                self._observe_requests(requests)
+            except Exception:
+                self._message_failed("sample")
 
-    def _keep_entropy(self, samples, modality, ts):
-        rows = [(s.get("layer"), s.get("head"), s.get("value"), s.get("modality", modality))
-                for s in samples if isinstance(s, dict)]
-        rec = np.zeros(len(rows), ENTROPY_SAMPLE)
+    def _on_message(self, client, msg: dict, now: int, requests: list):
+        ts = msg.get("ts_ns", now)
+        if not now - self._ts_past_ns <= ts <= now + MAX_FUTURE_NS:
+            # A stamp far ahead would move the detectors' clocks past every
+            # real event; one far behind is past every window.
+            self.server.error(client, f"{msg['type']}: ts_ns {ts} is {(ts - now) / 1e9:+.3g} s "
+                              f"from the agent's CLOCK_MONOTONIC; expected within "
+                              f"-{self.config.ring_seconds:g} s .. +{MAX_FUTURE_NS / 1e9:g} s")
+            return
+        if msg["type"] == "status":
+            self.server.reply(client, self.status())
+        elif msg["type"] == "entropy":
+            self._keep_entropy(msg["values"], ts)
+            modality = msg["modality"]
+            if modality in self.entropy_latest or len(self.entropy_latest) < self.modalities.limit:
+                values = [v["value"] for v in msg["values"]]
+                self.entropy_latest[modality] = sum(values) / len(values)
+            self._act(self.entropy.update(msg["values"], ts_ns=ts))
+        elif msg["type"] == "sample":
+            name = f"request_latency{{series={msg['series']},modality={msg['modality']}}}"
+            sid = self.request_series.id(name)
+            if sid is None:
+                self.server.error(client, f"more than {MAX_CLIENT_SERIES} request series; "
+                                  f"{name} ignored")
+                return
+            requests.append((self.p99.series_id(name), ts, msg["value_ms"] / 1e3, sid))
+
+    def _observe_requests(self, requests: list):
+        ids, ts, values, sids = (np.array(c) for c in zip(*requests))
+        self._act(self.p99.observe(ids, ts, values))
+        rec = np.zeros(len(ids), REQUEST_SAMPLE)
+        rec["ts_ns"], rec["value_s"], rec["series"] = ts, values, sids
+        self.request_ring.push(rec)
+
+    def _message_failed(self, kind):
+        self.message_failures += 1
+        self._log_failure.log(logging.ERROR, "hint socket: acting on a %s message failed "
+                              "(%d so far); carrying on", kind, self.message_failures,
+                              exc_info=True)
+
+    def _keep_entropy(self, samples: list[dict], ts: int):
+        rec = np.zeros(len(samples), ENTROPY_SAMPLE)
         kept = 0
-        for layer, head, value, mod in rows:
-            lid, mid = self.layers.id(str(layer)), self.modalities.id(str(mod))
-            if lid is None or mid is None or not isinstance(head, int):
+        for s in samples:
+            lid, mid = self.layers.id(s["layer"]), self.modalities.id(s["modality"])
+            if lid is None or mid is None:
                 continue
-            if not isinstance(value, (int, float)):
-                continue
-            rec[kept] = (ts, float(value), head, lid, mid, 0)
+            rec[kept] = (ts, s["value"], s["head"], lid, mid, 0)
             kept += 1
         self.entropy_ring.push(rec[:kept])
 
@@ -323,8 +364,15 @@ class Daemon:
 
     def status(self, span_s: float = 5.0) -> dict:
         """What `mmtrace top` shows: the last span_s seconds per process,
-        the active anomalies, the latest hints, and the losses."""
+        the active anomalies, the latest hints, and the losses. Computed at
+        most every STATUS_MIN_INTERVAL_S, however many clients ask."""
         now = time.monotonic_ns()
+        if self._status_cache and now - self._status_cache[0] < STATUS_MIN_INTERVAL_S * 1e9:
+            return self._status_cache[1]
+        self._status_cache = (now, self._status(now, span_s))
+        return self._status_cache[1]
+
+    def _status(self, now: int, span_s: float) -> dict:
         span_s = min(span_s, max(1e-3, (now - self.started_ns) / 1e9))   # rates over what was seen
         since = now - int(span_s * 1e9)
         processes = status_view.process_table(self.runq_ring.window(since),

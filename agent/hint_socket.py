@@ -1,82 +1,76 @@
 """The hint socket: newline-delimited JSON between the agent and the
-dispatchers inside inference servers (see the interface spec).
+dispatchers inside inference servers (see the interface spec; the message
+rules are in hint_protocol).
 
 Single-threaded and non-blocking: the daemon calls poll() every tick and
-gets the valid messages; a malformed or oversized message is answered with
-an error on that connection only, and everyone else is served as before.
+gets the checked messages. A malformed or oversized message is answered
+with an error on that connection only. A client that keeps misbehaving
+(errors faster than ERROR_RATE_PER_S beyond a burst of ERROR_BURST, or not
+reading what it is sent) is disconnected once, with one rate-limited log
+line, and the rest of its input is discarded unread. A client that has not
+subscribed and sends nothing for `idle_timeout_s` is closed, so idle
+connections cannot hold every slot; a client refused for want of a slot is
+told so. A subscriber that shuts down its writing side keeps receiving
+hints until it closes.
 """
 
 import json
 import logging
 import os
+import select
 import selectors
 import socket
 import stat
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .hint_protocol import MAX_MESSAGE, ProtocolError, parse_line
+from .log_limit import RateLimitedLog
+
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE = 64 * 1024
-MAX_OUTBOX = 1 << 20            # a subscriber this far behind is dropped
+# A client this far behind in reading is disconnected (256 clients: 64 MiB at worst).
+MAX_OUTBOX = 256 * 1024
 MAX_CLIENTS = 256
-CLIENT_TYPES = {"hello", "sample", "entropy", "subscribe", "status"}
+IDLE_TIMEOUT_S = 60.0
+ERROR_BURST = 16                # errors answered in a row before the rate counts
+ERROR_RATE_PER_S = 1.0
+SWEEP_INTERVAL_S = 0.5          # how often idle and hung-up clients are looked for
 
 
 @dataclass
 class Client:
     sock: socket.socket
+    last_seen: float
     inbox: bytearray = field(default_factory=bytearray)
     outbox: bytearray = field(default_factory=bytearray)
     discarding: bool = False      # inside an oversized message, up to its newline
     subscribed: bool = False
     name: str = ""
     pid: int | None = None
+    error_tokens: float = ERROR_BURST
+    tokens_at: float = 0.0        # when error_tokens was last topped up
+    eof: bool = False             # the peer has finished sending
+    closed: bool = False
+    events: int = 0               # what the selector watches for (0: not registered)
 
 
-class ProtocolError(ValueError):
-    pass
+def _line(message: dict) -> bytes:
+    return (json.dumps(message, separators=(",", ":")) + "\n").encode()
 
 
-def validate(msg) -> dict:
-    """The message if it follows the spec, else ProtocolError naming why."""
-    if not isinstance(msg, dict):
-        raise ProtocolError(f"expected a JSON object, got {type(msg).__name__}")
-    if msg.get("v") != 1:
-        raise ProtocolError(f"expected \"v\": 1, got {msg.get('v')!r}")
-    kind = msg.get("type")
-    if kind not in CLIENT_TYPES:
-        raise ProtocolError(f"expected type one of {sorted(CLIENT_TYPES)}, got {kind!r}")
-    if kind == "sample":
-        for key in ("series", "modality"):
-            if not isinstance(msg.get(key), str) or not msg[key]:
-                raise ProtocolError(f"sample: expected a non-empty string {key!r}")
-        value = msg.get("value_ms")
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise ProtocolError(f"sample: expected a number value_ms, got {value!r}")
-        if "ts_ns" in msg and not isinstance(msg["ts_ns"], int):
-            raise ProtocolError(f"sample: expected an integer ts_ns, got {msg['ts_ns']!r}")
-    elif kind == "entropy":
-        if not isinstance(msg.get("modality"), str):
-            raise ProtocolError("entropy: expected a string modality")
-        if "values" in msg:
-            if not isinstance(msg["values"], list) or not msg["values"]:
-                raise ProtocolError("entropy: expected values to be a non-empty list")
-        else:
-            for key, typ in (("layer", str), ("head", int)):
-                if not isinstance(msg.get(key), typ):
-                    raise ProtocolError(f"entropy: expected {key} as {typ.__name__}")
-            if not isinstance(msg.get("value"), (int, float)):
-                raise ProtocolError(f"entropy: expected a number value, got {msg.get('value')!r}")
-    elif kind == "hello":
-        if "pid" in msg and not isinstance(msg["pid"], int):
-            raise ProtocolError(f"hello: expected an integer pid, got {msg['pid']!r}")
-    return msg
+def _error_line(text: str) -> bytes:
+    return _line({"v": 1, "type": "error", "message": text})
 
 
 class HintServer:
-    def __init__(self, path: Path, mode: int = 0o660):
+    def __init__(self, path: Path, mode: int = 0o660, *, max_clients: int = MAX_CLIENTS,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, clock=time.monotonic):
         self.path = Path(path)
+        self.max_clients = max_clients
+        self.idle_timeout_s = idle_timeout_s
+        self.clock = clock
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists() or self.path.is_symlink():
             if not stat.S_ISSOCK(self.path.lstat().st_mode):
@@ -90,57 +84,105 @@ class HintServer:
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listener, selectors.EVENT_READ, None)
         self.clients: dict[int, Client] = {}
-        self.errors_sent = 0
-        self.dropped_clients = 0
+        self._next_sweep = 0.0
+        self.errors_sent = 0          # error replies
+        self.dropped_clients = 0      # disconnected for misbehaving
+        self.refused_clients = 0      # turned away: every slot taken
+        self.timed_out_clients = 0    # closed after idle_timeout_s
+        self.internal_errors = 0      # failures of the server's own code, caught
+        self._log_dropped = RateLimitedLog(log)
+        self._log_refused = RateLimitedLog(log)
+        self._log_internal = RateLimitedLog(log)
+
+    # ------------------------------------------------------------- public
 
     def poll(self, timeout: float = 0.0) -> list[tuple[Client, dict]]:
-        """Accept, read and write what is ready; return the valid messages."""
+        """Accept, read and write what is ready; return the checked messages."""
         out = []
         for key, events in self._sel.select(timeout):
             if key.data is None:
                 self._accept()
                 continue
             client = key.data
-            if events & selectors.EVENT_READ:
-                out.extend(self._read(client))
-            if events & selectors.EVENT_WRITE and client.sock.fileno() >= 0:
-                self._flush(client)
+            try:
+                if events & selectors.EVENT_READ and not client.closed:
+                    out.extend(self._read(client))
+                if events & selectors.EVENT_WRITE and not client.closed:
+                    self._flush(client)
+            except Exception:           # a fault here must cost one client, not the agent
+                self.internal_errors += 1
+                self._log_internal.log(logging.ERROR, "hint socket: failure serving client "
+                                       "%s; disconnected", client.name or "?", exc_info=True)
+                self._close(client)
+        now = self.clock()
+        if now >= self._next_sweep:
+            self._next_sweep = now + SWEEP_INTERVAL_S
+            self._sweep(now)
         return out
 
     def broadcast(self, message: dict) -> int:
         """Send to every subscriber; returns how many got it queued."""
-        line = (json.dumps(message, separators=(",", ":")) + "\n").encode()
-        n = 0
-        for client in list(self.clients.values()):
-            if client.subscribed:
-                self._send(client, line)
-                n += 1
-        return n
+        line = _line(message)
+        return sum(self._send(client, line) for client in list(self.clients.values())
+                   if client.subscribed)
 
-    def reply(self, client: Client, message: dict):
-        self._send(client, (json.dumps(message, separators=(",", ":")) + "\n").encode())
+    def reply(self, client: Client, message: dict) -> bool:
+        return self._send(client, _line(message))
+
+    def error(self, client: Client, text: str) -> bool:
+        """Answer with an error line; a client that has run out of patience
+        (ERROR_BURST, then ERROR_RATE_PER_S) is disconnected instead."""
+        now = self.clock()
+        client.error_tokens = min(ERROR_BURST, client.error_tokens
+                                  + (now - client.tokens_at) * ERROR_RATE_PER_S)
+        client.tokens_at = now
+        if client.error_tokens < 1:
+            self._disconnect(client, f"too many errors (last: {text})")
+            return False
+        client.error_tokens -= 1
+        self.errors_sent += 1
+        return self._send(client, _error_line(text))
 
     def close(self):
         for client in list(self.clients.values()):
-            self._drop(client)
+            self._close(client)
         self._sel.unregister(self._listener)
         self._listener.close()
         self._sel.close()
         self.path.unlink(missing_ok=True)
 
+    # ---------------------------------------------------------- accepting
+
     def _accept(self):
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:          # EMFILE and the like: try again next tick
+                self._log_refused.warning("hint socket: cannot accept: %s", exc)
+                return
+            sock.setblocking(False)
+            if len(self.clients) >= self.max_clients:
+                self._refuse(sock)
+                continue
+            now = self.clock()
+            client = Client(sock, last_seen=now, tokens_at=now)
+            self.clients[sock.fileno()] = client
+            self._watch(client)
+
+    def _refuse(self, sock: socket.socket):
+        self.refused_clients += 1
+        self._log_refused.warning("hint socket: all %d client slots taken; a new client "
+                                  "was refused", self.max_clients)
         try:
-            sock, _ = self._listener.accept()
-        except BlockingIOError:
-            return
-        if len(self.clients) >= MAX_CLIENTS:
-            sock.close()
-            self.dropped_clients += 1
-            return
-        sock.setblocking(False)
-        client = Client(sock)
-        self.clients[sock.fileno()] = client
-        self._sel.register(sock, selectors.EVENT_READ, client)
+            sock.send(_error_line(f"too many clients (limit {self.max_clients}); "
+                                  "connection refused, try again later"))
+        except OSError:
+            pass
+        sock.close()
+
+    # ------------------------------------------------------------ reading
 
     def _read(self, client: Client) -> list[tuple[Client, dict]]:
         try:
@@ -148,78 +190,157 @@ class HintServer:
         except (BlockingIOError, InterruptedError):
             return []
         except OSError:
-            data = b""
-        if not data:
-            self._drop(client)
+            self._close(client)
             return []
-        client.inbox += data
+        client.last_seen = self.clock()
+        if data:
+            client.inbox += data
+            return self._lines(client)
+        client.eof = True
+        out = self._lines(client, final=True)
+        if not client.closed:
+            self._settle(client)
+        return out
+
+    def _lines(self, client: Client, final: bool = False) -> list[tuple[Client, dict]]:
+        """The complete lines of the inbox (and at EOF the unterminated last one)."""
         out = []
-        while True:
-            newline = client.inbox.find(b"\n")
+        inbox = client.inbox
+        while not client.closed:
+            newline = inbox.find(b"\n")
             if newline < 0:
-                if len(client.inbox) > MAX_MESSAGE and not client.discarding:
+                if len(inbox) > MAX_MESSAGE and not client.discarding:
                     client.discarding = True
-                    self._error(client, f"message longer than {MAX_MESSAGE} bytes; dropped")
+                    self.error(client, f"message longer than {MAX_MESSAGE} bytes; dropped")
                 if client.discarding:
-                    client.inbox.clear()
+                    inbox.clear()
+                elif final and inbox:
+                    line = bytes(inbox)
+                    inbox.clear()
+                    out.extend(self._message(client, line))
                 break
-            line = bytes(client.inbox[:newline])
-            del client.inbox[:newline + 1]
+            line = bytes(inbox[:newline])
+            del inbox[:newline + 1]
             if client.discarding:
                 client.discarding = False
                 continue
-            if len(line) > MAX_MESSAGE:
-                self._error(client, f"message longer than {MAX_MESSAGE} bytes; dropped")
-                continue
-            if not line.strip():
-                continue
-            try:
-                msg = validate(json.loads(line))
-            except (ValueError, ProtocolError) as exc:
-                self._error(client, f"malformed message: {exc}")
-                continue
-            if msg["type"] == "hello":
-                client.name = str(msg.get("client", ""))[:64]
-                client.pid = msg.get("pid")
-            elif msg["type"] == "subscribe":
-                client.subscribed = True
-            out.append((client, msg))
+            out.extend(self._message(client, line))
+        if client.closed:
+            inbox.clear()               # what a disconnected client sent is not read
         return out
 
-    def _error(self, client: Client, message: str):
-        self.errors_sent += 1
-        self.reply(client, {"v": 1, "type": "error", "message": message})
+    def _message(self, client: Client, line: bytes) -> list[tuple[Client, dict]]:
+        if len(line) > MAX_MESSAGE:
+            self.error(client, f"message longer than {MAX_MESSAGE} bytes; dropped")
+            return []
+        if not line.strip():
+            return []
+        try:
+            msg = parse_line(line)
+        except ProtocolError as exc:
+            self.error(client, f"malformed message: {exc}")
+            return []
+        if msg["type"] == "hello":
+            client.name = msg.get("client", "")
+            client.pid = msg.get("pid")
+        elif msg["type"] == "subscribe":
+            client.subscribed = True
+        return [(client, msg)]
 
-    def _send(self, client: Client, line: bytes):
+    # ------------------------------------------------------------ writing
+
+    def _send(self, client: Client, line: bytes) -> bool:
+        if client.closed:
+            return False
         if len(client.outbox) + len(line) > MAX_OUTBOX:
-            log.warning("hint socket: client %s is not reading; dropped", client.name or "?")
-            self.dropped_clients += 1
-            self._drop(client)
-            return
+            self._disconnect(client, f"not reading (over {MAX_OUTBOX} bytes unread)")
+            return False
         client.outbox += line
         self._flush(client)
+        return not client.closed
 
     def _flush(self, client: Client):
-        try:
-            sent = client.sock.send(client.outbox)
-            del client.outbox[:sent]
-        except (BlockingIOError, InterruptedError):
-            pass
-        except OSError:
-            self._drop(client)
-            return
-        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if client.outbox else 0)
-        try:
-            self._sel.modify(client.sock, want, client)
-        except (KeyError, ValueError):
-            pass
+        if client.outbox:
+            try:
+                sent = client.sock.send(client.outbox)
+                del client.outbox[:sent]
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:             # the peer has gone
+                self._close(client)
+                return
+        self._settle(client)
 
-    def _drop(self, client: Client):
-        fd = client.sock.fileno()
-        if fd >= 0:
+    # ---------------------------------------------------------- lifecycle
+
+    def _settle(self, client: Client):
+        """Close a client that has nothing left to say or hear, else watch
+        for what it still needs."""
+        if client.eof and not client.subscribed and not client.outbox:
+            self._close(client)
+        else:
+            self._watch(client)
+
+    def _watch(self, client: Client):
+        want = (0 if client.eof else selectors.EVENT_READ) | \
+               (selectors.EVENT_WRITE if client.outbox else 0)
+        if want == client.events:
+            return
+        if client.events == 0:
+            self._sel.register(client.sock, want, client)
+        elif want == 0:
+            self._sel.unregister(client.sock)
+        else:
+            self._sel.modify(client.sock, want, client)
+        client.events = want
+
+    def _sweep(self, now: float):
+        """Close idle clients that have not subscribed (a half-closed one
+        still holding replies its peer does not read, too), and half-closed
+        subscribers whose peer has since closed altogether."""
+        parked = select.poll()
+        waiting = {}
+        for client in list(self.clients.values()):
+            if client.eof and client.events == 0:
+                parked.register(client.sock, 0)         # POLLHUP is reported regardless
+                waiting[client.sock.fileno()] = client
+            elif not client.subscribed and now - client.last_seen > self.idle_timeout_s:
+                self.timed_out_clients += 1
+                try:
+                    client.sock.send(_error_line(f"idle for {self.idle_timeout_s:g} s; "
+                                                 "connection closed"))
+                except OSError:
+                    pass
+                self._close(client)
+        if waiting:
+            for fd, _ in parked.poll(0):
+                self._close(waiting[fd])
+
+    def _disconnect(self, client: Client, why: str):
+        """Disconnect a misbehaving client: once, with one (rate-limited) line."""
+        if client.closed:
+            return
+        self.dropped_clients += 1
+        self._log_dropped.warning("hint socket: client %s (pid %s) disconnected: %s",
+                                  client.name or "?", client.pid or "?", why)
+        if not client.outbox:           # a last word, unless it would split a line
+            try:
+                client.sock.send(_error_line(f"disconnected: {why}"))
+            except OSError:
+                pass
+        self._close(client)
+
+    def _close(self, client: Client):
+        if client.closed:
+            return
+        client.closed = True
+        if client.events:
             try:
                 self._sel.unregister(client.sock)
             except (KeyError, ValueError):
                 pass
-            self.clients.pop(fd, None)
-            client.sock.close()
+            client.events = 0
+        self.clients.pop(client.sock.fileno(), None)
+        client.inbox.clear()
+        client.outbox.clear()
+        client.sock.close()

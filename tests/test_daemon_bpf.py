@@ -6,14 +6,12 @@ import json
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
-import native
-from gpu_fixtures import cudart_path
+from daemon_process import FAST_P99, launch_phases, start_daemon
 from mmtrace.agent import recording
 
 pytestmark = pytest.mark.bpf
@@ -22,37 +20,17 @@ CONFIG = """
 ring_seconds = 30.0
 metrics_address = "127.0.0.1:0"     # any free port: :9464 may be taken on a shared host
 flight_min_interval_s = 5.0
-[p99]
-window_s = 0.5
-baseline_windows = 20
-min_baseline_windows = 6
-consecutive = 3
-min_samples = 20
-"""
+""" + FAST_P99
 
 
 def test_contention_fires_runq_drift_and_a_flight_recording(tmp_path):
-    cudart = cudart_path()
-    if cudart is None:
-        pytest.skip("the nvidia-cuda-runtime-cu12 wheel (libcudart.so.12) is not installed")
-    launcher = native.build(native.WORKLOADS / "launch_phases.c",
-                            flags=[str(cudart), f"-Wl,-rpath,{cudart.parent}"])
+    cudart, launcher = launch_phases()
     (tmp_path / "mmtrace.toml").write_text(CONFIG)
     state = tmp_path / "state"
-    # The daemon keeps to CPU 0: the contention on CPU 1 is the test's alone.
-    daemon = subprocess.Popen(
-        ["taskset", "-c", "0", sys.executable, "-m", "mmtrace.agent", "run", "--config", tmp_path / "mmtrace.toml",
-         "--state-dir", state, "--socket", tmp_path / "hint.sock", "--lib", cudart],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log = []
+    daemon = start_daemon(["--config", tmp_path / "mmtrace.toml", "--state-dir", state,
+                           "--socket", tmp_path / "hint.sock", "--lib", cudart], log)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            line = daemon.stdout.readline()
-            assert line, "daemon exited: " + "".join(log)
-            log.append(line)
-            if "tracing:" in line:
-                break
         work = subprocess.run([launcher, "8", "6", "1"], capture_output=True, text=True,
                               timeout=60, check=True)
         time.sleep(1.5)

@@ -169,7 +169,9 @@ def test_entropy_from_watch_reaches_the_agent(linked):
     values = [v for m in msgs for v in m["values"]]
     assert len(values) == 3 * 2 * 4 and {m["modality"] for m in msgs} == {"vision"}
     assert {v["layer"] for v in values} == {"a", "b"} and {v["head"] for v in values} == {0, 1, 2, 3}
-    assert all(set(v) == {"layer", "head", "value"} and 0 <= v["value"] <= 1 for v in values)
+    # as the agent's schema hands them on: each sample with its modality
+    assert all(set(v) == {"layer", "head", "value", "modality"} and v["modality"] == "vision"
+               and 0 <= v["value"] <= 1 for v in values)
 
 
 def test_a_hint_from_the_agent_is_applied_and_shown(linked):

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from prometheus_client import generate_latest
 
+from mmtrace.agent import hint_protocol
 from mmtrace.agent.config import DaemonConfig
 from mmtrace.agent.daemon import Daemon
 from mmtrace.bpf import device as device_stream
@@ -153,8 +154,9 @@ def test_detectors_anomalies_hints_and_entropy(daemon):
                   "state": "firing", "ts_ns": 1, "evidence": {}},
                  {"detector": "p99_drift", "series": "runq_delay{pid=100}",
                   "state": "resolved", "ts_ns": 2, "evidence": {}}])
-    daemon._on_messages([(None, {"type": "entropy", "modality": "vision", "values": [
-        {"layer": "0", "head": 0, "value": 0.25}, {"layer": "0", "head": 1, "value": 0.75}]})])
+    daemon._on_messages([(None, hint_protocol.validate({
+        "v": 1, "type": "entropy", "modality": "vision", "values": [
+            {"layer": "0", "head": 0, "value": 0.25}, {"layer": "0", "head": 1, "value": 0.75}]}))])
     lines = scrape(daemon)
     assert 'mmtrace_anomalies_total{detector="p99_drift"} 1.0' in lines
     assert 'mmtrace_attention_entropy{modality="vision"} 0.5' in lines
