@@ -9,6 +9,7 @@ import numpy as np
 from mmtrace.bpf import device as device_stream
 
 from .align import FLAG_STREAM_FROM_RECORD, ApiRoles, align
+from .records import take
 
 ELLIPSIS = "\u2026"
 
@@ -63,15 +64,21 @@ def _name_text(raw: bytes, truncated: bool) -> str | None:
 
 
 def decode(events: np.ndarray, ctx: DeviceContext) -> DeviceRows:
+    """Every device event at once: aligned, sorted, decoded."""
     from .symbols import demangle
+    aligned = align(events, ApiRoles.from_infos(ctx.infos))
+    aligned = take(aligned, np.argsort(aligned["ts_ns"], kind="stable"))
+    return decode_aligned(aligned, ctx, function_names(aligned, ctx.infos, demangle))
+
+
+def decode_aligned(aligned: np.ndarray, ctx: DeviceContext, kernel_names: dict) -> DeviceRows:
+    """Aligned events in time order; `kernel_names` maps (pid, CUfunction)
+    to a kernel name (see function_names)."""
     infos = ctx.infos
-    aligned = align(events, ApiRoles.from_infos(infos))
-    aligned = aligned[np.argsort(aligned["ts_ns"], kind="stable")]
     api_ids = aligned["api"].astype(np.int64)
     exported = np.array([infos[i].kind in device_stream.EXPORTED_KINDS if i in infos else False
                          for i in range(int(api_ids.max(initial=0)) + 1)], bool)
-    function_names = _function_names(aligned, infos, demangle)
-    rows = aligned[exported[api_ids]] if len(aligned) else aligned
+    rows = take(aligned, exported[api_ids]) if len(aligned) else aligned
     n = len(rows)
     stream = np.empty(n, object)
     kind = np.empty(n, object)
@@ -98,7 +105,7 @@ def decode(events: np.ndarray, ctx: DeviceContext) -> DeviceRows:
         if info.library == "cudart":
             op_name[at] = [ctx.op_names.get(k) for k in zip(pids, rows["handle"][at].tolist())]
         elif info.library == "cuda":
-            op_name[at] = [function_names.get(k)
+            op_name[at] = [kernel_names.get(k)
                            for k in zip(pids, rows["handle"][at].tolist())]
         elif info.symbol == "aclnn":
             ops = [ctx.symbol_names.get(cookie) if cookie else ctx.op_names.get((pid, ip))
@@ -113,7 +120,7 @@ def decode(events: np.ndarray, ctx: DeviceContext) -> DeviceRows:
     return DeviceRows(rows, stream, kind, api, op_name, direction, fields)
 
 
-def _function_names(events: np.ndarray, infos: dict, demangle) -> dict:
+def function_names(events: np.ndarray, infos: dict, demangle) -> dict:
     """(pid, CUfunction) -> kernel name, from cuModuleGetFunction's returns
     (later definitions of a handle win: events are in time order)."""
     ids = [i for i, info in infos.items() if info.kind == "function_name"]
