@@ -3,24 +3,31 @@
 A run-queue delay becomes a slice on the waiting thread's track that ends
 when the thread got the CPU. A GPU/NPU call becomes a slice on its calling
 thread's track (the time inside the call where measured, else an instant),
-named by its op or API."""
+named by its op or API. Written step by step: each thread's name goes out
+as a metadata event when the thread first appears."""
 
 import json
 
 import numpy as np
 
+from mmtrace.agent.replay import first_per_thread
 
-def _runq_events(runq: np.ndarray):
-    names = {}
-    for ts, delay, pid, tid, comm, cpu in zip(
-            runq["ts_ns"].tolist(), runq["delay_ns"].tolist(), runq["pid"].tolist(),
-            runq["tid"].tolist(), runq["comm"].tolist(), runq["cpu"].tolist()):
-        names.setdefault((pid, tid), comm.decode(errors="replace"))
-        yield {"name": "runq", "cat": "cpu", "ph": "X", "pid": pid, "tid": tid,
-               "ts": (ts - delay) / 1e3, "dur": delay / 1e3, "args": {"cpu": cpu}}
-    for (pid, tid), name in names.items():
-        yield {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
-               "args": {"name": name}}
+from .rowtext import Rows, interleave
+
+
+def runq_start_ns(runq: np.ndarray) -> np.ndarray:
+    """When each wait began (the switch-in time less the delay)."""
+    ts = runq["ts_ns"]
+    return ts - np.minimum(runq["delay_ns"], ts)
+
+
+def _runq_rows(runq: np.ndarray) -> Rows:
+    """',{...}' per record: µs with three decimals are the exact ns."""
+    return (Rows(len(runq)).const(b',{"name":"runq","cat":"cpu","ph":"X","pid":')
+            .decimal(runq["pid"]).const(b',"tid":').decimal(runq["tid"])
+            .const(b',"ts":').fixed3(runq_start_ns(runq))
+            .const(b',"dur":').fixed3(runq["delay_ns"])
+            .const(b',"args":{"cpu":').decimal(runq["cpu"]).const(b"}}"))
 
 
 def _device_events(rows):
@@ -45,20 +52,71 @@ def _device_events(rows):
         yield event
 
 
-def write_chrome(events: dict[str, np.ndarray], out, meta: list[dict] = ()) -> int:
-    """Streams the trace as one JSON object; returns the number of events."""
-    out.write('{"displayTimeUnit":"ns","traceEvents":[')
-    n = 0
-    runq = events.get("cpu.runq")
-    if runq is not None and len(runq):
-        for event in _runq_events(runq):
-            out.write(("," if n else "") + json.dumps(event, separators=(",", ":")))
-            n += 1
-    device = events.get("dev.event")
-    if device is not None and len(device):
-        from mmtrace.agent.device_view import DeviceContext, decode
-        for event in _device_events(decode(device, DeviceContext.from_meta(list(meta)))):
-            out.write(("," if n else "") + json.dumps(event, separators=(",", ":")))
-            n += 1
-    out.write("]}\n")
-    return n
+def _dump(event: dict) -> bytes:
+    return b"," + json.dumps(event, separators=(",", ":")).encode()
+
+
+class _AfterFirst:
+    """Passes writes through, less the very first byte (every event is
+    written with a comma before it; the first one must not be)."""
+
+    def __init__(self, out):
+        self.out = out
+        self.started = False
+
+    def write(self, data):
+        if not self.started and len(data):
+            data = data[1:]
+            self.started = True
+        self.out.write(data)
+
+
+class ChromeWriter:
+    """Writes the events of each replay step (agent/replay.py) as they come."""
+
+    def __init__(self, out):
+        self.out = _AfterFirst(out)
+        self.events = 0
+        self._named: set = set()
+
+    def _names(self, pids, tids, comms) -> bytes:
+        """Metadata events naming the threads not named yet."""
+        out = []
+        for pid, tid, comm in zip(pids, tids, comms):
+            if (pid, tid) not in self._named:
+                self._named.add((pid, tid))
+                out.append(_dump({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
+                                  "args": {"name": comm.decode(errors="replace")}}))
+        return b"".join(out)
+
+    def step(self, step):
+        runq, device = step.part("cpu.runq"), step.device_rows()
+        if runq is not None:
+            self.out.write(self._names(*first_per_thread(runq)))
+        others = []
+        if device is not None:
+            ev = device.events
+            self.out.write(self._names(ev["pid"].tolist(), ev["tid"].tolist(),
+                                       ev["comm"].tolist()))
+            others = [_dump(e) for e in _device_events(device)]
+        if runq is None:
+            for row in others:
+                self.out.write(row)
+        else:
+            start = runq_start_ns(runq)
+            order = np.argsort(start, kind="stable")
+            rows = _runq_rows(runq[order])
+            interleave(self.out, rows.bytes(), np.cumsum(rows.lengths()), start[order], others,
+                       device.events["ts_ns"] if device is not None else np.zeros(0, np.uint64))
+        self.events += (0 if runq is None else len(runq)) + len(others)
+
+
+def write_chrome(steps, out) -> int:
+    """Stream `steps` as one trace JSON object to the binary stream `out`;
+    returns the number of events."""
+    out.write(b'{"displayTimeUnit":"ns","traceEvents":[')
+    writer = ChromeWriter(out)
+    for step in steps:
+        writer.step(step)
+    out.write(b"]}\n")
+    return writer.events

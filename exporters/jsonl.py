@@ -7,26 +7,29 @@ import numpy as np
 
 from mmtrace.bpf import device as device_stream
 
+from .rowtext import Rows, interleave, strings
+
 # Every line carries every key of the spec, null where it does not apply.
 KEYS = ("ts_ns", "stream", "kind", "pid", "tid", "comm", "api", "op_id", "op_name",
         "handle", "stream_handle", "grid", "block", "shared_mem_bytes", "bytes",
         "direction", "duration_ns", "sched_delay_ns", "retired_ns", "device")
 
 
-def _runq_lines(runq: np.ndarray):
-    comm_json = {}
-    for ts, delay, pid, tid, comm in zip(runq["ts_ns"].tolist(), runq["delay_ns"].tolist(),
-                                         runq["pid"].tolist(), runq["tid"].tolist(),
-                                         runq["comm"].tolist()):
-        quoted = comm_json.get(comm)
-        if quoted is None:
-            quoted = comm_json[comm] = json.dumps(comm.decode(errors="replace"))
-        yield ts, (
-            f'{{"ts_ns":{ts},"stream":"cpu","kind":"runq","pid":{pid},"tid":{tid},'
-            f'"comm":{quoted},"api":null,"op_id":null,"op_name":null,"handle":null,'
-            f'"stream_handle":null,"grid":null,"block":null,"shared_mem_bytes":null,'
-            f'"bytes":null,"direction":null,"duration_ns":{delay},"sched_delay_ns":null,'
-            f'"retired_ns":null,"device":null}}')
+def runq_rows(runq: np.ndarray) -> Rows:
+    """One line per run-queue record (newline included), for a whole batch."""
+    codes, comms = strings(runq["comm"])
+    return (Rows(len(runq)).const(b'{"ts_ns":').decimal(runq["ts_ns"])
+            .const(b',"stream":"cpu","kind":"runq","pid":').decimal(runq["pid"])
+            .const(b',"tid":').decimal(runq["tid"])
+            .const(b',"comm":').table(codes, [json_text(c) for c in comms])
+            .const(b',"api":null,"op_id":null,"op_name":null,"handle":null,'
+                   b'"stream_handle":null,"grid":null,"block":null,"shared_mem_bytes":null,'
+                   b'"bytes":null,"direction":null,"duration_ns":').decimal(runq["delay_ns"])
+            .const(b',"sched_delay_ns":null,"retired_ns":null,"device":null}\n'))
+
+
+def json_text(raw: bytes) -> bytes:
+    return json.dumps(raw.decode(errors="replace")).encode()
 
 
 def _null(value):
@@ -83,30 +86,25 @@ def _device_lines(rows):
             f'"device":{_null(device if device >= 0 else None)}}}')
 
 
-STREAM_LINES = {"cpu.runq": _runq_lines}
+def write_step(step, out) -> int:
+    """Write one replay step (agent/replay.py) as lines in time order;
+    returns the number of lines."""
+    runq = step.records.get("cpu.runq")
+    n_runq = 0 if runq is None else len(runq)
+    device = list(_device_lines(step.device)) if step.device is not None else []
+    if not n_runq:
+        for _, line in device:
+            out.write(line.encode() + b"\n")
+        return len(device)
+    rows = runq_rows(runq)
+    blob = rows.bytes()
+    interleave(out, blob, np.cumsum(rows.lengths()), runq["ts_ns"],
+               [line.encode() + b"\n" for _, line in device],
+               np.array([ts for ts, _ in device], np.uint64))
+    return n_runq + len(device)
 
 
-def iter_lines(events: dict[str, np.ndarray], meta: list[dict] = ()):
-    """Lines of every known schema, merged by timestamp. `meta` is the
-    recording's meta chunks (API table, op-name tables) for GPU/NPU events."""
-    import heapq
-    sources = []
-    for name, records in events.items():
-        if name in STREAM_LINES and len(records):
-            order = np.argsort(records["ts_ns"], kind="stable")
-            sources.append(STREAM_LINES[name](records[order]))
-    device = events.get("dev.event")
-    if device is not None and len(device):
-        from mmtrace.agent.device_view import DeviceContext, decode
-        sources.append(_device_lines(decode(device, DeviceContext.from_meta(list(meta)))))
-    for _, line in heapq.merge(*sources, key=lambda item: item[0]):
-        yield line
-
-
-def write_jsonl(events: dict[str, np.ndarray], out, meta: list[dict] = ()) -> int:
-    n = 0
-    for line in iter_lines(events, meta):
-        out.write(line)
-        out.write("\n")
-        n += 1
-    return n
+def write_jsonl(steps, out) -> int:
+    """Write the events of `steps` (agent.replay.replay) to the binary
+    stream `out`; returns the number of lines."""
+    return sum(write_step(step, out) for step in steps)

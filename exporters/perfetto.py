@@ -7,7 +7,12 @@ of Perfetto's trace_packet.proto / track_event.proto / track_descriptor.proto.
 
 from dataclasses import dataclass
 
-from .protowire import field_bytes, field_str, field_varint
+import numpy as np
+
+from .protowire import field_bytes, field_str, field_varint, varint
+from mmtrace.agent.replay import first_per_thread
+
+from .rowtext import Rows, interleave, varint_lengths
 
 # Trace
 TRACE_PACKET = 1
@@ -65,25 +70,36 @@ def thread_uuid(pid: int, tid: int) -> int:
     return 1 << 62 | pid << 32 | tid
 
 
-def _descriptors(slices):
-    seen_pids, seen_threads = set(), set()
-    first = True
-    for s in slices:
-        if s.pid not in seen_pids:
-            seen_pids.add(s.pid)
-            desc = field_varint(TD_UUID, process_uuid(s.pid)) + field_bytes(
-                TD_PROCESS, field_varint(PD_PID, s.pid))
-            flags = field_varint(TP_SEQUENCE_FLAGS, SEQ_INCREMENTAL_STATE_CLEARED) if first else b""
-            first = False
+class Tracks:
+    """Descriptors of the process and thread tracks, each once, before the
+    first slice that uses it."""
+
+    def __init__(self):
+        self.pids: set = set()
+        self.threads: set = set()
+
+    def new(self, pid: int, tid: int, thread_name: str):
+        if pid not in self.pids:
+            desc = field_varint(TD_UUID, process_uuid(pid)) + field_bytes(
+                TD_PROCESS, field_varint(PD_PID, pid))
+            flags = (field_varint(TP_SEQUENCE_FLAGS, SEQ_INCREMENTAL_STATE_CLEARED)
+                     if not self.pids else b"")
+            self.pids.add(pid)
             yield _packet(flags, field_bytes(TP_TRACK_DESCRIPTOR, desc))
-        if (s.pid, s.tid) not in seen_threads:
-            seen_threads.add((s.pid, s.tid))
-            thread = (field_varint(THD_PID, s.pid) + field_varint(THD_TID, s.tid)
-                      + field_str(THD_NAME, s.thread_name))
-            desc = (field_varint(TD_UUID, thread_uuid(s.pid, s.tid))
-                    + field_varint(TD_PARENT_UUID, process_uuid(s.pid))
+        if (pid, tid) not in self.threads:
+            self.threads.add((pid, tid))
+            thread = (field_varint(THD_PID, pid) + field_varint(THD_TID, tid)
+                      + field_str(THD_NAME, thread_name))
+            desc = (field_varint(TD_UUID, thread_uuid(pid, tid))
+                    + field_varint(TD_PARENT_UUID, process_uuid(pid))
                     + field_bytes(TD_THREAD, thread))
             yield _packet(field_bytes(TP_TRACK_DESCRIPTOR, desc))
+
+
+def _descriptors(slices):
+    tracks = Tracks()
+    for s in slices:
+        yield from tracks.new(s.pid, s.tid, s.thread_name)
 
 
 def _slice_packets(s: Slice):
@@ -109,6 +125,85 @@ def write_perfetto(slices: list[Slice], out) -> int:
         for packet in _slice_packets(s):
             out.write(packet)
     return len(slices)
+
+
+def _event_rows(n: int, ts: np.ndarray, track: np.ndarray, body: bytes, track_tail: bytes = b""):
+    """TracePackets (timestamp, track event) for n events of one shape:
+    the track event is its type field, the track uuid, then `body`."""
+    tag_ts = varint(TP_TIMESTAMP << 3)
+    tag_track = varint(TE_TRACK_UUID << 3)
+    event_len = len(body) + len(tag_track) + varint_lengths(track) + len(track_tail)
+    te_head = varint(TP_TRACK_EVENT << 3 | 2)
+    inner_len = (len(field_varint(TP_SEQUENCE_ID, SEQUENCE_ID)) + len(tag_ts)
+                 + varint_lengths(ts) + len(te_head) + varint_lengths(event_len) + event_len)
+    return (Rows(n).const(varint(TRACE_PACKET << 3 | 2)).varint(inner_len)
+            .const(field_varint(TP_SEQUENCE_ID, SEQUENCE_ID) + tag_ts).varint(ts)
+            .const(te_head).varint(event_len).const(body[:2]).const(tag_track).varint(track)
+            .const(body[2:] + track_tail))
+
+
+def slice_rows(start_ns: np.ndarray, duration_ns: np.ndarray, pid: np.ndarray, tid: np.ndarray,
+               category: str, name: str) -> Rows:
+    """A begin and an end packet per slice, as _slice_packets writes them,
+    for a whole batch of slices of one category and name."""
+    n = len(start_ns)
+    track = np.uint64(1 << 62) | pid.astype(np.uint64) << np.uint64(32) | tid.astype(np.uint64)
+    labels = field_str(TE_CATEGORIES, category) + field_str(TE_NAME, name)
+    begin = _event_rows(n, start_ns, track, field_varint(TE_TYPE, SLICE_BEGIN), labels)
+    end = _event_rows(n, start_ns + duration_ns, track, field_varint(TE_TYPE, SLICE_END))
+    return begin.rows(end)
+
+
+class PerfettoWriter:
+    """Writes the slices of each replay step (agent/replay.py) as they come:
+    run-queue waits a batch at a time, GPU/NPU calls one by one."""
+
+    def __init__(self, out):
+        self.out = out
+        self.tracks = Tracks()
+        self.thread_names: dict = {}
+        self.slices = 0
+
+    def _tracks(self, pids, tids, comms):
+        for pid, tid, comm in zip(pids, tids, comms):
+            if (pid, tid) not in self.tracks.threads:
+                name = comm.decode(errors="replace")
+                self.thread_names[(pid, tid)] = name
+                for packet in self.tracks.new(pid, tid, name):
+                    self.out.write(packet)
+
+    def step(self, step):
+        runq, device = step.part("cpu.runq"), step.device_rows()
+        if runq is not None:
+            self._tracks(*first_per_thread(runq))
+        others = []
+        if device is not None:
+            ev = device.events
+            self._tracks(ev["pid"].tolist(), ev["tid"].tolist(), ev["comm"].tolist())
+            slices = device_slices(device, self.thread_names)
+            others = [b"".join(_slice_packets(s)) for s in slices]
+            other_keys = np.array([s.start_ns for s in slices], np.uint64)
+        if runq is None:
+            for row in others:
+                self.out.write(row)
+        else:
+            start = runq["ts_ns"] - np.minimum(runq["delay_ns"], runq["ts_ns"])
+            order = np.argsort(start, kind="stable")
+            rq = runq[order]
+            rows = slice_rows(start[order], rq["ts_ns"] - start[order], rq["pid"], rq["tid"],
+                              "cpu", "runq")
+            interleave(self.out, rows.bytes(), np.cumsum(rows.lengths()), start[order], others,
+                       other_keys if others else np.zeros(0, np.uint64))
+        self.slices += (0 if runq is None else len(runq)) + len(others)
+
+
+def write_recording(steps, out) -> int:
+    """Write the slices of `steps` (agent.replay.replay) to the binary
+    stream `out`; returns their number."""
+    writer = PerfettoWriter(out)
+    for step in steps:
+        writer.step(step)
+    return writer.slices
 
 
 def runq_slices(runq) -> list[Slice]:

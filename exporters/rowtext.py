@@ -1,0 +1,141 @@
+"""Text and protobuf rows built for a whole batch of events at once with
+numpy, not one event at a time: each row is laid out as columns of bytes
+(fixed pieces, decimal numbers, varints, strings from a small table) with a
+mask of the bytes it uses, and the rows come out as one compacted buffer."""
+
+import numpy as np
+
+_POW10 = 10 ** np.arange(1, 20, dtype=np.uint64)   # 10 .. 10**19
+_DIGITS = 20                                          # of 2**64 - 1
+
+
+class Rows:
+    """n rows, built left to right; bytes() joins them (no separator)."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self._cols: list[np.ndarray] = []
+        self._keep: list[np.ndarray | None] = []    # None: every byte of the column
+
+    def const(self, text: bytes):
+        if text:
+            self._cols.append(np.broadcast_to(np.frombuffer(text, np.uint8), (self.n, len(text))))
+            self._keep.append(None)
+        return self
+
+    def _add(self, cols: np.ndarray, lengths: np.ndarray, right: bool):
+        width = cols.shape[1]
+        pos = np.arange(width)
+        keep = pos >= (width - lengths)[:, None] if right else pos < lengths[:, None]
+        self._cols.append(cols)
+        self._keep.append(keep)
+
+    def decimal(self, values: np.ndarray):
+        """Non-negative integers in decimal."""
+        values = np.asarray(values).astype(np.uint64)
+        lengths = decimal_lengths(values)
+        width = int(lengths.max(initial=1))
+        cols = np.empty((self.n, width), np.uint8)
+        v = values.copy()
+        for k in range(width - 1, -1, -1):
+            cols[:, k] = (v % 10).astype(np.uint8) + 48
+            v //= 10
+        self._add(cols, lengths, right=True)
+        return self
+
+    def fixed3(self, thousandths: np.ndarray):
+        """Non-negative integers n written as n / 1000 with three decimals."""
+        values = np.asarray(thousandths).astype(np.uint64)
+        self.decimal(values // 1000)
+        self.const(b".")
+        frac = values % 1000
+        cols = np.stack([frac // 100, frac // 10 % 10, frac % 10], axis=1).astype(np.uint8) + 48
+        self._cols.append(cols)
+        self._keep.append(None)
+        return self
+
+    def varint(self, values: np.ndarray):
+        """Protobuf base-128 varints of non-negative integers."""
+        values = np.asarray(values).astype(np.uint64)
+        lengths = varint_lengths(values)
+        width = int(lengths.max(initial=1))
+        cols = np.empty((self.n, width), np.uint8)
+        v = values.copy()
+        for k in range(width):
+            cols[:, k] = (v & np.uint64(0x7F)).astype(np.uint8) | np.where(
+                k + 1 < lengths, 0x80, 0).astype(np.uint8)
+            v >>= np.uint64(7)
+        self._add(cols, lengths, right=False)
+        return self
+
+    def table(self, codes: np.ndarray, entries: list[bytes]):
+        """Row i gets entries[codes[i]]."""
+        width = max((len(e) for e in entries), default=0)
+        if not width:
+            return self
+        padded = np.zeros((len(entries), width), np.uint8)
+        for i, entry in enumerate(entries):
+            padded[i, :len(entry)] = np.frombuffer(entry, np.uint8)
+        lengths = np.array([len(e) for e in entries], np.int64)
+        self._add(padded[codes], lengths[codes], right=False)
+        return self
+
+    def rows(self, other: "Rows"):
+        """Append another batch's columns (same row count) to each row."""
+        self._cols += other._cols
+        self._keep += other._keep
+        return self
+
+    def lengths(self) -> np.ndarray:
+        """Bytes in each row."""
+        total = np.zeros(self.n, np.int64)
+        for cols, keep in zip(self._cols, self._keep):
+            total += cols.shape[1] if keep is None else keep.sum(axis=1)
+        return total
+
+    def bytes(self) -> bytes:
+        if not self.n or not self._cols:
+            return b""
+        cols = np.concatenate(self._cols, axis=1)
+        keep = np.concatenate([np.ones(c.shape, bool) if k is None else k
+                               for c, k in zip(self._cols, self._keep)], axis=1)
+        return cols[keep].tobytes()
+
+
+def decimal_lengths(values: np.ndarray) -> np.ndarray:
+    return 1 + np.searchsorted(_POW10, values, side="right").astype(np.int64)
+
+
+def varint_lengths(values: np.ndarray) -> np.ndarray:
+    bits = np.zeros(len(values), np.int64)
+    v = values.astype(np.uint64)
+    for shift in (32, 16, 8, 4, 2, 1):
+        big = v >= (np.uint64(1) << np.uint64(shift))
+        bits += np.where(big, shift, 0)
+        v = np.where(big, v >> np.uint64(shift), v)
+    return np.maximum(1, (bits + 1 + 6) // 7)
+
+
+def strings(values) -> tuple[np.ndarray, list]:
+    """(codes, distinct values) of a column, for Rows.table."""
+    distinct, codes = np.unique(values, return_inverse=True)
+    return codes.reshape(-1), distinct.tolist()
+
+
+def interleave(out, blob: bytes, ends: np.ndarray, keys: np.ndarray, others: list[bytes],
+               other_keys: np.ndarray) -> None:
+    """Write the rows of `blob` (row i ends at ends[i], keys ascending) and
+    the rows `others` (keys ascending) merged by key, `blob` first on ties."""
+    if not len(others):
+        out.write(blob)
+        return
+    at = np.searchsorted(keys, other_keys, side="right")
+    starts = np.concatenate([[0], ends]).astype(np.int64)
+    done = 0
+    view = memoryview(blob)
+    for row, pos in zip(others, starts[at].tolist()):
+        if pos > done:
+            out.write(view[done:pos])
+            done = pos
+        out.write(row)
+    out.write(view[done:])
