@@ -22,3 +22,10 @@ RUNQ_EVENT = np.dtype([
 def hist_from_table(table) -> list[int]:
     """The in-kernel log2 histogram (per-CPU sums), index k = [2^k, 2^(k+1)) µs."""
     return [int(sum(table[table.Key(k)])) for k in range(len(table))]
+
+
+def wait_start_ns(runq: np.ndarray) -> np.ndarray:
+    """When each run-queue wait began: the switch-in time less the delay
+    (never before 0, whatever a damaged record says)."""
+    ts = runq["ts_ns"]
+    return ts - np.minimum(runq["delay_ns"], ts)

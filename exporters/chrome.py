@@ -11,21 +11,16 @@ import json
 import numpy as np
 
 from mmtrace.agent.replay import first_per_thread
+from mmtrace.bpf.sched import wait_start_ns
 
-from .rowtext import Rows, interleave
-
-
-def runq_start_ns(runq: np.ndarray) -> np.ndarray:
-    """When each wait began (the switch-in time less the delay)."""
-    ts = runq["ts_ns"]
-    return ts - np.minimum(runq["delay_ns"], ts)
+from .rowtext import Rows, write_merged
 
 
 def _runq_rows(runq: np.ndarray) -> Rows:
     """',{...}' per record: µs with three decimals are the exact ns."""
-    return (Rows(len(runq)).const(b',{"name":"runq","cat":"cpu","ph":"X","pid":')
+    return (Rows(len(runq), text=True).const(b',{"name":"runq","cat":"cpu","ph":"X","pid":')
             .decimal(runq["pid"]).const(b',"tid":').decimal(runq["tid"])
-            .const(b',"ts":').fixed3(runq_start_ns(runq))
+            .const(b',"ts":').fixed3(wait_start_ns(runq))
             .const(b',"dur":').fixed3(runq["delay_ns"])
             .const(b',"args":{"cpu":').decimal(runq["cpu"]).const(b"}}"))
 
@@ -103,11 +98,10 @@ class ChromeWriter:
             for row in others:
                 self.out.write(row)
         else:
-            start = runq_start_ns(runq)
+            start = wait_start_ns(runq)
             order = np.argsort(start, kind="stable")
-            rows = _runq_rows(runq[order])
-            interleave(self.out, rows.bytes(), np.cumsum(rows.lengths()), start[order], others,
-                       device.events["ts_ns"] if device is not None else np.zeros(0, np.uint64))
+            write_merged(self.out, _runq_rows, runq[order], start[order], others,
+                         device.events["ts_ns"] if device is not None else np.zeros(0, np.uint64))
         self.events += (0 if runq is None else len(runq)) + len(others)
 
 

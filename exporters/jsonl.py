@@ -7,7 +7,7 @@ import numpy as np
 
 from mmtrace.bpf import device as device_stream
 
-from .rowtext import Rows, interleave, strings
+from .rowtext import Rows, strings, write_merged
 
 # Every line carries every key of the spec, null where it does not apply.
 KEYS = ("ts_ns", "stream", "kind", "pid", "tid", "comm", "api", "op_id", "op_name",
@@ -18,7 +18,7 @@ KEYS = ("ts_ns", "stream", "kind", "pid", "tid", "comm", "api", "op_id", "op_nam
 def runq_rows(runq: np.ndarray) -> Rows:
     """One line per run-queue record (newline included), for a whole batch."""
     codes, comms = strings(runq["comm"])
-    return (Rows(len(runq)).const(b'{"ts_ns":').decimal(runq["ts_ns"])
+    return (Rows(len(runq), text=True).const(b'{"ts_ns":').decimal(runq["ts_ns"])
             .const(b',"stream":"cpu","kind":"runq","pid":').decimal(runq["pid"])
             .const(b',"tid":').decimal(runq["tid"])
             .const(b',"comm":').table(codes, [json_text(c) for c in comms])
@@ -96,11 +96,8 @@ def write_step(step, out) -> int:
         for _, line in device:
             out.write(line.encode() + b"\n")
         return len(device)
-    rows = runq_rows(runq)
-    blob = rows.bytes()
-    interleave(out, blob, np.cumsum(rows.lengths()), runq["ts_ns"],
-               [line.encode() + b"\n" for _, line in device],
-               np.array([ts for ts, _ in device], np.uint64))
+    write_merged(out, runq_rows, runq, runq["ts_ns"], [line.encode() + b"\n" for _, line in device],
+                 np.array([ts for ts, _ in device], np.uint64))
     return n_runq + len(device)
 
 

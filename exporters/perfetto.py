@@ -9,10 +9,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .protowire import field_bytes, field_str, field_varint, varint
 from mmtrace.agent.replay import first_per_thread
+from mmtrace.bpf.sched import wait_start_ns
 
-from .rowtext import Rows, interleave, varint_lengths
+from .protowire import field_bytes, field_str, field_varint, varint
+from .rowtext import Rows, varint_lengths, write_merged
 
 # Trace
 TRACE_PACKET = 1
@@ -187,14 +188,16 @@ class PerfettoWriter:
             for row in others:
                 self.out.write(row)
         else:
-            start = runq["ts_ns"] - np.minimum(runq["delay_ns"], runq["ts_ns"])
+            start = wait_start_ns(runq)
             order = np.argsort(start, kind="stable")
-            rq = runq[order]
-            rows = slice_rows(start[order], rq["ts_ns"] - start[order], rq["pid"], rq["tid"],
-                              "cpu", "runq")
-            interleave(self.out, rows.bytes(), np.cumsum(rows.lengths()), start[order], others,
-                       other_keys if others else np.zeros(0, np.uint64))
+            write_merged(self.out, _runq_slice_rows, runq[order], start[order], others,
+                         other_keys if others else np.zeros(0, np.uint64))
         self.slices += (0 if runq is None else len(runq)) + len(others)
+
+
+def _runq_slice_rows(runq: np.ndarray) -> Rows:
+    start = wait_start_ns(runq)
+    return slice_rows(start, runq["ts_ns"] - start, runq["pid"], runq["tid"], "cpu", "runq")
 
 
 def write_recording(steps, out) -> int:

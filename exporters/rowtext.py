@@ -10,25 +10,44 @@ _DIGITS = 20                                          # of 2**64 - 1
 
 
 class Rows:
-    """n rows, built left to right; bytes() joins them (no separator)."""
+    """n rows, built left to right; bytes() joins them (no separator).
 
-    def __init__(self, n: int):
+    `text=True` (JSON text, where no byte below 0x20 appears raw) marks
+    unused bytes with NUL and drops them in one comparison, instead of a
+    mask per column; and a long fixed piece stands as one control byte
+    until the end, where bytes.replace puts it back (far cheaper than
+    carrying it through every row of the matrix)."""
+
+    def __init__(self, n: int, text: bool = False):
         self.n = n
+        self.text = text
         self._cols: list[np.ndarray] = []
         self._keep: list[np.ndarray | None] = []    # None: every byte of the column
+        self._lengths = np.zeros(n, np.int64)
+        self._stand_ins: list[tuple[bytes, bytes]] = []
 
     def const(self, text: bytes):
+        if self.text and len(text) > 2 and len(self._stand_ins) < 31:
+            stand_in = bytes([1 + len(self._stand_ins)])
+            self._stand_ins.append((stand_in, text))
+            self._lengths += len(text) - 1
+            text = stand_in
         if text:
             self._cols.append(np.broadcast_to(np.frombuffer(text, np.uint8), (self.n, len(text))))
             self._keep.append(None)
+            self._lengths += len(text)
         return self
 
     def _add(self, cols: np.ndarray, lengths: np.ndarray, right: bool):
         width = cols.shape[1]
         pos = np.arange(width)
         keep = pos >= (width - lengths)[:, None] if right else pos < lengths[:, None]
+        if self.text:
+            cols = np.where(keep, cols, np.uint8(0))
+            keep = None
         self._cols.append(cols)
         self._keep.append(keep)
+        self._lengths += lengths
 
     def decimal(self, values: np.ndarray):
         """Non-negative integers in decimal."""
@@ -52,6 +71,7 @@ class Rows:
         cols = np.stack([frac // 100, frac // 10 % 10, frac % 10], axis=1).astype(np.uint8) + 48
         self._cols.append(cols)
         self._keep.append(None)
+        self._lengths += 3
         return self
 
     def varint(self, values: np.ndarray):
@@ -82,23 +102,32 @@ class Rows:
 
     def rows(self, other: "Rows"):
         """Append another batch's columns (same row count) to each row."""
+        if other._stand_ins:
+            raise ValueError("rows with stand-ins for fixed text cannot be appended")
         self._cols += other._cols
         self._keep += other._keep
+        self._lengths += other._lengths
         return self
 
     def lengths(self) -> np.ndarray:
         """Bytes in each row."""
-        total = np.zeros(self.n, np.int64)
-        for cols, keep in zip(self._cols, self._keep):
-            total += cols.shape[1] if keep is None else keep.sum(axis=1)
-        return total
+        return self._lengths
 
     def bytes(self) -> bytes:
         if not self.n or not self._cols:
             return b""
         cols = np.concatenate(self._cols, axis=1)
-        keep = np.concatenate([np.ones(c.shape, bool) if k is None else k
-                               for c, k in zip(self._cols, self._keep)], axis=1)
+        if self.text:
+            out = cols[cols != 0].tobytes()
+            for stand_in, text in self._stand_ins:
+                out = out.replace(stand_in, text)
+            return out
+        keep = np.ones(cols.shape, bool)
+        at = 0
+        for col, mask in zip(self._cols, self._keep):
+            if mask is not None:
+                keep[:, at:at + col.shape[1]] = mask
+            at += col.shape[1]
         return cols[keep].tobytes()
 
 
@@ -120,6 +149,20 @@ def strings(values) -> tuple[np.ndarray, list]:
     """(codes, distinct values) of a column, for Rows.table."""
     distinct, codes = np.unique(values, return_inverse=True)
     return codes.reshape(-1), distinct.tolist()
+
+
+def write_merged(out, make_rows, records: np.ndarray, keys: np.ndarray, others: list[bytes],
+                 other_keys: np.ndarray, batch: int = 1 << 14) -> None:
+    """The rows of `records` (keys ascending), made `batch` at a time by
+    `make_rows` so that memory stays small, merged with `others` by key."""
+    n, done = len(records), 0
+    for lo in range(0, n, batch):
+        hi = min(n, lo + batch)
+        cut = len(others) if hi == n else int(np.searchsorted(other_keys, keys[hi], side="left"))
+        rows = make_rows(records[lo:hi])
+        interleave(out, rows.bytes(), np.cumsum(rows.lengths()), keys[lo:hi], others[done:cut],
+                   other_keys[done:cut])
+        done = cut
 
 
 def interleave(out, blob: bytes, ends: np.ndarray, keys: np.ndarray, others: list[bytes],
