@@ -33,9 +33,9 @@ class Step:
 
 
 def first_per_thread(records: np.ndarray) -> tuple[list, list, list]:
-    """(pids, tids, comms) of each thread's first record."""
+    """(pids, tids, comms) of each thread's first record, in record order."""
     keys = records["pid"].astype(np.uint64) << np.uint64(32) | records["tid"]
-    _, first = np.unique(keys, return_index=True)
+    first = np.sort(np.unique(keys, return_index=True)[1])
     return (records["pid"][first].tolist(), records["tid"][first].tolist(),
             records["comm"][first].tolist())
 

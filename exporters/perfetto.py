@@ -176,8 +176,11 @@ class PerfettoWriter:
     def step(self, step):
         runq, device = step.part("cpu.runq"), step.device_rows()
         if runq is not None:
+            start = wait_start_ns(runq)
+            order = np.argsort(start, kind="stable")
+            runq, start = runq[order], start[order]
             self._tracks(*first_per_thread(runq))
-        others = []
+        others, other_keys = [], np.zeros(0, np.uint64)
         if device is not None:
             ev = device.events
             self._tracks(ev["pid"].tolist(), ev["tid"].tolist(), ev["comm"].tolist())
@@ -188,10 +191,7 @@ class PerfettoWriter:
             for row in others:
                 self.out.write(row)
         else:
-            start = wait_start_ns(runq)
-            order = np.argsort(start, kind="stable")
-            write_merged(self.out, _runq_slice_rows, runq[order], start[order], others,
-                         other_keys if others else np.zeros(0, np.uint64))
+            write_merged(self.out, _runq_slice_rows, runq, start, others, other_keys)
         self.slices += (0 if runq is None else len(runq)) + len(others)
 
 

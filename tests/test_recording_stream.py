@@ -1,0 +1,342 @@
+"""Recordings read as a stream: the replay's time order, the streamed
+device alignment, the batch encoders against the per-event ones, mutated
+files through every reader (property-based), and memory that does not grow
+with the file."""
+
+import io
+import json
+import os
+import struct
+import subprocess
+import sys
+import zlib
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mmtrace.agent import recording
+from mmtrace.agent.device_replay import DeviceReplay
+from mmtrace.agent.device_view import DeviceContext, decode
+from mmtrace.agent.records import take
+from mmtrace.agent.replay import Step, replay
+from mmtrace.agent.report import summarize
+from mmtrace.agent.time_order import ordered_steps
+from mmtrace.bpf import device as device_stream
+from mmtrace.bpf.sched import RUNQ_EVENT
+from mmtrace.exporters import chrome, jsonl, perfetto
+from mmtrace.exporters.protowire import varint
+from mmtrace.exporters.rowtext import Rows
+from synthetic_recording import write_synthetic
+from test_align import workloads
+from test_recording import runq_records
+
+CTX = DeviceContext(device_stream.default_infos())
+
+
+# ------------------------------------------------------------ time order
+
+@st.composite
+def late_streams(draw):
+    """Per schema: stamps in arrival order, each at most `lag` behind the
+    newest before it, cut into pieces."""
+    lag = 50
+    out = {}
+    for name in draw(st.lists(st.sampled_from(["a", "b", "c"]), min_size=1, max_size=3,
+                              unique=True)):
+        steps = draw(st.lists(st.integers(0, 30), min_size=0, max_size=80))
+        late = draw(st.lists(st.integers(0, lag), min_size=len(steps), max_size=len(steps)))
+        newest = np.cumsum(steps)
+        ts = np.maximum(newest - np.array(late, dtype=np.int64), 0).astype(np.uint64)
+        cuts = sorted(set(draw(st.lists(st.integers(1, max(1, len(ts))), max_size=8))))
+        records = np.zeros(len(ts), [("ts_ns", "<u8"), ("seq", "<u4")])
+        records["ts_ns"], records["seq"] = ts, np.arange(len(ts))
+        out[name] = [p for p in np.split(records, cuts)]
+    return out, lag
+
+
+@settings(max_examples=200, deadline=None)
+@given(late_streams(), st.sampled_from([16, 1 << 20]))
+def test_steps_come_out_in_time_order_and_lose_nothing(streams, step_bytes):
+    sources, lag = streams
+    dtypes = {name: np.dtype([("ts_ns", "<u8"), ("seq", "<u4")]) for name in sources}
+    steps = list(ordered_steps({n: iter(p) for n, p in sources.items()}, dtypes, lag_ns=lag,
+                               step_bytes=step_bytes))
+    stamps = []
+    for name, pieces in sources.items():
+        got = [s[name] for s in steps if name in s]
+        got = np.concatenate(got) if got else np.zeros(0, dtypes[name])
+        assert sorted(got["seq"].tolist()) == list(range(sum(len(p) for p in pieces)))
+    for step in steps:
+        stamps.append(np.sort(np.concatenate([r["ts_ns"] for r in step.values()])))
+    flat = np.concatenate(stamps) if stamps else np.zeros(0)
+    assert (np.diff(flat.astype(np.int64)) >= 0).all()
+
+
+def test_memory_bounds_what_a_stream_of_late_records_holds_back():
+    # Every piece of "late" carries a record from the start: its horizon never
+    # moves, and only the bound on held bytes lets anything out before the end.
+    dtype = np.dtype([("ts_ns", "<u8")])
+    late = [np.concatenate([[0], np.arange(i * 1000, (i + 1) * 1000)]).astype(np.uint64)
+            .view(dtype) for i in range(50)]
+    busy = [np.arange(i * 1000, (i + 1) * 1000, dtype=np.uint64).view(dtype) for i in range(50)]
+    steps = list(ordered_steps({"late": iter(late), "busy": iter(busy)},
+                               {"late": dtype, "busy": dtype}, lag_ns=0, max_bytes=80_000,
+                               step_bytes=1))
+    sizes = [sum(r.nbytes for r in s.values()) for s in steps]
+    assert sum(sizes) == 50 * 1001 * 8 + 50 * 1000 * 8
+    assert len(steps) > 5 and max(sizes) <= 80_000 + 2 * 8008
+
+
+# ---------------------------------------------------- streamed alignment
+
+@settings(max_examples=150, deadline=None)
+@given(workloads())
+def test_streamed_device_rows_agree_with_decoding_everything(work):
+    ev, cuts = work
+    whole = decode(ev, CTX)
+    stream = DeviceReplay(CTX, max_held=1 << 16)
+    parts = [stream.push(take(p, np.argsort(p["ts_ns"], kind="stable")))
+             for p in np.split(ev, cuts) if len(p)]
+    parts.append(stream.finish())
+    parts = [p for p in parts if p is not None and len(p)]
+    events = np.concatenate([p.events for p in parts]) if parts else whole.events[:0]
+    assert events.tobytes() == whole.events.tobytes()
+    for column in ("stream", "kind", "api", "op_name", "direction"):
+        got = [x for p in parts for x in getattr(p, column).tolist()]
+        assert got == getattr(whole, column).tolist()
+
+
+def test_a_submission_never_synced_is_handed_out_when_too_much_waits():
+    ev = np.zeros(100, device_stream.DEV_EVENT)
+    ev["ts_ns"] = np.arange(100) * 10
+    ev["api"] = 1           # cudaLaunchKernel, never synced
+    ev["op_id"] = np.arange(1, 101)
+    ev["pid"] = 7
+    stream = DeviceReplay(CTX, max_held=16)
+    out = [stream.push(ev[i:i + 10]) for i in range(0, 100, 10)]
+    held_back = 100 - sum(len(p) for p in out if p is not None)
+    assert held_back <= 16
+    assert stream.forced_out >= 100 - 16
+    rest = stream.finish()
+    assert held_back == (len(rest) if rest is not None else 0)
+
+
+# ------------------------------------------------------- batch encoders
+
+big = st.integers(0, (1 << 64) - 1)
+
+
+@given(st.lists(big, min_size=1, max_size=50))
+def test_batch_numbers_match_python(values):
+    v = np.array(values, np.uint64)
+    assert Rows(len(v)).varint(v).const(b";").bytes() == b"".join(
+        varint(x) + b";" for x in values)
+    assert Rows(len(v), text=True).decimal(v).const(b",\n").bytes() == b"".join(
+        b"%d,\n" % x for x in values)
+    small = v % np.uint64(1 << 53)
+    assert Rows(len(v)).fixed3(small).bytes() == b"".join(
+        b"%d.%03d" % (x // 1000, x % 1000) for x in small.tolist())
+
+
+@st.composite
+def runq_batches(draw):
+    n = draw(st.integers(1, 40))
+    r = np.zeros(n, RUNQ_EVENT)
+    r["ts_ns"] = np.sort(np.array(draw(st.lists(st.integers(0, 1 << 62), min_size=n,
+                                                max_size=n)), np.uint64))
+    r["delay_ns"] = draw(st.lists(st.integers(0, 1 << 40), min_size=n, max_size=n))
+    r["pid"] = draw(st.lists(st.integers(0, (1 << 32) - 1), min_size=n, max_size=n))
+    r["tid"] = draw(st.lists(st.integers(0, (1 << 32) - 1), min_size=n, max_size=n))
+    r["cpu"] = draw(st.lists(st.integers(0, 4096), min_size=n, max_size=n))
+    r["comm"] = draw(st.lists(st.binary(max_size=16), min_size=n, max_size=n))
+    return r
+
+
+@settings(max_examples=200, deadline=None)
+@given(runq_batches())
+def test_runq_lines_say_what_the_records_say(runq):
+    out = io.BytesIO()
+    assert jsonl.write_step(Step({"cpu.runq": runq}), out) == len(runq)
+    lines = [json.loads(line) for line in out.getvalue().decode().splitlines()]
+    assert [list(x) for x in lines] == [list(jsonl.KEYS)] * len(runq)
+    for line, rec in zip(lines, runq):
+        assert (line["ts_ns"], line["pid"], line["tid"], line["duration_ns"]) == (
+            int(rec["ts_ns"]), int(rec["pid"]), int(rec["tid"]), int(rec["delay_ns"]))
+        assert line["comm"] == rec["comm"].decode(errors="replace")
+        assert line["stream"] == "cpu" and line["kind"] == "runq" and line["api"] is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(runq_batches())
+def test_runq_slices_in_batch_are_the_per_slice_bytes(runq):
+    runq["delay_ns"] = np.minimum(runq["delay_ns"], runq["ts_ns"])
+    one_by_one, batch = io.BytesIO(), io.BytesIO()
+    perfetto.write_perfetto(perfetto.recording_slices({"cpu.runq": runq}), one_by_one)
+    perfetto.write_recording([Step({"cpu.runq": runq})], batch)
+    assert batch.getvalue() == one_by_one.getvalue()
+
+
+@settings(max_examples=100, deadline=None)
+@given(runq_batches())
+def test_chrome_trace_is_json_with_exact_microseconds(runq):
+    out = io.BytesIO()
+    chrome.write_chrome([Step({"cpu.runq": runq[: len(runq) // 2]}),
+                         Step({"cpu.runq": runq[len(runq) // 2:]})], out)
+    events = json.loads(out.getvalue())["traceEvents"]
+    slices = [e for e in events if e["ph"] == "X"]
+    assert len(slices) == len(runq)
+    names = {(e["pid"], e["tid"]) for e in events if e["ph"] == "M"}
+    assert names == set(zip(runq["pid"].tolist(), runq["tid"].tolist()))
+
+
+# -------------------------------------------------------- mutated files
+
+def sample_file(path):
+    w = recording.RecordingWriter(path, {"cpu.runq": RUNQ_EVENT,
+                                         "dev.event": device_stream.DEV_EVENT})
+    w.write_meta({"apis": device_stream.default_table().to_json(),
+                  "config": {"p99": {"window_s": 0.001}}})
+    w.write_events("cpu.runq", runq_records(30))
+    dev = np.zeros(6, device_stream.DEV_EVENT)
+    dev["ts_ns"] = 1_000_000 + np.arange(6) * 3000
+    dev["api"] = [1, 1, 9, 13, 1, 13]
+    dev["op_id"] = [1, 2, 3, 0, 4, 0]
+    dev["flags"] = [0, 0, 0, 1, 0, 1]
+    dev["duration_ns"] = [0, 0, 0, 500, 0, 400]
+    dev["pid"], dev["tid"], dev["comm"] = 42, 100, b"worker"
+    w.write_events("dev.event", dev)
+    w.write_meta({"op_names": [[42, 0, "k()"]]})
+    w.write_events("cpu.runq", runq_records(30, start=30))
+    w.close({"duration_s": 0.5, "lost_events": 1})
+    return path
+
+
+def rechecksum(data: bytearray) -> bytearray:
+    """Make every checksum hold again, wherever the structure still parses,
+    so that odd content reaches the checks behind the checksums."""
+    if len(data) < 16:
+        return data
+    body = struct.unpack_from("<I", data, 12)[0]
+    end = 16 + body
+    if end + 4 > len(data):
+        return data
+    struct.pack_into("<I", data, end, zlib.crc32(bytes(data[:end])))
+    offset = end + 4
+    while offset + recording._CHUNK.size <= len(data):
+        magic, kind, _, schema, count, length, _ = recording._CHUNK.unpack_from(data, offset)
+        start = offset + recording._CHUNK.size
+        if start + length > len(data):
+            break
+        fields = (magic, kind, 0, schema, count, length)
+        crc = zlib.crc32(bytes(data[start:start + length]),
+                         zlib.crc32(recording._CHUNK.pack(*fields, 0)))
+        recording._CHUNK.pack_into(data, offset, *fields, crc)
+        offset = start + length
+    return data
+
+
+mutation = st.one_of(
+    st.tuples(st.just("flip"), st.floats(0, 1, exclude_max=True), st.integers(0, 7)),
+    st.tuples(st.just("set"), st.floats(0, 1, exclude_max=True), st.integers(0, 255)),
+    st.tuples(st.just("insert"), st.floats(0, 1, exclude_max=True), st.binary(max_size=40)),
+    st.tuples(st.just("delete"), st.floats(0, 1, exclude_max=True), st.integers(1, 64)),
+    st.tuples(st.just("cut"), st.floats(0, 1, exclude_max=True), st.just(0)),
+)
+
+
+def mutate(data: bytes, ops) -> bytearray:
+    data = bytearray(data)
+    for op, where, arg in ops:
+        at = int(where * len(data)) if data else 0
+        if op == "flip" and data:
+            data[at] ^= 1 << arg
+        elif op == "set" and data:
+            data[at] = arg
+        elif op == "insert":
+            data[at:at] = arg
+        elif op == "delete":
+            del data[at:at + arg]
+        elif op == "cut":
+            del data[at:]
+    return data
+
+
+def read_everything(path):
+    """Everything a command does with a recording; RecordingError is the
+    one documented failure."""
+    try:
+        with recording.RecordingReader(path) as rec:
+            summarize(rec)
+            for write in (jsonl.write_jsonl, chrome.write_chrome, perfetto.write_recording):
+                write(replay(rec), io.BytesIO())
+    except recording.RecordingError as exc:
+        assert str(exc).startswith(str(path))
+        return False
+    return True
+
+
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(mutation, min_size=1, max_size=5), fix=st.booleans())
+def test_mutated_recordings_read_or_fail_with_one_error(tmp_path, ops, fix):
+    data = mutate(sample_file(tmp_path / "a.mmtr").read_bytes(), ops)
+    if fix:
+        data = rechecksum(data)
+    path = tmp_path / "m.mmtr"
+    path.write_bytes(bytes(data))
+    read_everything(path)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
+    | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+        st.sampled_from(["duration_s", "lost_events", "p99", "config", "window_s", "apis",
+                         "op_names", "symbol_names", "modalities", "counters", "entropy",
+                         "tau", "request_series", "x"]), inner, max_size=4),
+    max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(meta=json_values, footer=json_values)
+def test_any_json_in_meta_and_footer_reads_or_fails_with_one_error(tmp_path, meta, footer):
+    import crafted_recording as craft
+    path = tmp_path / "j.mmtr"
+    path.write_bytes(craft.header() + craft.meta(json.dumps(meta).encode())
+                     + craft.events(runq_records(5)) + craft.end(json.dumps(footer).encode()))
+    read_everything(path)
+
+
+# ----------------------------------------------------- bounded memory
+
+def peak_rss_mb(*args) -> float:
+    proc = subprocess.Popen([sys.executable, "-m", "mmtrace.agent", *map(str, args)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, proc.stderr.read().decode()[-2000:]
+    return usage.ru_maxrss / 1024
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", [["report", "--json"], ["export", "--format", "jsonl"],
+                                     ["export", "--format", "chrome"],
+                                     ["export", "--format", "perfetto"]])
+def test_memory_does_not_grow_with_the_recording(tmp_path_factory, command):
+    files = tmp_path_factory.getbasetemp() / "sizes"
+    if not files.exists():
+        files.mkdir()
+        write_synthetic(files / "small.mmtr", 20 << 20)
+        write_synthetic(files / "large.mmtr", 400 << 20)
+    peaks = []
+    for name in ("small.mmtr", "large.mmtr"):
+        args = [command[0], files / name, *command[1:]]
+        if command[0] == "export":
+            args += ["-o", os.devnull]
+        peaks.append(peak_rss_mb(*args))
+    small, large = peaks
+    # 20 times the file, a few MB more at most (allocator noise, bigger tables).
+    assert large - small < 24, f"{command}: {small:.0f} MB for 20 MB, {large:.0f} MB for 400 MB"
+    assert large < 200
