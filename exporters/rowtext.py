@@ -27,7 +27,7 @@ class Rows:
         self._stand_ins: list[tuple[bytes, bytes]] = []
 
     def const(self, text: bytes):
-        if self.text and len(text) > 2 and len(self._stand_ins) < 31:
+        if self.text and len(text) > 16 and len(self._stand_ins) < 31:
             stand_in = bytes([1 + len(self._stand_ins)])
             self._stand_ins.append((stand_in, text))
             self._lengths += len(text) - 1
@@ -145,10 +145,20 @@ def varint_lengths(values: np.ndarray) -> np.ndarray:
     return np.maximum(1, (bits + 1 + 6) // 7)
 
 
-def strings(values) -> tuple[np.ndarray, list]:
-    """(codes, distinct values) of a column, for Rows.table."""
-    distinct, codes = np.unique(values, return_inverse=True)
-    return codes.reshape(-1), distinct.tolist()
+def strings(values: np.ndarray) -> tuple[np.ndarray, list]:
+    """(codes, distinct values) of a byte-string column, for Rows.table.
+    Strings of whole 8-byte words are told apart word by word as integers,
+    several times faster than sorting them as strings."""
+    if values.dtype.kind != "S" or values.dtype.itemsize % 8:
+        distinct, codes = np.unique(values, return_inverse=True)
+        return codes.reshape(-1), distinct.tolist()
+    words = np.ascontiguousarray(values).view(np.uint64).reshape(len(values), -1)
+    codes = np.zeros(len(values), np.int64)
+    for column in words.T:
+        seen, inverse = np.unique(column, return_inverse=True)
+        _, codes = np.unique(codes * len(seen) + inverse.reshape(-1), return_inverse=True)
+    _, first = np.unique(codes, return_index=True)
+    return codes.reshape(-1), values[first].tolist()
 
 
 def write_merged(out, make_rows, records: np.ndarray, keys: np.ndarray, others: list[bytes],
