@@ -42,7 +42,7 @@ KIND_NAMES = {KIND_EVENTS: "events", KIND_META: "meta", KIND_END: "end"}
 MAX_HEADER_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 1 << 30
 MAX_DOC_BYTES = 8 << 20         # one meta or end chunk
-MAX_META_BYTES = 32 << 20       # meta kept in memory, all chunks together
+MAX_META_BYTES = 8 << 20        # meta kept in memory, all chunks together
 PIECE_BYTES = 4 << 20           # events are handed out at most this much at a time
 
 
@@ -262,7 +262,7 @@ class RecordingReader:
 
     def _scan(self) -> int:
         """Check every chunk; returns where the intact chunks end."""
-        meta_bytes = 0
+        kept = _MetaKept(self)
         intact = self._data_start
         for index, offset, *chunk in self._chunks(self._data_start, self._size):
             if len(chunk) == 1:
@@ -278,12 +278,7 @@ class RecordingReader:
                 return intact
             intact = start + length
             if kind == KIND_META:
-                meta_bytes += length
-                if meta_bytes <= MAX_META_BYTES:
-                    self.meta.append(payload)
-                elif meta_bytes - length <= MAX_META_BYTES:
-                    self.warnings.append(f"{self.path}: meta beyond {MAX_META_BYTES >> 20} MiB "
-                                         "ignored (op and symbol names may be missing)")
+                kept.add(payload, length)
             elif kind == KIND_END:
                 self.footer = payload
                 if intact < self._size:
@@ -355,6 +350,35 @@ class RecordingReader:
             if kind == KIND_EVENTS and chunk_schema == sid:
                 for data in self._payload(offset + _CHUNK.size, length, step):
                     yield np.frombuffer(data, dtype)
+
+
+class _MetaKept:
+    """The meta documents a reader keeps, MAX_META_BYTES of them at most. A
+    writer rewrites the whole symbol table each time it grows: only the
+    latest such table is kept."""
+
+    def __init__(self, reader: RecordingReader):
+        self.reader = reader
+        self.bytes = 0
+        self.symbols = None     # (document, bytes) of the latest symbol table
+        self.full = False
+
+    def add(self, doc: dict, length: int):
+        if set(doc) == {"symbol_names"} and self.symbols is not None:
+            old, old_length = self.symbols
+            self.reader.meta = [d for d in self.reader.meta if d is not old]
+            self.bytes -= old_length
+        if self.bytes + length > MAX_META_BYTES:
+            if not self.full:
+                self.full = True
+                self.reader.warnings.append(
+                    f"{self.reader.path}: meta beyond {MAX_META_BYTES >> 20} MiB ignored "
+                    "(op and symbol names may be missing)")
+            return
+        self.reader.meta.append(doc)
+        self.bytes += length
+        if set(doc) == {"symbol_names"}:
+            self.symbols = (doc, length)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from click.testing import CliRunner
 import crafted_recording as craft
 from mmtrace.agent import recording
 from mmtrace.agent.cli import cli
+from mmtrace.bpf.sched import RUNQ_EVENT
 from test_recording import runq_records, write_sample
 
 FORMATS = ["jsonl", "chrome", "perfetto"]
@@ -309,3 +310,29 @@ def test_an_export_replaces_its_output_whole(tmp_path, fmt):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.mmtr", "out"]
     if fmt == "chrome":
         assert len(json.loads(out.read_text())["traceEvents"]) == 41
+
+
+# ------------------------------------------------------------ meta budget
+
+def test_only_the_latest_symbol_table_is_kept(tmp_path):
+    w = recording.RecordingWriter(tmp_path / "s.mmtr", {"cpu.runq": RUNQ_EVENT})
+    for n in range(1, 30):
+        w.write_meta({"symbol_names": {str(k): f"aclnnOp{k}" for k in range(n)}})
+    w.write_meta({"op_names": [[1, 2, "k"]]})
+    w.close({})
+    with recording.RecordingReader(tmp_path / "s.mmtr") as rec:
+        tables = [d for d in rec.meta if "symbol_names" in d]
+        assert len(tables) == 1 and len(tables[0]["symbol_names"]) == 29
+        assert {"op_names": [[1, 2, "k"]]} in rec.meta
+
+
+def test_meta_beyond_the_budget_is_left_out_with_a_warning(tmp_path):
+    w = recording.RecordingWriter(tmp_path / "m.mmtr", {"cpu.runq": RUNQ_EVENT})
+    row = [[1, 0x1000, "k" * 200]]
+    for _ in range(3):
+        w.write_meta({"op_names": row * 15_000})      # about 3.2 MB each
+    w.close({})
+    with recording.RecordingReader(tmp_path / "m.mmtr") as rec:
+        assert len(rec.meta) == 2
+        assert any("meta beyond" in warning for warning in rec.warnings)
+        assert rec.complete
