@@ -12,7 +12,10 @@ from . import latency_series as ls
 from .config import DaemonConfig, EntropySettings, P99Settings
 from .replay import Step, replay
 
-MAX_SERIES = 4096       # a recording naming more (crafted pids) gets the first ones
+# A recording naming more (crafted pids, layers) gets the first ones: the
+# detectors' state is per series, about 23 KiB for a latency series.
+MAX_SERIES = 1024
+MAX_ENTROPY_KEYS = 4096
 
 
 def settings_of(rec) -> DaemonConfig:
@@ -133,6 +136,8 @@ class EntropyReplay:
         self.detector = EntropyDriftDetector(tau=settings.tau, consecutive=settings.consecutive,
                                              delta_sigma=settings.delta_sigma)
         self.found: list[dict] = []
+        self.keys: set = set()
+        self.skipped = 0
 
     def feed(self, step: Step):
         samples = step.records.get("model.entropy")
@@ -146,8 +151,17 @@ class EntropyReplay:
             batch = [{"layer": _at(self.layers, int(r["layer"])), "head": int(r["head"]),
                       "value": float(r["value"]),
                       "modality": _at(self.modalities, int(r["modality"]))}
-                     for r in samples[lo:hi]]
-            self.found += self.detector.update(batch, ts_ns=ts)
+                     for r in samples[lo:hi] if self._known(r)]
+            if batch:
+                self.found += self.detector.update(batch, ts_ns=ts)
+
+    def _known(self, sample) -> bool:
+        key = (int(sample["layer"]), int(sample["head"]), int(sample["modality"]))
+        if key not in self.keys and len(self.keys) >= MAX_ENTROPY_KEYS:
+            self.skipped += 1
+            return False
+        self.keys.add(key)
+        return True
 
     def finish(self) -> list[dict]:
         return self.found

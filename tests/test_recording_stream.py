@@ -340,3 +340,30 @@ def test_memory_does_not_grow_with_the_recording(tmp_path_factory, command):
     # 20 times the file, a few MB more at most (allocator noise, bigger tables).
     assert large - small < 24, f"{command}: {small:.0f} MB for 20 MB, {large:.0f} MB for 400 MB"
     assert large < 200
+
+
+def test_detector_state_is_bounded_whatever_the_recording_names(tmp_path):
+    from mmtrace.agent import offline
+    n = offline.MAX_SERIES + 500
+    runq = np.zeros(n, RUNQ_EVENT)
+    runq["ts_ns"] = 10**9 + np.arange(n)
+    runq["pid"] = runq["tid"] = np.arange(n) + 1
+    runq["delay_ns"] = 1000
+    dev = np.zeros(n, device_stream.DEV_EVENT)
+    dev["ts_ns"] = 10**9 + np.arange(n)
+    dev["pid"] = dev["tid"] = np.arange(n) + 1
+    dev["kind"] = device_stream.KIND_IDS["launch"]
+    dev["api"] = 1
+    w = recording.RecordingWriter(tmp_path / "many.mmtr", {"cpu.runq": RUNQ_EVENT,
+                                                           "dev.event": device_stream.DEV_EVENT})
+    w.write_events("cpu.runq", runq)
+    w.write_events("dev.event", dev)
+    w.close({})
+    with recording.RecordingReader(tmp_path / "many.mmtr") as rec:
+        detectors = offline.Detectors(rec)
+        for step in replay(rec):
+            detectors.feed(step)
+        detectors.finish()
+    p99 = detectors.parts[0]
+    assert len(p99.detector._names) == offline.MAX_SERIES
+    assert p99.skipped_series >= 500
