@@ -13,7 +13,7 @@ MAX_KERNEL_NAMES = 1 << 16
 
 
 class DeviceReplay:
-    def __init__(self, ctx: DeviceContext, max_held: int = 1 << 17):
+    def __init__(self, ctx: DeviceContext, max_held: int = 1 << 16):
         from .symbols import demangle
         self.ctx = ctx
         self.max_held = max_held
