@@ -156,6 +156,10 @@ def report(file, as_json):
 def export(file, fmt, output):
     """Convert a recording to JSON Lines or a trace for Perfetto.
 
+    The recording is read a piece at a time, in memory that does not grow
+    with it. The output appears only once complete (it is written beside
+    its place, then renamed), and never replaces the recording itself.
+
     \b
     Examples:
       mmtrace export incident.mmtr --format jsonl -o - | head
@@ -166,14 +170,14 @@ def export(file, fmt, output):
     from .replay import replay
     if output == "-" and fmt != "jsonl":
         raise MmtraceError(f"-o - writes jsonl only; --format {fmt} needs a file")
-    rec = _open(file)
     write, unit = _writer(fmt), "slices" if fmt == "perfetto" else "events"
-    try:
-        with ExportOutput(output, source=file) as out:
-            n = _streamed(rec, lambda r: write(replay(r), out.stream))
-    except OutputError as exc:
-        raise MmtraceError(str(exc)) from None
-    if output != "-" and n is not None:
+    with _open(file) as rec:
+        try:
+            with ExportOutput(output, source=file) as out:
+                n = _streamed(rec, lambda r: write(replay(r), out.stream))
+        except OutputError as exc:
+            raise MmtraceError(str(exc)) from None
+    if output != "-":
         click.echo(f"wrote {output}: {n:,} {unit}", err=True)
 
 

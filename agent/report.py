@@ -24,10 +24,6 @@ def hist_buckets(counts: np.ndarray) -> list[dict]:
              "count": int(c)} for k, c in enumerate(counts)]
 
 
-def log2_hist(delays_ns: np.ndarray) -> list[dict]:
-    return hist_buckets(np.bincount(log2_buckets_us(delays_ns))) if len(delays_ns) else []
-
-
 class Percentiles:
     """p50/p99 of a stream of values: exact (numpy's) while they fit in
     `exact_limit` values, then from a mergeable quantile sketch (within 1 %)."""
