@@ -56,6 +56,8 @@ class ExportOutput:
                 return self
             tmp = final.with_name(f".{final.name}.{secrets.token_hex(4)}.tmp")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            if existing is not None:        # a file replaced keeps its permissions
+                os.fchmod(fd, stat.S_IMODE(existing.st_mode))
         except OSError as exc:
             raise OutputError(f"cannot write {self.output}: {exc.strerror}") from None
         self._tmp, self._final = tmp, final

@@ -336,3 +336,17 @@ def test_meta_beyond_the_budget_is_left_out_with_a_warning(tmp_path):
         assert len(rec.meta) == 2
         assert any("meta beyond" in warning for warning in rec.warnings)
         assert rec.complete
+
+
+def test_an_export_through_a_symlink_replaces_its_target_and_keeps_its_mode(tmp_path):
+    path = write_sample(tmp_path / "a.mmtr")
+    target = tmp_path / "target.jsonl"
+    target.write_text("old")
+    target.chmod(0o600)
+    (tmp_path / "link.jsonl").symlink_to(target)
+    result = CliRunner().invoke(cli, ["export", str(path), "--format", "jsonl",
+                                      "-o", str(tmp_path / "link.jsonl")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "link.jsonl").is_symlink()
+    assert len(target.read_text().splitlines()) == 40
+    assert target.stat().st_mode & 0o777 == 0o600
