@@ -128,31 +128,78 @@ def write_perfetto(slices: list[Slice], out) -> int:
     return len(slices)
 
 
-def _event_rows(n: int, ts: np.ndarray, track: np.ndarray, body: bytes, track_tail: bytes = b""):
-    """TracePackets (timestamp, track event) for n events of one shape:
-    the track event is its type field, the track uuid, then `body`."""
+def _event_rows(n: int, ts: np.ndarray, track: np.ndarray, kind: bytes, labels=b""):
+    """TracePackets (timestamp, track event) for n events of one type: the
+    track event is its type field (`kind`), the track uuid, then `labels`:
+    fixed bytes, or (codes, entries) for labels that differ by row."""
     tag_ts = varint(TP_TIMESTAMP << 3)
     tag_track = varint(TE_TRACK_UUID << 3)
-    event_len = len(body) + len(tag_track) + varint_lengths(track) + len(track_tail)
+    if isinstance(labels, bytes):
+        label_len = len(labels)
+    else:
+        codes, entries = labels
+        label_len = np.array([len(e) for e in entries], np.int64)[codes]
+    event_len = len(kind) + len(tag_track) + varint_lengths(track) + label_len
     te_head = varint(TP_TRACK_EVENT << 3 | 2)
     inner_len = (len(field_varint(TP_SEQUENCE_ID, SEQUENCE_ID)) + len(tag_ts)
                  + varint_lengths(ts) + len(te_head) + varint_lengths(event_len) + event_len)
-    return (Rows(n).const(varint(TRACE_PACKET << 3 | 2)).varint(inner_len)
+    rows = (Rows(n).const(varint(TRACE_PACKET << 3 | 2)).varint(inner_len)
             .const(field_varint(TP_SEQUENCE_ID, SEQUENCE_ID) + tag_ts).varint(ts)
-            .const(te_head).varint(event_len).const(body[:2]).const(tag_track).varint(track)
-            .const(body[2:] + track_tail))
+            .const(te_head).varint(event_len).const(kind).const(tag_track).varint(track))
+    return rows.const(labels) if isinstance(labels, bytes) else rows.table(*labels)
+
+
+def _tracks_of(pid: np.ndarray, tid: np.ndarray) -> np.ndarray:
+    return np.uint64(1 << 62) | pid.astype(np.uint64) << np.uint64(32) | tid.astype(np.uint64)
 
 
 def slice_rows(start_ns: np.ndarray, duration_ns: np.ndarray, pid: np.ndarray, tid: np.ndarray,
-               category: str, name: str) -> Rows:
+               labels) -> Rows:
     """A begin and an end packet per slice, as _slice_packets writes them,
-    for a whole batch of slices of one category and name."""
+    for a whole batch of slices (labels as _event_rows takes them)."""
     n = len(start_ns)
-    track = np.uint64(1 << 62) | pid.astype(np.uint64) << np.uint64(32) | tid.astype(np.uint64)
-    labels = field_str(TE_CATEGORIES, category) + field_str(TE_NAME, name)
+    track = _tracks_of(pid, tid)
     begin = _event_rows(n, start_ns, track, field_varint(TE_TYPE, SLICE_BEGIN), labels)
     end = _event_rows(n, start_ns + duration_ns, track, field_varint(TE_TYPE, SLICE_END))
     return begin.rows(end)
+
+
+def labels(category: str, name: str) -> bytes:
+    return field_str(TE_CATEGORIES, category) + field_str(TE_NAME, name)
+
+
+def _split(rows: Rows) -> list[bytes]:
+    blob = rows.bytes()
+    ends = np.cumsum(rows.lengths()).tolist()
+    return [blob[s:e] for s, e in zip([0] + ends[:-1], ends)]
+
+
+def device_packets(rows) -> list[bytes]:
+    """The packets of each GPU/NPU call, as _slice_packets writes them: the
+    time inside the call where it was measured, else an instant; named by
+    op, else by API. Built per batch; one bytes object per call."""
+    ev = rows.events
+    table: dict = {}
+    codes = np.array([table.setdefault((f"{s}.{k}", op or api), len(table)) for s, k, op, api
+                      in zip(rows.stream, rows.kind, rows.op_name, rows.api)], np.int64)
+    entries = [labels(*key) for key in table]
+    returned = (ev["flags"] & 1) != 0       # FLAG_RETURNED
+    out = [b""] * len(ev)
+    spans = np.flatnonzero(returned)
+    if len(spans):
+        e = ev[spans]
+        made = slice_rows(e["ts_ns"], e["duration_ns"], e["pid"], e["tid"],
+                          (codes[spans], entries))
+        for i, packets in zip(spans.tolist(), _split(made)):
+            out[i] = packets
+    instants = np.flatnonzero(~returned)
+    if len(instants):
+        e = ev[instants]
+        made = _event_rows(len(e), e["ts_ns"], _tracks_of(e["pid"], e["tid"]),
+                           field_varint(TE_TYPE, INSTANT), (codes[instants], entries))
+        for i, packets in zip(instants.tolist(), _split(made)):
+            out[i] = packets
+    return out
 
 
 class PerfettoWriter:
@@ -162,15 +209,12 @@ class PerfettoWriter:
     def __init__(self, out):
         self.out = out
         self.tracks = Tracks()
-        self.thread_names: dict = {}
         self.slices = 0
 
     def _tracks(self, pids, tids, comms):
         for pid, tid, comm in zip(pids, tids, comms):
             if (pid, tid) not in self.tracks.threads:
-                name = comm.decode(errors="replace")
-                self.thread_names[(pid, tid)] = name
-                for packet in self.tracks.new(pid, tid, name):
+                for packet in self.tracks.new(pid, tid, comm.decode(errors="replace")):
                     self.out.write(packet)
 
     def step(self, step):
@@ -183,10 +227,8 @@ class PerfettoWriter:
         others, other_keys = [], np.zeros(0, np.uint64)
         if device is not None:
             ev = device.events
-            self._tracks(ev["pid"].tolist(), ev["tid"].tolist(), ev["comm"].tolist())
-            slices = device_slices(device, self.thread_names)
-            others = [b"".join(_slice_packets(s)) for s in slices]
-            other_keys = np.array([s.start_ns for s in slices], np.uint64)
+            self._tracks(*first_per_thread(ev))
+            others, other_keys = device_packets(device), ev["ts_ns"]
         if runq is None:
             for row in others:
                 self.out.write(row)
@@ -197,7 +239,8 @@ class PerfettoWriter:
 
 def _runq_slice_rows(runq: np.ndarray) -> Rows:
     start = wait_start_ns(runq)
-    return slice_rows(start, runq["ts_ns"] - start, runq["pid"], runq["tid"], "cpu", "runq")
+    return slice_rows(start, runq["ts_ns"] - start, runq["pid"], runq["tid"],
+                      labels("cpu", "runq"))
 
 
 def write_recording(steps, out) -> int:

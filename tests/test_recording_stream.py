@@ -367,3 +367,13 @@ def test_detector_state_is_bounded_whatever_the_recording_names(tmp_path):
     p99 = detectors.parts[0]
     assert len(p99.detector._names) == offline.MAX_SERIES
     assert p99.skipped_series >= 500
+
+
+@settings(max_examples=100, deadline=None)
+@given(workloads())
+def test_device_packets_in_batch_are_the_per_slice_bytes(work):
+    ev, _ = work
+    rows = decode(ev, CTX)
+    one_by_one = [b"".join(perfetto._slice_packets(s))
+                  for s in perfetto.device_slices(rows, {})]
+    assert perfetto.device_packets(rows) == one_by_one
