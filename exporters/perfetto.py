@@ -13,7 +13,7 @@ from mmtrace.agent.replay import first_per_thread
 from mmtrace.bpf.sched import wait_start_ns
 
 from .protowire import field_bytes, field_str, field_varint, varint
-from .rowtext import Rows, varint_lengths, write_merged
+from .rowtext import Rows, split, varint_lengths, write_merged
 
 # Trace
 TRACE_PACKET = 1
@@ -168,12 +168,6 @@ def labels(category: str, name: str) -> bytes:
     return field_str(TE_CATEGORIES, category) + field_str(TE_NAME, name)
 
 
-def _split(rows: Rows) -> list[bytes]:
-    blob = rows.bytes()
-    ends = np.cumsum(rows.lengths()).tolist()
-    return [blob[s:e] for s, e in zip([0] + ends[:-1], ends)]
-
-
 def device_packets(rows) -> list[bytes]:
     """The packets of each GPU/NPU call, as _slice_packets writes them: the
     time inside the call where it was measured, else an instant; named by
@@ -190,14 +184,14 @@ def device_packets(rows) -> list[bytes]:
         e = ev[spans]
         made = slice_rows(e["ts_ns"], e["duration_ns"], e["pid"], e["tid"],
                           (codes[spans], entries))
-        for i, packets in zip(spans.tolist(), _split(made)):
+        for i, packets in zip(spans.tolist(), split(made)):
             out[i] = packets
     instants = np.flatnonzero(~returned)
     if len(instants):
         e = ev[instants]
         made = _event_rows(len(e), e["ts_ns"], _tracks_of(e["pid"], e["tid"]),
                            field_varint(TE_TYPE, INSTANT), (codes[instants], entries))
-        for i, packets in zip(instants.tolist(), _split(made)):
+        for i, packets in zip(instants.tolist(), split(made)):
             out[i] = packets
     return out
 

@@ -100,6 +100,19 @@ class Rows:
         self._add(padded[codes], lengths[codes], right=False)
         return self
 
+    def optional(self, present: np.ndarray, sub: "Rows"):
+        """`sub`'s text on the rows where `present`, else null (text rows)."""
+        if not self.text or not sub.text or sub._stand_ins:
+            raise ValueError("optional() takes text rows without stand-ins")
+        cols = np.concatenate([np.zeros((self.n, 4), np.uint8)] + sub._cols, axis=1)
+        absent = ~np.asarray(present, bool)
+        cols[absent] = 0
+        cols[absent, :4] = np.frombuffer(b"null", np.uint8)
+        self._cols.append(cols)
+        self._keep.append(None)
+        self._lengths += np.where(absent, 4, sub._lengths)
+        return self
+
     def rows(self, other: "Rows"):
         """Append another batch's columns (same row count) to each row."""
         if other._stand_ins:
@@ -173,6 +186,13 @@ def write_merged(out, make_rows, records: np.ndarray, keys: np.ndarray, others: 
         interleave(out, rows.bytes(), np.cumsum(rows.lengths()), keys[lo:hi], others[done:cut],
                    other_keys[done:cut])
         done = cut
+
+
+def split(rows: Rows) -> list[bytes]:
+    """Each row's bytes on its own."""
+    blob = rows.bytes()
+    ends = np.cumsum(rows.lengths()).tolist()
+    return [blob[s:e] for s, e in zip([0] + ends[:-1], ends)]
 
 
 def interleave(out, blob: bytes, ends: np.ndarray, keys: np.ndarray, others: list[bytes],

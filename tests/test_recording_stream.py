@@ -27,7 +27,7 @@ from mmtrace.bpf import device as device_stream
 from mmtrace.bpf.sched import RUNQ_EVENT
 from mmtrace.exporters import chrome, jsonl, perfetto
 from mmtrace.exporters.protowire import varint
-from mmtrace.exporters.rowtext import Rows
+from mmtrace.exporters.rowtext import Rows, split
 from synthetic_recording import write_synthetic
 from test_align import workloads
 from test_recording import runq_records
@@ -377,3 +377,56 @@ def test_device_packets_in_batch_are_the_per_slice_bytes(work):
     one_by_one = [b"".join(perfetto._slice_packets(s))
                   for s in perfetto.device_slices(rows, {})]
     assert perfetto.device_packets(rows) == one_by_one
+
+
+def reference_device_lines(rows) -> list[bytes]:
+    """The lines as the per-event encoder wrote them (before the batch one)."""
+    def null(value):
+        return "null" if value is None else str(value)
+
+    def q(value):
+        if value is None:
+            return "null"
+        return json.dumps(value.decode(errors="replace") if isinstance(value, bytes) else value)
+
+    ds = device_stream
+    out = []
+    for i, e in enumerate(rows.events):
+        f, kind, flags = rows.fields[i], rows.kind[i], int(e["flags"])
+        stream_handle = int(e["stream_handle"]) if ds.STREAM in f else None
+        if kind == "sync" and ds.HANDLE in f and not flags & 16:
+            stream_handle = None
+        retired = int(e["retired_ns"]) if kind != "sync" else -1
+        grid = [int(e["grid_x"]), int(e["grid_y"]), int(e["grid_z"])]
+        block = [int(e["block_x"]), int(e["block_y"]), int(e["block_z"])]
+        out.append((
+            f'{{"ts_ns":{e["ts_ns"]},"stream":"{rows.stream[i]}","kind":"{kind}",'
+            f'"pid":{e["pid"]},"tid":{e["tid"]},"comm":{q(e["comm"])},'
+            f'"api":{q(rows.api[i])},"op_id":{null(int(e["op_id"]) or None)},'
+            f'"op_name":{q(rows.op_name[i])},'
+            f'"handle":{null(int(e["handle"]) if ds.HANDLE in f else None)},'
+            f'"stream_handle":{null(stream_handle)},'
+            f'"grid":{json.dumps(grid) if ds.GRID in f else "null"},'
+            f'"block":{json.dumps(block) if ds.BLOCK in f else "null"},'
+            f'"shared_mem_bytes":'
+            f'{null(int(e["shared_mem_bytes"]) if ds.SHARED_MEM in f else None)},'
+            f'"bytes":{null(int(e["bytes"]) if ds.BYTES in f else None)},'
+            f'"direction":{q(rows.direction[i])},'
+            f'"duration_ns":{null(int(e["duration_ns"]) if flags & 1 else None)},'
+            f'"sched_delay_ns":{e["sched_delay_ns"]},'
+            f'"retired_ns":{null(retired if retired >= 0 else None)},'
+            f'"device":{null(int(e["device"]) if e["device"] >= 0 else None)}}}\n').encode())
+    return out
+
+
+@settings(max_examples=100, deadline=None)
+@given(workloads(), st.lists(st.integers(-2, 1 << 40), min_size=3, max_size=3),
+       st.binary(max_size=16))
+def test_device_lines_in_batch_are_the_per_event_lines(work, numbers, comm):
+    ev, _ = work
+    ev["grid_x"], ev["block_y"] = 7, 1024
+    ev["device"] = numbers[0] if numbers[0] < 1 << 31 else -1
+    ev["bytes"], ev["sched_delay_ns"] = max(numbers[1], 0), max(numbers[2], 0)
+    ev["comm"] = comm
+    rows = decode(ev, CTX)
+    assert split(jsonl.device_rows(rows)) == reference_device_lines(rows)
