@@ -1,6 +1,7 @@
 """report and export on large recordings: events/s and peak RSS.
 
     python bench/bench_recording.py [--sizes-mib 128 2048] [--baseline-rev REV]
+                                    [--runq-per-drain 2000] [--launches 16]
 
 Writes a synthetic recording of each size through the real writer (the
 run-queue stream of a busy host and two GPU server processes launching,
@@ -69,6 +70,10 @@ def main():
     ap.add_argument("--baseline-rev", help="git revision to run side by side")
     ap.add_argument("--baseline-max-mib", type=int, default=256)
     ap.add_argument("--keep", action="store_true", help="keep the recordings")
+    ap.add_argument("--runq-per-drain", type=int, default=2000,
+                    help="run-queue events per 25 ms drain (default: a busy host)")
+    ap.add_argument("--launches", type=int, default=16,
+                    help="kernel launches per server process per drain")
     opts = ap.parse_args()
     opts.dir.mkdir(parents=True, exist_ok=True)
     envs = {"this": dict(os.environ)}
@@ -78,7 +83,8 @@ def main():
     results = []
     for mib in opts.sizes_mib:
         path = opts.dir / f"synthetic-{mib}MiB.mmtr"
-        counts = write_synthetic(path, mib << 20)
+        counts = write_synthetic(path, mib << 20, runq_per_drain=opts.runq_per_drain,
+                                 launches=opts.launches)
         events = sum(counts.values())
         size = path.stat().st_size
         print(f"{path.name}: {size / 2**20:.0f} MiB, {events:,} events "

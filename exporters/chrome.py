@@ -13,7 +13,7 @@ import numpy as np
 from mmtrace.agent.replay import first_per_thread
 from mmtrace.bpf.sched import wait_start_ns
 
-from .rowtext import Rows, write_merged
+from .rowtext import Rows, json_texts, split, write_merged
 
 
 def _runq_rows(runq: np.ndarray) -> Rows:
@@ -25,26 +25,32 @@ def _runq_rows(runq: np.ndarray) -> Rows:
             .const(b',"args":{"cpu":').decimal(runq["cpu"]).const(b"}}"))
 
 
-def _device_events(rows):
+def device_rows(rows) -> Rows:
+    """',{...}' per GPU/NPU call, for a whole batch: a slice for the time
+    inside the call where it was measured, else an instant; named by op,
+    else by API."""
     ev = rows.events
-    ts = ev["ts_ns"].tolist()
-    dur = ev["duration_ns"].tolist()
-    flags = ev["flags"].tolist()
-    for i, (pid, tid) in enumerate(zip(ev["pid"].tolist(), ev["tid"].tolist())):
-        args = {"api": rows.api[i], "op_id": int(ev["op_id"][i]) or None,
-                "stream_handle": int(ev["stream_handle"][i]),
-                "sched_delay_us": ev["sched_delay_ns"][i] / 1e3}
-        if rows.direction[i] is not None:
-            args.update(bytes=int(ev["bytes"][i]), direction=rows.direction[i])
-        if ev["retired_ns"][i] >= 0:
-            args["retired_us"] = int(ev["retired_ns"][i]) / 1e3
-        event = {"name": rows.op_name[i] or rows.api[i], "cat": f"{rows.stream[i]}.{rows.kind[i]}",
-                 "pid": pid, "tid": tid, "ts": ts[i] / 1e3, "args": args}
-        if flags[i] & 1:    # FLAG_RETURNED: the time inside the call
-            event.update(ph="X", dur=dur[i] / 1e3)
-        else:
-            event.update(ph="i", s="t")
-        yield event
+    n = len(ev)
+    names = [op or api for op, api in zip(rows.op_name, rows.api)]
+    categories = [f"{s}.{k}" for s, k in zip(rows.stream, rows.kind)]
+    copy = np.array([d is not None for d in rows.direction], bool)
+    returned = (ev["flags"] & 1) != 0       # FLAG_RETURNED
+    return (Rows(n, text=True).const(b',{"name":').table(*json_texts(names))
+            .const(b',"cat":').table(*json_texts(categories))
+            .const(b',"pid":').decimal(ev["pid"]).const(b',"tid":').decimal(ev["tid"])
+            .const(b',"ts":').fixed3(ev["ts_ns"])
+            .const(b',"args":{"api":').table(*json_texts(rows.api))
+            .const(b',"op_id":').optional(ev["op_id"] != 0, Rows(n, text=True).decimal(ev["op_id"]))
+            .const(b',"stream_handle":').decimal(ev["stream_handle"])
+            .const(b',"sched_delay_us":').fixed3(ev["sched_delay_ns"])
+            .optional(copy, Rows(n, text=True).const(b',"bytes":').decimal(ev["bytes"])
+                      .const(b',"direction":').table(*json_texts(rows.direction)), absent=b"")
+            .optional(ev["retired_ns"] >= 0, Rows(n, text=True).const(b',"retired_us":')
+                      .fixed3(ev["retired_ns"]), absent=b"")
+            .const(b"}")
+            .optional(returned, Rows(n, text=True).const(b',"ph":"X","dur":')
+                      .fixed3(ev["duration_ns"]), absent=b',"ph":"i","s":"t"')
+            .const(b"}"))
 
 
 def _dump(event: dict) -> bytes:
@@ -88,21 +94,18 @@ class ChromeWriter:
         runq, device = step.part("cpu.runq"), step.device_rows()
         if runq is not None:
             self.out.write(self._names(*first_per_thread(runq)))
-        others = []
+        others, keys = [], np.zeros(0, np.uint64)
         if device is not None:
-            ev = device.events
-            self.out.write(self._names(ev["pid"].tolist(), ev["tid"].tolist(),
-                                       ev["comm"].tolist()))
-            others = [_dump(e) for e in _device_events(device)]
-        if runq is None:
-            for row in others:
-                self.out.write(row)
-        else:
+            self.out.write(self._names(*first_per_thread(device.events)))
+            if runq is None:
+                self.out.write(device_rows(device).bytes())
+            else:
+                others, keys = split(device_rows(device)), device.events["ts_ns"]
+        if runq is not None:
             start = wait_start_ns(runq)
             order = np.argsort(start, kind="stable")
-            write_merged(self.out, _runq_rows, runq[order], start[order], others,
-                         device.events["ts_ns"] if device is not None else np.zeros(0, np.uint64))
-        self.events += (0 if runq is None else len(runq)) + len(others)
+            write_merged(self.out, _runq_rows, runq[order], start[order], others, keys)
+        self.events += (0 if runq is None else len(runq)) + (0 if device is None else len(device))
 
 
 def write_chrome(steps, out) -> int:

@@ -7,7 +7,7 @@ import numpy as np
 
 from mmtrace.bpf import device as device_stream
 
-from .rowtext import Rows, split, strings, write_merged
+from .rowtext import Rows, codes, json_texts, split, strings, write_merged
 
 # Every line carries every key of the spec, null where it does not apply.
 KEYS = ("ts_ns", "stream", "kind", "pid", "tid", "comm", "api", "op_id", "op_name",
@@ -17,11 +17,11 @@ KEYS = ("ts_ns", "stream", "kind", "pid", "tid", "comm", "api", "op_id", "op_nam
 
 def runq_rows(runq: np.ndarray) -> Rows:
     """One line per run-queue record (newline included), for a whole batch."""
-    codes, comms = strings(runq["comm"])
+    comm_codes, comms = strings(runq["comm"])
     return (Rows(len(runq), text=True).const(b'{"ts_ns":').decimal(runq["ts_ns"])
             .const(b',"stream":"cpu","kind":"runq","pid":').decimal(runq["pid"])
             .const(b',"tid":').decimal(runq["tid"])
-            .const(b',"comm":').table(codes, [json_text(c) for c in comms])
+            .const(b',"comm":').table(comm_codes, [json_text(c) for c in comms])
             .const(b',"api":null,"op_id":null,"op_name":null,"handle":null,'
                    b'"stream_handle":null,"grid":null,"block":null,"shared_mem_bytes":null,'
                    b'"bytes":null,"direction":null,"duration_ns":').decimal(runq["delay_ns"])
@@ -32,24 +32,10 @@ def json_text(raw: bytes) -> bytes:
     return json.dumps(raw.decode(errors="replace")).encode()
 
 
-def _codes(values) -> tuple[np.ndarray, list]:
-    """(codes, distinct values in first-seen order) of a column of hashable
-    Python values; hashing runs in C (dict.fromkeys, map), not per row."""
-    distinct = list(dict.fromkeys(values))
-    index = {v: i for i, v in enumerate(distinct)}
-    return np.fromiter(map(index.__getitem__, values), np.int64, len(values)), distinct
-
-
-def _coded(values) -> tuple[np.ndarray, list[bytes]]:
-    """(codes, JSON texts) of a column of str or None, for Rows.table."""
-    codes, distinct = _codes(values)
-    return codes, [b"null" if v is None else json.dumps(v).encode() for v in distinct]
-
-
 def _present(fields: list, names) -> dict[str, np.ndarray]:
     """Per optional field, which rows fill it (rows of one API share one set)."""
-    codes, sets = _codes(fields)
-    return {name: np.array([name in f for f in sets], bool)[codes] for name in names}
+    found, sets = codes(fields)
+    return {name: np.array([name in f for f in sets], bool)[found] for name in names}
 
 
 def device_rows(rows) -> Rows:
@@ -74,13 +60,13 @@ def device_rows(rows) -> Rows:
 
     comm_codes, comms = strings(ev["comm"])
     return (Rows(n, text=True).const(b'{"ts_ns":').decimal(ev["ts_ns"])
-            .const(b',"stream":').table(*_coded(rows.stream))
-            .const(b',"kind":').table(*_coded(rows.kind))
+            .const(b',"stream":').table(*json_texts(rows.stream))
+            .const(b',"kind":').table(*json_texts(rows.kind))
             .const(b',"pid":').decimal(ev["pid"]).const(b',"tid":').decimal(ev["tid"])
             .const(b',"comm":').table(comm_codes, [json_text(c) for c in comms])
-            .const(b',"api":').table(*_coded(rows.api))
+            .const(b',"api":').table(*json_texts(rows.api))
             .const(b',"op_id":').optional(ev["op_id"] != 0, number(ev["op_id"]))
-            .const(b',"op_name":').table(*_coded(rows.op_name))
+            .const(b',"op_name":').table(*json_texts(rows.op_name))
             .const(b',"handle":').optional(has[ds.HANDLE], number(ev["handle"]))
             .const(b',"stream_handle":').optional(stream_known, number(ev["stream_handle"]))
             .const(b',"grid":').optional(has[ds.GRID], triple("grid"))
@@ -88,7 +74,7 @@ def device_rows(rows) -> Rows:
             .const(b',"shared_mem_bytes":').optional(has[ds.SHARED_MEM],
                                                      number(ev["shared_mem_bytes"]))
             .const(b',"bytes":').optional(has[ds.BYTES], number(ev["bytes"]))
-            .const(b',"direction":').table(*_coded(rows.direction))
+            .const(b',"direction":').table(*json_texts(rows.direction))
             .const(b',"duration_ns":').optional((ev["flags"] & ds.FLAG_RETURNED) != 0,
                                                 number(ev["duration_ns"]))
             .const(b',"sched_delay_ns":').decimal(ev["sched_delay_ns"])

@@ -3,6 +3,8 @@ numpy, not one event at a time: each row is laid out as columns of bytes
 (fixed pieces, decimal numbers, varints, strings from a small table) with a
 mask of the bytes it uses, and the rows come out as one compacted buffer."""
 
+import json
+
 import numpy as np
 
 _POW10 = 10 ** np.arange(1, 20, dtype=np.uint64)   # 10 .. 10**19
@@ -100,17 +102,18 @@ class Rows:
         self._add(padded[codes], lengths[codes], right=False)
         return self
 
-    def optional(self, present: np.ndarray, sub: "Rows"):
-        """`sub`'s text on the rows where `present`, else null (text rows)."""
+    def optional(self, present: np.ndarray, sub: "Rows", absent: bytes = b"null"):
+        """`sub`'s text on the rows where `present`, else `absent` (text rows)."""
         if not self.text or not sub.text or sub._stand_ins:
             raise ValueError("optional() takes text rows without stand-ins")
-        cols = np.concatenate([np.zeros((self.n, 4), np.uint8)] + sub._cols, axis=1)
-        absent = ~np.asarray(present, bool)
-        cols[absent] = 0
-        cols[absent, :4] = np.frombuffer(b"null", np.uint8)
+        cols = np.concatenate([np.zeros((self.n, len(absent)), np.uint8)] + sub._cols, axis=1)
+        missing = ~np.asarray(present, bool)
+        cols[missing] = 0
+        if absent:
+            cols[missing, :len(absent)] = np.frombuffer(absent, np.uint8)
         self._cols.append(cols)
         self._keep.append(None)
-        self._lengths += np.where(absent, 4, sub._lengths)
+        self._lengths += np.where(missing, len(absent), sub._lengths)
         return self
 
     def rows(self, other: "Rows"):
@@ -158,20 +161,34 @@ def varint_lengths(values: np.ndarray) -> np.ndarray:
     return np.maximum(1, (bits + 1 + 6) // 7)
 
 
+def codes(values) -> tuple[np.ndarray, list]:
+    """(codes, distinct values in first-seen order) of a column of hashable
+    Python values; hashing runs in C (dict.fromkeys, map), not per row."""
+    distinct = list(dict.fromkeys(values))
+    index = {v: i for i, v in enumerate(distinct)}
+    return np.fromiter(map(index.__getitem__, values), np.int64, len(values)), distinct
+
+
+def json_texts(values) -> tuple[np.ndarray, list[bytes]]:
+    """(codes, JSON texts) of a column of str or None, for Rows.table."""
+    found, distinct = codes(values)
+    return found, [b"null" if v is None else json.dumps(v).encode() for v in distinct]
+
+
 def strings(values: np.ndarray) -> tuple[np.ndarray, list]:
     """(codes, distinct values) of a byte-string column, for Rows.table.
     Strings of whole 8-byte words are told apart word by word as integers,
     several times faster than sorting them as strings."""
-    if values.dtype.kind != "S" or values.dtype.itemsize % 8:
-        distinct, codes = np.unique(values, return_inverse=True)
-        return codes.reshape(-1), distinct.tolist()
+    if values.dtype.kind != "S" or values.dtype.itemsize % 8 or not len(values):
+        distinct, found = np.unique(values, return_inverse=True)
+        return found.reshape(-1), distinct.tolist()
     words = np.ascontiguousarray(values).view(np.uint64).reshape(len(values), -1)
-    codes = np.zeros(len(values), np.int64)
+    found = np.zeros(len(values), np.int64)
     for column in words.T:
         seen, inverse = np.unique(column, return_inverse=True)
-        _, codes = np.unique(codes * len(seen) + inverse.reshape(-1), return_inverse=True)
-    _, first = np.unique(codes, return_index=True)
-    return codes.reshape(-1), values[first].tolist()
+        _, found = np.unique(found * len(seen) + inverse.reshape(-1), return_inverse=True)
+    _, first = np.unique(found, return_index=True)
+    return found.reshape(-1), values[first].tolist()
 
 
 def write_merged(out, make_rows, records: np.ndarray, keys: np.ndarray, others: list[bytes],

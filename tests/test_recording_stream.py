@@ -430,3 +430,34 @@ def test_device_lines_in_batch_are_the_per_event_lines(work, numbers, comm):
     ev["comm"] = comm
     rows = decode(ev, CTX)
     assert split(jsonl.device_rows(rows)) == reference_device_lines(rows)
+
+
+def reference_chrome_events(rows) -> list[dict]:
+    """The events as the per-event encoder made them (before the batch one)."""
+    out = []
+    for i, e in enumerate(rows.events):
+        args = {"api": rows.api[i], "op_id": int(e["op_id"]) or None,
+                "stream_handle": int(e["stream_handle"]),
+                "sched_delay_us": int(e["sched_delay_ns"]) / 1e3}
+        if rows.direction[i] is not None:
+            args.update(bytes=int(e["bytes"]), direction=rows.direction[i])
+        if e["retired_ns"] >= 0:
+            args["retired_us"] = int(e["retired_ns"]) / 1e3
+        event = {"name": rows.op_name[i] or rows.api[i], "pid": int(e["pid"]),
+                 "cat": f"{rows.stream[i]}.{rows.kind[i]}", "tid": int(e["tid"]),
+                 "ts": int(e["ts_ns"]) / 1e3, "args": args}
+        if e["flags"] & 1:
+            event.update(ph="X", dur=int(e["duration_ns"]) / 1e3)
+        else:
+            event.update(ph="i", s="t")
+        out.append(event)
+    return out
+
+
+@settings(max_examples=100, deadline=None)
+@given(workloads())
+def test_chrome_device_events_in_batch_say_what_the_per_event_ones_said(work):
+    ev, _ = work
+    rows = decode(ev, CTX)
+    got = [json.loads(row[1:]) for row in split(chrome.device_rows(rows))]
+    assert got == reference_chrome_events(rows)
