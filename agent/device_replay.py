@@ -7,7 +7,7 @@ import numpy as np
 
 from .align import ALIGNED_EVENT, Aligner, ApiRoles
 from .device_view import DeviceContext, DeviceRows, decode_aligned, function_names
-from .records import concat
+from .records import concat, take
 
 MAX_KERNEL_NAMES = 1 << 16
 
@@ -66,6 +66,9 @@ class DeviceReplay:
             return None
         out, self._held = self._held[:cut], self._held[cut:]
         self._base += cut
+        # A call stamped at its entry arrives when it returns: a long sync
+        # can come after events stamped later than it.
+        out = take(out, np.argsort(out["ts_ns"], kind="stable"))
         self._kernel_names.update(function_names(out, self.ctx.infos, self._demangle))
         if len(self._kernel_names) > MAX_KERNEL_NAMES:
             for key in list(self._kernel_names)[:MAX_KERNEL_NAMES // 2]:

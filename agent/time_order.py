@@ -69,7 +69,7 @@ class _Lane:
         return buffer[:k]
 
 
-def ordered_steps(sources: dict, dtypes: dict, lag_ns: int = 250_000_000,
+def ordered_steps(sources: dict, dtypes: dict, lag_ns: int = 1_000_000_000,
                   max_bytes: int = 48 << 20, step_bytes: int = 4 << 20):
     """Yield {schema: records sorted by ts_ns}, step after step in time order,
     each of about `step_bytes` or more (the last ones may be smaller).

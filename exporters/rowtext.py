@@ -198,7 +198,7 @@ def write_merged(out, make_rows, records: np.ndarray, keys: np.ndarray, others: 
     n, done = len(records), 0
     for lo in range(0, n, batch):
         hi = min(n, lo + batch)
-        cut = len(others) if hi == n else int(np.searchsorted(other_keys, keys[hi], side="left"))
+        cut = len(others) if hi == n else max(done, int(np.searchsorted(other_keys, keys[hi])))
         rows = make_rows(records[lo:hi])
         interleave(out, rows.bytes(), np.cumsum(rows.lengths()), keys[lo:hi], others[done:cut],
                    other_keys[done:cut])

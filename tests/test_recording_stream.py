@@ -461,3 +461,43 @@ def test_chrome_device_events_in_batch_say_what_the_per_event_ones_said(work):
     rows = decode(ev, CTX)
     got = [json.loads(row[1:]) for row in split(chrome.device_rows(rows))]
     assert got == reference_chrome_events(rows)
+
+
+@pytest.mark.parametrize("late_s", [0.5, 3.0])
+def test_a_late_sync_is_exported_once_and_in_order_within_the_lag(tmp_path, late_s):
+    from click.testing import CliRunner
+    from mmtrace.agent.cli import cli
+    second = 10**9
+    launches = np.zeros(40, device_stream.DEV_EVENT)
+    launches["ts_ns"] = second + np.arange(40) * (second // 10)
+    launches["api"], launches["op_id"] = 1, np.arange(1, 41)
+    launches["pid"] = launches["tid"] = 9
+    sync = np.zeros(1, device_stream.DEV_EVENT)
+    sync["ts_ns"], sync["api"], sync["flags"] = second + int(0.05 * second), 13, 1
+    sync["duration_ns"] = int(late_s * second)
+    sync["pid"] = sync["tid"] = 9
+    runq = runq_records(50)
+    runq["ts_ns"] = second + np.arange(50) * (second // 10)
+    w = recording.RecordingWriter(tmp_path / "late.mmtr", {"cpu.runq": RUNQ_EVENT,
+                                                           "dev.event": device_stream.DEV_EVENT})
+    cut = int(late_s * 10) + 1          # the sync returns, and is written, this much later
+    for lo in range(0, 40, 5):
+        w.write_events("dev.event", launches[lo:lo + 5])
+        w.write_events("cpu.runq", runq[lo:lo + 5])
+        if lo + 5 >= cut and sync is not None:
+            w.write_events("dev.event", sync)
+            sync = None
+    w.write_events("cpu.runq", runq[40:])
+    w.close({})
+    result = CliRunner().invoke(cli, ["export", str(tmp_path / "late.mmtr"), "--format", "jsonl",
+                                      "-o", "-"])
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(x) for x in result.stdout.splitlines()]
+    assert sorted((x["kind"], x["ts_ns"]) for x in lines) == sorted(
+        [("launch", int(t)) for t in launches["ts_ns"]] + [("runq", int(t)) for t in runq["ts_ns"]]
+        + [("sync", second + int(0.05 * second))])
+    stamps = [x["ts_ns"] for x in lines]
+    if late_s < 1:
+        assert stamps == sorted(stamps)
+    synced = next(x for x in lines if x["kind"] == "sync")
+    assert synced["op_id"] == 1         # it covers the one launch before it
