@@ -50,11 +50,12 @@ class DeviceReplay:
     @property
     def horizon(self) -> int | None:
         """Stamp of the oldest event not handed out yet (None: none held)."""
-        return int(self._held["ts_ns"][0]) if len(self._held) else None
+        return int(self._held["ts_ns"].min()) if len(self._held) else None
 
     def flush_until(self, ts_ns: int) -> DeviceRows | None:
         """Hand out the held events stamped before `ts_ns`, settled or not."""
-        cut = int(np.searchsorted(self._held["ts_ns"], np.uint64(max(ts_ns, 0))))
+        later = np.flatnonzero(self._held["ts_ns"] >= np.uint64(max(ts_ns, 0)))
+        cut = int(later[0]) if len(later) else len(self._held)
         self.forced_out += cut
         return self._emit(cut)
 
