@@ -8,7 +8,6 @@ import json
 import numpy as np
 
 _POW10 = 10 ** np.arange(1, 20, dtype=np.uint64)   # 10 .. 10**19
-_DIGITS = 20                                          # of 2**64 - 1
 
 
 class Rows:
