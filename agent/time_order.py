@@ -53,10 +53,13 @@ class _Lane:
         return sum(p.nbytes for p in self.parts)
 
     def releasable(self, limit: int | None) -> int:
-        """Bytes stamped at or before `limit`, roughly (whole parts)."""
+        """Bytes stamped at or before `limit` (each part is sorted)."""
         if limit is None:
             return self.nbytes
-        return sum(p.nbytes for p in self.parts if len(p) and int(p["ts_ns"][0]) <= limit)
+        if limit < 0:
+            return 0
+        return sum(int(np.searchsorted(p["ts_ns"], np.uint64(limit), side="right"))
+                   * p.dtype.itemsize for p in self.parts)
 
     def release(self, limit: int | None) -> np.ndarray:
         """Hand out the records stamped at or before `limit` (None: all)."""

@@ -501,3 +501,14 @@ def test_a_late_sync_is_exported_once_and_in_order_within_the_lag(tmp_path, late
         assert stamps == sorted(stamps)
     synced = next(x for x in lines if x["kind"] == "sync")
     assert synced["op_id"] == 1         # it covers the one launch before it
+
+
+def test_steps_are_as_big_as_asked_while_records_keep_coming():
+    dtype = np.dtype([("ts_ns", "<u8")])
+    pieces = [np.arange(i * 1000, (i + 1) * 1000, dtype=np.uint64).view(dtype)
+              for i in range(200)]
+    steps = list(ordered_steps({"a": iter(pieces)}, {"a": dtype}, lag_ns=5000,
+                               step_bytes=64_000))
+    sizes = [s["a"].nbytes for s in steps]
+    assert sum(sizes) == 200 * 8000
+    assert min(sizes[:-1]) >= 64_000 and len(steps) <= 200 * 8000 // 64_000 + 1
