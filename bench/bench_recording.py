@@ -8,7 +8,8 @@ run-queue stream of a busy host and two GPU server processes launching,
 copying and syncing, drained every 25 ms: tests/synthetic_recording.py),
 then runs `mmtrace report --json` and `mmtrace export` in every format, each
 in its own process, output to /dev/null, and reports wall and CPU time,
-events per second (wall) and peak RSS (the child's ru_maxrss, which is its
+events per second (of wall time, and of CPU time: the host may be shared)
+and peak RSS (the child's ru_maxrss, which is its
 VmHWM). With --baseline-rev, the same commands of that git revision run
 side by side on the sizes up to --baseline-max-mib (the old reader holds
 the whole file and more). Figures go to bench/out/recording.json.
@@ -96,11 +97,13 @@ def main():
                 args = [a.replace("{file}", str(path)) for a in template]
                 r = run(args, env)
                 r.update(command=name, implementation=which, file_mib=round(size / 2**20),
-                         events=events, events_per_s=round(events / r["wall_s"]))
+                         events=events, events_per_s=round(events / r["wall_s"]),
+                         events_per_cpu_s=round(events / max(r["cpu_s"], 0.01)))
                 results.append(r)
                 status = "" if r["exit"] == 0 else f"  FAILED: {r['stderr']}"
                 print(f"  {name:<16} {which:<9} {r['wall_s']:7.1f} s wall {r['cpu_s']:7.1f} s CPU"
-                      f"  {r['events_per_s'] / 1e6:5.2f} M events/s  "
+                      f"  {r['events_per_s'] / 1e6:5.2f} M events/s "
+                      f"({r['events_per_cpu_s'] / 1e6:5.2f} M per CPU s)  "
                       f"peak RSS {r['peak_rss_mb']:7.1f} MB{status}", flush=True)
         if not opts.keep:
             path.unlink()
