@@ -55,6 +55,14 @@ class DeviceRows:
     def __len__(self):
         return len(self.events)
 
+    def batches(self, size: int):
+        """The rows `size` at a time (an encoder's memory follows its batch)."""
+        for lo in range(0, len(self), size):
+            hi = lo + size
+            yield DeviceRows(self.events[lo:hi], self.stream[lo:hi], self.kind[lo:hi],
+                             self.api[lo:hi], self.op_name[lo:hi], self.direction[lo:hi],
+                             self.fields[lo:hi])
+
 
 def _name_text(raw: bytes, truncated: bool) -> str | None:
     if not raw:

@@ -13,7 +13,7 @@ import numpy as np
 from mmtrace.agent.replay import first_per_thread
 from mmtrace.bpf.sched import wait_start_ns
 
-from .rowtext import Rows, json_texts, split, write_merged
+from .rowtext import Rows, device_lines, json_texts, write_merged
 
 
 def _runq_rows(runq: np.ndarray) -> Rows:
@@ -98,9 +98,9 @@ class ChromeWriter:
         if device is not None:
             self.out.write(self._names(*first_per_thread(device.events)))
             if runq is None:
-                self.out.write(device_rows(device).bytes())
+                device_lines(device_rows, device, self.out)
             else:
-                others, keys = split(device_rows(device)), device.events["ts_ns"]
+                others, keys = device_lines(device_rows, device), device.events["ts_ns"]
         if runq is not None:
             start = wait_start_ns(runq)
             order = np.argsort(start, kind="stable")

@@ -7,7 +7,7 @@ import numpy as np
 
 from mmtrace.bpf import device as device_stream
 
-from .rowtext import Rows, codes, json_texts, split, strings, write_merged
+from .rowtext import Rows, codes, device_lines, json_texts, strings, write_merged
 
 # Every line carries every key of the spec, null where it does not apply.
 KEYS = ("ts_ns", "stream", "kind", "pid", "tid", "comm", "api", "op_id", "op_name",
@@ -88,12 +88,11 @@ def write_step(step, out) -> int:
     """Write one replay step (agent/replay.py) as lines in time order;
     returns the number of lines."""
     runq, device = step.part("cpu.runq"), step.device_rows()
-    if device is None and runq is None:
-        return 0
     if runq is None:
-        out.write(device_rows(device).bytes())
-        return len(device)
-    others = split(device_rows(device)) if device is not None else []
+        if device is not None:
+            device_lines(device_rows, device, out)
+        return 0 if device is None else len(device)
+    others = device_lines(device_rows, device) if device is not None else []
     keys = device.events["ts_ns"] if device is not None else np.zeros(0, np.uint64)
     write_merged(out, runq_rows, runq, runq["ts_ns"], others, keys)
     return len(runq) + len(others)

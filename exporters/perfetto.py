@@ -13,7 +13,7 @@ from mmtrace.agent.replay import first_per_thread
 from mmtrace.bpf.sched import wait_start_ns
 
 from .protowire import field_bytes, field_str, field_varint, varint
-from .rowtext import Rows, split, varint_lengths, write_merged
+from .rowtext import BATCH, Rows, split, varint_lengths, write_merged
 
 # Trace
 TRACE_PACKET = 1
@@ -222,7 +222,9 @@ class PerfettoWriter:
         if device is not None:
             ev = device.events
             self._tracks(*first_per_thread(ev))
-            others, other_keys = device_packets(device), ev["ts_ns"]
+            others = [packets for part in device.batches(BATCH // 4)
+                      for packets in device_packets(part)]
+            other_keys = ev["ts_ns"]
         if runq is None:
             for row in others:
                 self.out.write(row)

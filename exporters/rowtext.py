@@ -190,8 +190,11 @@ def strings(values: np.ndarray) -> tuple[np.ndarray, list]:
     return found.reshape(-1), values[first].tolist()
 
 
+BATCH = 1 << 14     # rows built at once: memory follows the batch, not the step
+
+
 def write_merged(out, make_rows, records: np.ndarray, keys: np.ndarray, others: list[bytes],
-                 other_keys: np.ndarray, batch: int = 1 << 14) -> None:
+                 other_keys: np.ndarray, batch: int = BATCH) -> None:
     """The rows of `records` (keys ascending), made `batch` at a time by
     `make_rows` so that memory stays small, merged with `others` by key."""
     n, done = len(records), 0
@@ -209,6 +212,19 @@ def split(rows: Rows) -> list[bytes]:
     blob = rows.bytes()
     ends = np.cumsum(rows.lengths()).tolist()
     return [blob[s:e] for s, e in zip([0] + ends[:-1], ends)]
+
+
+def device_lines(make_rows, device, out=None) -> list[bytes]:
+    """`make_rows` over the device rows a batch at a time: written to `out`
+    when given, else returned one bytes object per row."""
+    lines = []
+    for part in device.batches(BATCH // 4):
+        rows = make_rows(part)
+        if out is not None:
+            out.write(rows.bytes())
+        else:
+            lines += split(rows)
+    return lines
 
 
 def interleave(out, blob: bytes, ends: np.ndarray, keys: np.ndarray, others: list[bytes],
