@@ -22,12 +22,12 @@ import platform
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+from peak_rss import measure, mmtrace  # noqa: E402
 from synthetic_recording import write_synthetic  # noqa: E402
 
 COMMANDS = {
@@ -36,18 +36,6 @@ COMMANDS = {
     "export chrome": ["export", "{file}", "--format", "chrome", "-o", os.devnull],
     "export perfetto": ["export", "{file}", "--format", "perfetto", "-o", os.devnull],
 }
-
-
-def run(args: list[str], env: dict) -> dict:
-    started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "mmtrace.agent", *args], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.monotonic() - started
-    return {"exit": os.waitstatus_to_exitcode(status), "wall_s": round(wall, 2),
-            "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
-            "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
-            "stderr": proc.stderr.read().decode(errors="replace")[-300:]}
 
 
 def baseline_env(rev: str, where: Path) -> dict:
@@ -95,12 +83,12 @@ def main():
                 if which == "baseline" and mib > opts.baseline_max_mib:
                     continue
                 args = [a.replace("{file}", str(path)) for a in template]
-                r = run(args, env)
+                r = measure(mmtrace(*args), env)
                 r.update(command=name, implementation=which, file_mib=round(size / 2**20),
                          events=events, events_per_s=round(events / r["wall_s"]),
                          events_per_cpu_s=round(events / max(r["cpu_s"], 0.01)))
                 results.append(r)
-                status = "" if r["exit"] == 0 else f"  FAILED: {r['stderr']}"
+                status = "" if r["exit"] == 0 else f"  FAILED: {r['stderr'][-300:]}"
                 print(f"  {name:<16} {which:<9} {r['wall_s']:7.1f} s wall {r['cpu_s']:7.1f} s CPU"
                       f"  {r['events_per_s'] / 1e6:5.2f} M events/s "
                       f"({r['events_per_cpu_s'] / 1e6:5.2f} M per CPU s)  "

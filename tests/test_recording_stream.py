@@ -7,8 +7,6 @@ import io
 import json
 import os
 import struct
-import subprocess
-import sys
 import zlib
 
 import numpy as np
@@ -28,6 +26,7 @@ from mmtrace.bpf.sched import RUNQ_EVENT
 from mmtrace.exporters import chrome, jsonl, perfetto
 from mmtrace.exporters.protowire import varint
 from mmtrace.exporters.rowtext import Rows, split
+import peak_rss
 from synthetic_recording import write_synthetic
 from test_align import workloads
 from test_recording import runq_records
@@ -313,11 +312,9 @@ def test_any_json_in_meta_and_footer_reads_or_fails_with_one_error(tmp_path, met
 # ----------------------------------------------------- bounded memory
 
 def peak_rss_mb(*args) -> float:
-    proc = subprocess.Popen([sys.executable, "-m", "mmtrace.agent", *map(str, args)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, proc.stderr.read().decode()[-2000:]
-    return usage.ru_maxrss / 1024
+    result = peak_rss.measure(peak_rss.mmtrace(*args))
+    assert result["exit"] == 0, result["stderr"]
+    return result["peak_rss_mb"]
 
 
 @pytest.mark.slow
