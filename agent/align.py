@@ -254,7 +254,7 @@ class Aligner:
 
     def __init__(self, roles: ApiRoles, capacity: int = 1 << 18,
                  max_age_ns: int = 60_000_000_000, max_pending: int = 1 << 16,
-                 max_records: int = 1 << 14, max_streams: int = 1 << 14):
+                 max_records: int = 1 << 14, max_streams: int = 1 << 14, on_retired=None):
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.roles = roles
@@ -263,6 +263,7 @@ class Aligner:
         self.max_pending = max_pending
         self.max_records = max_records
         self.max_streams = max_streams
+        self.on_retired = on_retired    # (seq, retired_ns) of events retired after their push
         self._ring = EventRing(ALIGNED_EVENT, capacity, max_age_ns)
         self._pending = np.zeros(0, ALIGNED_EVENT)
         self._pending_seq = np.zeros(0, np.int64)
@@ -300,8 +301,15 @@ class Aligner:
         self._remember(new, first_seq, keep_pending=~settled)
         return new
 
+    @property
+    def oldest_pending(self) -> int | None:
+        """Number of the oldest submission still waiting for its sync."""
+        return int(self._pending_seq.min()) if len(self._pending_seq) else None
+
     def _set_retired(self, seq: np.ndarray, retired: np.ndarray):
         self._ring.update(seq, "retired_ns", retired)
+        if self.on_retired is not None and len(seq):
+            self.on_retired(seq, retired)
 
     def _remember(self, new: np.ndarray, first_seq: int, keep_pending: np.ndarray):
         submission, _, _, record = self.roles.of(new["api"])

@@ -16,15 +16,27 @@ class Context:
     verbose: bool = False
 
 
-def _read(path):
-    from .recording import RecordingError, read_recording
+def _open(path):
+    """The recording, opened for streaming (its warnings said once)."""
+    from .recording import RecordingError, RecordingReader
     try:
-        rec = read_recording(path)
+        rec = RecordingReader(path)
     except RecordingError as exc:
         raise MmtraceError(str(exc)) from None
     for warning in rec.warnings:
         click.echo(f"mmtrace: warning: {warning}", err=True)
     return rec
+
+
+def _streamed(rec, work):
+    """Run `work(rec)`, with a file that changes while being read reported
+    as one line."""
+    from .recording import RecordingError
+    try:
+        with rec:
+            return work(rec)
+    except RecordingError as exc:
+        raise MmtraceError(str(exc)) from None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -131,7 +143,7 @@ def report(file, as_json):
       mmtrace report incident.mmtr --json | jq .runq.p99_us
     """
     from .report import format_text, summarize
-    summary = summarize(_read(file))
+    summary = _streamed(_open(file), summarize)
     click.echo(json.dumps(summary, indent=2) if as_json else format_text(summary))
 
 
@@ -146,43 +158,40 @@ def report(file, as_json):
 def export(file, fmt, output):
     """Convert a recording to JSON Lines or a trace for Perfetto.
 
+    The recording is read a piece at a time, in memory that does not grow
+    with it. The output appears only once complete (it is written beside
+    its place, then renamed), and never replaces the recording itself.
+
     \b
     Examples:
       mmtrace export incident.mmtr --format jsonl -o - | head
       mmtrace export incident.mmtr --format perfetto -o incident.pftrace
       mmtrace export incident.mmtr --format chrome -o incident.json
     """
-    from mmtrace.exporters.chrome import write_chrome
-    from mmtrace.exporters.jsonl import write_jsonl
+    from .export_output import ExportOutput, OutputError
+    from .replay import replay
     if output == "-" and fmt != "jsonl":
         raise MmtraceError(f"-o - writes jsonl only; --format {fmt} needs a file")
-    rec = _read(file)
-    if fmt == "perfetto":
-        _export_perfetto(rec, output)
-        return
-    writer = write_jsonl if fmt == "jsonl" else write_chrome
-    if output == "-":
+    write, unit = _writer(fmt), "slices" if fmt == "perfetto" else "events"
+    with _open(file) as rec:
         try:
-            writer(rec.events, sys.stdout, meta=rec.meta)
-        except BrokenPipeError:
-            sys.stderr.close()  # reader went away (e.g. `| head`): not an error
-        return
-    try:
-        with open(output, "w") as out:
-            n = writer(rec.events, out, meta=rec.meta)
-    except OSError as exc:
-        raise MmtraceError(f"cannot write {output}: {exc.strerror}") from None
-    click.echo(f"wrote {output}: {n:,} events", err=True)
+            with ExportOutput(output, source=file) as out:
+                n = _streamed(rec, lambda r: write(replay(r), out.stream))
+        except OutputError as exc:
+            raise MmtraceError(str(exc)) from None
+    if output != "-":
+        click.echo(f"wrote {output}: {n:,} {unit}", err=True)
 
 
-def _export_perfetto(rec, output):
-    from mmtrace.exporters.perfetto import recording_slices, write_perfetto
-    try:
-        with open(output, "wb") as out:
-            n = write_perfetto(recording_slices(rec.events, rec.meta), out)
-    except OSError as exc:
-        raise MmtraceError(f"cannot write {output}: {exc.strerror}") from None
-    click.echo(f"wrote {output}: {n:,} slices", err=True)
+def _writer(fmt):
+    if fmt == "jsonl":
+        from mmtrace.exporters.jsonl import write_jsonl
+        return write_jsonl
+    if fmt == "chrome":
+        from mmtrace.exporters.chrome import write_chrome
+        return write_chrome
+    from mmtrace.exporters.perfetto import write_recording
+    return write_recording
 
 
 @cli.command()

@@ -9,6 +9,7 @@ import numpy as np
 from mmtrace.bpf import device as device_stream
 
 from .align import FLAG_STREAM_FROM_RECORD, ApiRoles, align
+from .records import take
 
 ELLIPSIS = "\u2026"
 
@@ -54,6 +55,14 @@ class DeviceRows:
     def __len__(self):
         return len(self.events)
 
+    def batches(self, size: int):
+        """The rows `size` at a time (an encoder's memory follows its batch)."""
+        for lo in range(0, len(self), size):
+            hi = lo + size
+            yield DeviceRows(self.events[lo:hi], self.stream[lo:hi], self.kind[lo:hi],
+                             self.api[lo:hi], self.op_name[lo:hi], self.direction[lo:hi],
+                             self.fields[lo:hi])
+
 
 def _name_text(raw: bytes, truncated: bool) -> str | None:
     if not raw:
@@ -63,15 +72,22 @@ def _name_text(raw: bytes, truncated: bool) -> str | None:
 
 
 def decode(events: np.ndarray, ctx: DeviceContext) -> DeviceRows:
+    """Every device event at once: aligned, sorted, decoded."""
     from .symbols import demangle
+    aligned = align(events, ApiRoles.from_infos(ctx.infos))
+    aligned = take(aligned, np.argsort(aligned["ts_ns"], kind="stable"))
+    return decode_aligned(aligned, ctx,
+                          function_names(aligned, ctx.infos, demangle, ctx.op_names))
+
+
+def decode_aligned(aligned: np.ndarray, ctx: DeviceContext, kernel_names: dict) -> DeviceRows:
+    """Aligned events in time order; `kernel_names` maps (pid, handle) to a
+    kernel name (see function_names)."""
     infos = ctx.infos
-    aligned = align(events, ApiRoles.from_infos(infos))
-    aligned = aligned[np.argsort(aligned["ts_ns"], kind="stable")]
     api_ids = aligned["api"].astype(np.int64)
     exported = np.array([infos[i].kind in device_stream.EXPORTED_KINDS if i in infos else False
                          for i in range(int(api_ids.max(initial=0)) + 1)], bool)
-    function_names = _function_names(aligned, infos, demangle, ctx.op_names)
-    rows = aligned[exported[api_ids]] if len(aligned) else aligned
+    rows = take(aligned, exported[api_ids]) if len(aligned) else aligned
     n = len(rows)
     stream = np.empty(n, object)
     kind = np.empty(n, object)
@@ -96,9 +112,9 @@ def decode(events: np.ndarray, ctx: DeviceContext) -> DeviceRows:
             continue
         pids = rows["pid"][at].tolist()
         if info.library == "cudart":
-            op_name[at] = _runtime_launch_names(rows[at], ctx.op_names, function_names)
+            op_name[at] = _runtime_launch_names(take(rows, at), ctx.op_names, kernel_names)
         elif info.library == "cuda":
-            op_name[at] = [function_names.get(k)
+            op_name[at] = [kernel_names.get(k)
                            for k in zip(pids, rows["handle"][at].tolist())]
         elif info.symbol == "aclnn":
             ops = [ctx.symbol_names.get(cookie) if cookie else ctx.op_names.get((pid, ip))
@@ -113,14 +129,14 @@ def decode(events: np.ndarray, ctx: DeviceContext) -> DeviceRows:
     return DeviceRows(rows, stream, kind, api, op_name, direction, fields)
 
 
-def _runtime_launch_names(rows: np.ndarray, op_names: dict, function_names: dict) -> list:
+def _runtime_launch_names(rows: np.ndarray, op_names: dict, kernel_names: dict) -> list:
     """A runtime launch's kernel: its handle (a host function, or a
     cudaKernel_t __cudaGetKernel made), else its caller when that is the
     kernel's host stub (dev_names.py)."""
     out = []
     callers = "return_ip" in (rows.dtype.names or ())
     for i, (pid, handle) in enumerate(zip(rows["pid"].tolist(), rows["handle"].tolist())):
-        name = op_names.get((pid, handle)) or function_names.get((pid, handle))
+        name = op_names.get((pid, handle)) or kernel_names.get((pid, handle))
         if name is None and callers:
             name = (op_names.get((pid, int(rows["return_ip"][i])))
                     or op_names.get((pid, int(rows["outer_return_ip"][i]))))
@@ -128,23 +144,27 @@ def _runtime_launch_names(rows: np.ndarray, op_names: dict, function_names: dict
     return out
 
 
-def _function_names(events: np.ndarray, infos: dict, demangle, op_names: dict) -> dict:
+def function_names(events: np.ndarray, infos: dict, demangle, op_names: dict,
+                   known: dict | None = None) -> dict:
     """(pid, handle) -> kernel name, from the returns of the calls that make
     kernel handles (later definitions of a handle win: events are in time
     order): cuModuleGetFunction, cuLibraryGetKernel and cuFuncGetName name
     theirs; cuKernelGetFunction's CUfunction and __cudaGetKernel's
     cudaKernel_t take the name of what they stand for (a CUkernel, a host
-    function named in op_names)."""
+    function named in op_names). `known`: names from earlier events (a
+    recording read piece by piece), for handles made before this piece."""
     ids = [i for i, info in infos.items() if info.kind == "function_name"]
     rows = events[np.isin(events["api"], ids) & (events["ret"] == 0) & (events["handle"] != 0)]
     aliases = (rows["alias"].tolist() if "alias" in (rows.dtype.names or ())
                else [0] * len(rows))
+    known = known or {}
     out = {}
     for pid, handle, raw, flag, alias in zip(rows["pid"].tolist(), rows["handle"].tolist(),
                                              rows["name"].tolist(), rows["flags"].tolist(),
                                              aliases):
         if alias:
-            out[(pid, handle)] = out.get((pid, alias)) or op_names.get((pid, alias))
+            out[(pid, handle)] = (out.get((pid, alias)) or known.get((pid, alias))
+                                  or op_names.get((pid, alias)))
             continue
         truncated = bool(flag & device_stream.FLAG_NAME_TRUNCATED)
         text = _name_text(raw, truncated)

@@ -1,5 +1,7 @@
 """The detectors over a recording: the same series and rules as the daemon,
-replayed in time order. `mmtrace report` lists what they find."""
+replayed in time order, one step of the replay at a time (agent/replay.py),
+in memory that does not grow with the recording. `mmtrace report` lists
+what they find."""
 
 import numpy as np
 
@@ -7,14 +9,18 @@ from mmtrace.detectors.entropy_drift import EntropyDriftDetector
 from mmtrace.detectors.p99_drift import P99Drift
 
 from . import latency_series as ls
-from .align import ApiRoles, align
 from .config import DaemonConfig, EntropySettings, P99Settings
-from .device_view import DeviceContext
-from .recording import Recording
+from .replay import Step, replay
+
+# A recording naming more (crafted pids, layers) gets the first ones: the
+# detectors' state is per series, about 23 KiB for a latency series.
+MAX_SERIES = 1024
+MAX_ENTROPY_KEYS = 4096
 
 
-def settings_of(rec: Recording) -> DaemonConfig:
-    """A flight recording carries the daemon's settings; others get defaults."""
+def settings_of(rec) -> DaemonConfig:
+    """A flight recording carries the daemon's settings; others get defaults.
+    (The reader has checked their types and ranges.)"""
     cfg = DaemonConfig()
     for doc in rec.meta:
         conf = doc.get("config")
@@ -27,75 +33,165 @@ def settings_of(rec: Recording) -> DaemonConfig:
     return cfg
 
 
-def p99_anomalies(rec: Recording, settings: P99Settings) -> list[dict]:
-    p = settings
-    detector = P99Drift(window_s=p.window_s, baseline_windows=p.baseline_windows,
-                        min_baseline_windows=p.min_baseline_windows, factor=p.factor,
-                        floor=p.floor_s, consecutive=p.consecutive, min_samples=p.min_samples,
-                        clear_factor=p.clear_factor, clear_windows=p.clear_windows)
-    sid = detector.series_id
-    parts = []
-    device = rec.events.get("dev.event")
-    submitters = ls.Submitters()
-    if device is not None and len(device):
-        infos = DeviceContext.from_meta(rec.meta).infos
-        aligned = align(device, ApiRoles.from_infos(infos))
-        submitters.learn(device)
-        parts += [ls.sync_series(sid, aligned), ls.retire_series(sid, aligned)]
-    runq = rec.events.get("cpu.runq")
-    if runq is not None and len(runq):
-        parts.append(ls.runq_series(sid, runq, submitters))
-    requests = rec.events.get("request.latency")
-    if requests is not None and len(requests):
-        names = _table(rec, "request_series")
-        keys = np.array([sid(names[i]) if i < len(names) else sid(f"request_latency{{id={i}}}")
-                         for i in requests["series"].tolist()], np.int64)
-        parts.append(ls.Series(keys, requests["ts_ns"].astype(np.int64), requests["value_s"],
-                               np.zeros(len(keys), np.int64)))
-    series = ls.concat(parts)
-    if not len(series):
-        return []
-    order = np.argsort(series.ts_ns, kind="stable")
-    found = []
-    # Replay in slices of one window, so windows close as they would live.
-    window_ns = int(p.window_s * 1e9)
-    ts = series.ts_ns[order]
-    edges = np.searchsorted(ts, np.arange(ts[0], ts[-1] + window_ns, window_ns))
-    for lo, hi in zip(edges[:-1], np.append(edges[1:-1], len(ts))):
-        if hi > lo:
+def _finite(series: ls.Series) -> ls.Series:
+    keep = (series.ids >= 0) & np.isfinite(series.values_s) & (series.values_s >= 0)
+    if keep.all():
+        return series
+    return ls.Series(series.ids[keep], series.ts_ns[keep], series.values_s[keep],
+                     series.contributors[keep])
+
+
+class P99Replay:
+    """P99 drift of run-queue delay, sync waits, submit-to-retire latency and
+    request latencies, fed step by step and replayed one window at a time,
+    so that windows close as they would live."""
+
+    def __init__(self, rec, settings: P99Settings):
+        p = settings
+        self.detector = P99Drift(
+            window_s=p.window_s, baseline_windows=p.baseline_windows,
+            min_baseline_windows=p.min_baseline_windows, factor=p.factor, floor=p.floor_s,
+            consecutive=p.consecutive, min_samples=p.min_samples,
+            clear_factor=p.clear_factor, clear_windows=p.clear_windows)
+        self.window_ns = max(1, int(p.window_s * 1e9))
+        self.consecutive = p.consecutive
+        self.request_names = _table(rec, "request_series")
+        self.submitters = ls.Submitters()
+        for pieces in rec.pieces("dev.event"):      # threads that ever did device work
+            self.submitters.learn(pieces)
+        self.skipped_series = 0
+        self._pending: list[ls.Series] = []
+        self._start = None
+        self._last_ts = None
+        self.found: list[dict] = []
+
+    def sid(self, name: str) -> int:
+        if name not in self.detector._ids and len(self.detector._names) >= MAX_SERIES:
+            self.skipped_series += 1
+            return -1
+        return self.detector.series_id(name)
+
+    def feed(self, step: Step):
+        parts = []
+        if step.device is not None and len(step.device):
+            parts += [ls.sync_series(self.sid, step.device.events),
+                      ls.retire_series(self.sid, step.device.events)]
+        runq = step.records.get("cpu.runq")
+        if runq is not None and len(runq):
+            parts.append(ls.runq_series(self.sid, runq, self.submitters))
+        requests = step.records.get("request.latency")
+        if requests is not None and len(requests):
+            names = self.request_names
+            keys = np.array([self.sid(names[i] if i < len(names)
+                                      else f"request_latency{{id={i}}}")
+                             for i in requests["series"].tolist()], np.int64)
+            parts.append(ls.Series(keys, requests["ts_ns"].astype(np.int64),
+                                   requests["value_s"], np.zeros(len(keys), np.int64)))
+        series = _finite(ls.concat(parts))
+        if not len(series):
+            return
+        self._pending.append(series)
+        if self._start is None:
+            self._start = int(series.ts_ns.min())
+        newest = int(series.ts_ns.max())
+        self._last_ts = newest if self._last_ts is None else max(self._last_ts, newest)
+        # Windows before the newest one are complete: nothing later lands in them.
+        self._observe_before(self._start + (newest - self._start) // self.window_ns
+                             * self.window_ns)
+
+    def _observe_before(self, limit: int | None):
+        series = ls.concat(self._pending)
+        if not len(series):
+            return
+        order = np.argsort(series.ts_ns, kind="stable")
+        ts = series.ts_ns[order]
+        stop = len(ts) if limit is None else int(np.searchsorted(ts, limit))
+        w = self.window_ns
+        lo = 0
+        while lo < stop:
+            edge = self._start + ((int(ts[lo]) - self._start) // w + 1) * w
+            hi = min(stop, int(np.searchsorted(ts, edge)))
+            hi = max(hi, lo + 1)
             idx = order[lo:hi]
-            found += detector.observe(series.ids[idx], series.ts_ns[idx], series.values_s[idx],
-                                      series.contributors[idx])
-    found += detector.advance(int(ts[-1]) + (p.consecutive + 2) * window_ns)
-    return found
+            self.found += self.detector.observe(series.ids[idx], series.ts_ns[idx],
+                                                series.values_s[idx], series.contributors[idx])
+            lo = hi
+        rest = order[stop:]
+        self._pending = [ls.Series(series.ids[rest], series.ts_ns[rest],
+                                   series.values_s[rest], series.contributors[rest])]
+
+    def finish(self) -> list[dict]:
+        self._observe_before(None)
+        if self._last_ts is not None:
+            self.found += self.detector.advance(
+                self._last_ts + (self.consecutive + 2) * self.window_ns)
+        return self.found
 
 
-def entropy_anomalies(rec: Recording, settings: EntropySettings) -> list[dict]:
-    samples = rec.events.get("model.entropy")
-    if samples is None or not len(samples):
-        return []
-    layers, modalities = _table(rec, "entropy_layers"), _table(rec, "modalities")
-    detector = EntropyDriftDetector(tau=settings.tau, consecutive=settings.consecutive,
-                                    delta_sigma=settings.delta_sigma)
-    found = []
-    ordered = samples[np.argsort(samples["ts_ns"], kind="stable")]
-    stamps, starts = np.unique(ordered["ts_ns"], return_index=True)
-    bounds = np.append(starts, len(ordered))
-    for ts, lo, hi in zip(stamps.tolist(), bounds[:-1], bounds[1:]):
-        batch = [{"layer": _at(layers, int(r["layer"])), "head": int(r["head"]),
-                  "value": float(r["value"]), "modality": _at(modalities, int(r["modality"]))}
-                 for r in ordered[lo:hi]]
-        found += detector.update(batch, ts_ns=ts)
-    return found
+class EntropyReplay:
+    """Attention-entropy drift over the recorded samples, one round per stamp."""
+
+    def __init__(self, rec, settings: EntropySettings):
+        self.layers, self.modalities = _table(rec, "entropy_layers"), _table(rec, "modalities")
+        self.detector = EntropyDriftDetector(tau=settings.tau, consecutive=settings.consecutive,
+                                             delta_sigma=settings.delta_sigma)
+        self.found: list[dict] = []
+        self.keys: set = set()
+        self.skipped = 0
+
+    def feed(self, step: Step):
+        samples = step.records.get("model.entropy")
+        if samples is None or not len(samples):
+            return
+        value = samples["value"]
+        samples = samples[np.isfinite(value) & (value >= 0) & (value <= 1)]
+        stamps, starts = np.unique(samples["ts_ns"], return_index=True)
+        bounds = np.append(starts, len(samples))
+        for ts, lo, hi in zip(stamps.tolist(), bounds[:-1], bounds[1:]):
+            batch = [{"layer": _at(self.layers, int(r["layer"])), "head": int(r["head"]),
+                      "value": float(r["value"]),
+                      "modality": _at(self.modalities, int(r["modality"]))}
+                     for r in samples[lo:hi] if self._known(r)]
+            if batch:
+                self.found += self.detector.update(batch, ts_ns=ts)
+
+    def _known(self, sample) -> bool:
+        key = (int(sample["layer"]), int(sample["head"]), int(sample["modality"]))
+        if key not in self.keys and len(self.keys) >= MAX_ENTROPY_KEYS:
+            self.skipped += 1
+            return False
+        self.keys.add(key)
+        return True
+
+    def finish(self) -> list[dict]:
+        return self.found
 
 
-def detect(rec: Recording) -> list[dict]:
-    cfg = settings_of(rec)
-    found = p99_anomalies(rec, cfg.p99) + entropy_anomalies(rec, cfg.entropy)
-    return sorted(found, key=lambda a: a.get("ts_ns", 0))
+class Detectors:
+    """Every detector over one replay: feed() each step, then finish()."""
+
+    def __init__(self, rec):
+        cfg = settings_of(rec)
+        self.parts = [P99Replay(rec, cfg.p99), EntropyReplay(rec, cfg.entropy)]
+
+    def feed(self, step: Step):
+        for part in self.parts:
+            part.feed(step)
+
+    def finish(self) -> list[dict]:
+        found = [a for part in self.parts for a in part.finish()]
+        return sorted(found, key=lambda a: a.get("ts_ns", 0))
 
 
-def _table(rec: Recording, key: str) -> list[str]:
+def detect(rec) -> list[dict]:
+    """Anomalies in a recording (a Recording or a RecordingReader)."""
+    detectors = Detectors(rec)
+    for step in replay(rec):
+        detectors.feed(step)
+    return detectors.finish()
+
+
+def _table(rec, key: str) -> list[str]:
     for doc in rec.meta:
         if isinstance(doc.get(key), list):
             return [str(x) for x in doc[key]]
@@ -104,5 +200,3 @@ def _table(rec: Recording, key: str) -> list[str]:
 
 def _at(table: list[str], i: int) -> str:
     return table[i] if i < len(table) else str(i)
-
-

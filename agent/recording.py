@@ -13,6 +13,7 @@ chunk tells a reader that the writer closed the file itself.
 
 import json
 import os
+import stat
 import struct
 import threading
 import time
@@ -21,6 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from .bounded_json import loads_bounded
+from .recording_checks import check_footer, check_header, check_meta
 
 MAGIC = b"MMTRACE\x00"
 MAJOR = 1
@@ -35,8 +39,11 @@ KIND_META = 2
 KIND_END = 3
 KIND_NAMES = {KIND_EVENTS: "events", KIND_META: "meta", KIND_END: "end"}
 
-MAX_HEADER_BYTES = 16 << 20
+MAX_HEADER_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 1 << 30
+MAX_DOC_BYTES = 8 << 20         # one meta or end chunk
+MAX_META_BYTES = 8 << 20        # meta kept in memory, all chunks together
+PIECE_BYTES = 4 << 20           # events are handed out at most this much at a time
 
 
 class RecordingError(Exception):
@@ -45,13 +52,6 @@ class RecordingError(Exception):
 
 def dtype_to_json(dtype: np.dtype) -> list:
     return [[name, dtype.fields[name][0].str] for name in dtype.names]
-
-
-def dtype_from_json(descr) -> np.dtype:
-    try:
-        return np.dtype([(str(name), str(fmt)) for name, fmt in descr])
-    except (TypeError, ValueError) as exc:
-        raise RecordingError(f"header describes an invalid record layout: {exc}") from None
 
 
 class RecordingWriter:
@@ -134,8 +134,257 @@ class RecordingWriter:
         self.closed = True
 
 
+def _open_regular(path: Path) -> int:
+    """A read-only descriptor of `path`, which must be a regular file: a
+    FIFO, device or socket could block or never end."""
+    try:
+        kind = os.stat(path).st_mode
+        if stat.S_ISDIR(kind):
+            raise RecordingError(f"{path}: is a directory, expected a recording file")
+        if not stat.S_ISREG(kind):
+            raise RecordingError(f"{path}: is not a regular file, expected a recording file")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise RecordingError(f"{path}: no such file") from None
+    except PermissionError:
+        raise RecordingError(f"{path}: permission denied") from None
+    except OSError as exc:
+        raise RecordingError(f"{path}: cannot open: {exc.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):     # replaced since the stat
+        os.close(fd)
+        raise RecordingError(f"{path}: is not a regular file, expected a recording file")
+    return fd
+
+
+class RecordingReader:
+    """A recording read in bounded memory. Opening it checks the header and
+    walks every chunk once (checksums, meta, footer, counts); pieces(schema)
+    then hands out one schema's events, a piece at a time, in file order.
+
+    Raises RecordingError when nothing can be trusted, or when a chunk whose
+    checksum holds says something no writer writes; a damaged or cut tail
+    gives the intact prefix and a warning."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self._fd = _open_regular(self.path)
+        self.meta: list[dict] = []
+        self.footer: dict | None = None
+        self.warnings: list[str] = []
+        self.counts: dict[str, int] = {}
+        self.ts_range: dict[str, tuple[int, int]] = {}
+        self._intact_chunks = 0
+        try:
+            self._size = os.fstat(self._fd).st_size
+            self.header, self._data_start, self.version = self._read_header()
+            self._intact_end = self._scan()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def complete(self) -> bool:
+        return self.footer is not None
+
+    def close(self):
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _error(self, what: str) -> RecordingError:
+        return RecordingError(f"{self.path}: {what}")
+
+    def _read(self, offset: int, size: int) -> bytes:
+        try:
+            return os.pread(self._fd, size, offset)
+        except OSError as exc:
+            raise self._error(f"cannot read at byte {offset}: {exc.strerror}") from None
+
+    def _read_header(self):
+        data = self._read(0, _HEAD.size)
+        if len(data) < _HEAD.size or not data.startswith(MAGIC):
+            raise self._error("not an mmtrace recording (no MMTRACE magic at the start)")
+        _, major, minor, body_len = _HEAD.unpack(data)
+        end = _HEAD.size + body_len
+        # Nothing here is trusted before the checksum: a damaged length or
+        # version is a damaged header, not a newer format.
+        if body_len > MAX_HEADER_BYTES or end + _CRC.size > self._size:
+            raise self._error("recording header is damaged or cut short "
+                              f"(it claims {body_len} bytes, the file has {self._size})")
+        data = self._read(0, end + _CRC.size)
+        (crc,) = _CRC.unpack_from(data, end)
+        if zlib.crc32(data[:end]) != crc:
+            raise self._error("recording header fails its checksum: damaged, or not a recording")
+        if major > MAJOR:
+            raise self._error(f"recording format {major}.{minor} is newer than this mmtrace "
+                              f"reads ({MAJOR}.x); upgrade mmtrace")
+        try:
+            header = loads_bounded(data[_HEAD.size:end], MAX_HEADER_BYTES)
+            self.schemas = check_header(header)
+        except ValueError as exc:
+            raise self._error(f"recording header is not valid: {exc}") from None
+        self._schema_names = list(self.schemas)
+        self.counts = dict.fromkeys(self._schema_names, 0)
+        return header, end + _CRC.size, (major, minor)
+
+    def _chunks(self, start: int, end: int):
+        """(index, offset, kind, schema, count, length, crc) of each chunk
+        header from `start`, or (index, offset, problem) where reading stops."""
+        offset, index = start, 0
+        while offset < end:
+            head = self._read(offset, _CHUNK.size)
+            if len(head) < _CHUNK.size:
+                yield index, offset, f"cut short inside the header of chunk {index}"
+                return
+            magic, kind, _, schema, count, length, crc = _CHUNK.unpack(head)
+            if magic != CHUNK_MAGIC:
+                yield index, offset, f"chunk {index} has no chunk marker"
+                return
+            if length > MAX_CHUNK_BYTES or offset + _CHUNK.size + length > end:
+                yield index, offset, f"cut short inside chunk {index}"
+                return
+            yield index, offset, kind, schema, count, length, crc
+            offset += _CHUNK.size + length
+            index += 1
+
+    def _payload(self, start: int, length: int, step: int):
+        for pos in range(0, length, step):
+            data = self._read(start + pos, min(step, length - pos))
+            if len(data) != min(step, length - pos):
+                raise self._error("changed while being read (it got shorter)")
+            yield data
+
+    def _scan(self) -> int:
+        """Check every chunk; returns where the intact chunks end."""
+        kept = _MetaKept(self)
+        intact = self._data_start
+        for index, offset, *chunk in self._chunks(self._data_start, self._size):
+            if len(chunk) == 1:
+                self.warnings.append(f"{self.path}: {chunk[0]} (byte {offset}); "
+                                     f"read the {index} intact chunks before it")
+                return intact
+            kind, schema, count, length, crc = chunk
+            start = offset + _CHUNK.size
+            problem, payload = self._verify(index, kind, schema, count, start, length, crc)
+            if problem:
+                self.warnings.append(f"{self.path}: {problem} (byte {offset}); "
+                                     f"read the {index} intact chunks before it")
+                return intact
+            intact = start + length
+            if kind == KIND_META:
+                kept.add(payload, length)
+            elif kind == KIND_END:
+                self.footer = payload
+                if intact < self._size:
+                    self.warnings.append(f"{self.path}: {self._size - intact} bytes after "
+                                         "the end chunk ignored")
+                return intact
+            self._intact_chunks = index + 1
+        self.warnings.append(f"{self.path}: no end chunk, the recording was cut short; "
+                             f"read its {self._intact_chunks} complete chunks")
+        return intact
+
+    def _verify(self, index, kind, schema, count, start, length, crc):
+        """(problem, document) of one chunk; events are counted, a meta or
+        end document is parsed and checked."""
+        what = KIND_NAMES.get(kind)
+        if what is None:
+            return f"chunk {index} has unknown kind {kind}", None
+        if kind != KIND_EVENTS and length > MAX_DOC_BYTES:
+            return f"chunk {index} ({what}) holds {length} bytes, more than any writer", None
+        if kind == KIND_EVENTS:
+            if schema >= len(self._schema_names):
+                return (f"chunk {index} names schema {schema}, "
+                        f"the header has {len(self._schema_names)}"), None
+            name = self._schema_names[schema]
+            dtype = self.schemas[name]
+            if count * dtype.itemsize != length:
+                return (f"chunk {index} holds {length} bytes, expected "
+                        f"{count} records of {dtype.itemsize}"), None
+        expect = zlib.crc32(_CHUNK.pack(CHUNK_MAGIC, kind, 0, schema, count, length, 0))
+        lo, hi, body = None, None, b""
+        step = (PIECE_BYTES // dtype.itemsize) * dtype.itemsize if kind == KIND_EVENTS \
+            else max(length, 1)
+        for data in self._payload(start, length, step):
+            expect = zlib.crc32(data, expect)
+            if kind == KIND_EVENTS:
+                ts = np.frombuffer(data, dtype)["ts_ns"]
+                lo = min(int(ts.min()), lo if lo is not None else int(ts.min()))
+                hi = max(int(ts.max()), hi if hi is not None else int(ts.max()))
+            else:
+                body = data
+        if expect != crc:
+            return f"chunk {index} fails its checksum", None
+        if kind == KIND_EVENTS:
+            self.counts[name] += count
+            if lo is not None:
+                old = self.ts_range.get(name, (lo, hi))
+                self.ts_range[name] = (min(old[0], lo), max(old[1], hi))
+            return None, None
+        # The checksum holds: what the document says is what a writer wrote,
+        # and a reader that cannot use it must say so rather than guess.
+        try:
+            doc = loads_bounded(body, MAX_DOC_BYTES)
+            (check_meta if kind == KIND_META else check_footer)(doc)
+        except ValueError as exc:
+            raise self._error(f"chunk {index} ({what}) is not valid: {exc}") from None
+        return None, doc
+
+    def pieces(self, schema: str):
+        """The events of `schema`, in file order, at most PIECE_BYTES at a time."""
+        if schema not in self.schemas:
+            return
+        sid = self._schema_names.index(schema)
+        dtype = self.schemas[schema]
+        step = (PIECE_BYTES // dtype.itemsize) * dtype.itemsize
+        for _, offset, *chunk in self._chunks(self._data_start, self._intact_end):
+            if len(chunk) == 1:
+                raise self._error("changed while being read")
+            kind, chunk_schema, count, length, _ = chunk
+            if kind == KIND_EVENTS and chunk_schema == sid:
+                for data in self._payload(offset + _CHUNK.size, length, step):
+                    yield np.frombuffer(data, dtype)
+
+
+class _MetaKept:
+    """The meta documents a reader keeps, MAX_META_BYTES of them at most. A
+    writer rewrites the whole symbol table each time it grows: only the
+    latest such table is kept."""
+
+    def __init__(self, reader: RecordingReader):
+        self.reader = reader
+        self.bytes = 0
+        self.symbols = None     # (document, bytes) of the latest symbol table
+        self.full = False
+
+    def add(self, doc: dict, length: int):
+        if set(doc) == {"symbol_names"} and self.symbols is not None:
+            old, old_length = self.symbols
+            self.reader.meta = [d for d in self.reader.meta if d is not old]
+            self.bytes -= old_length
+        if self.bytes + length > MAX_META_BYTES:
+            if not self.full:
+                self.full = True
+                self.reader.warnings.append(
+                    f"{self.reader.path}: meta beyond {MAX_META_BYTES >> 20} MiB ignored "
+                    "(op and symbol names may be missing)")
+            return
+        self.reader.meta.append(doc)
+        self.bytes += length
+        if set(doc) == {"symbol_names"}:
+            self.symbols = (doc, length)
+
+
 @dataclass
 class Recording:
+    """A whole recording in memory (small files, tests); the same reading
+    interface as RecordingReader."""
     path: Path
     header: dict
     events: dict[str, np.ndarray]
@@ -148,109 +397,34 @@ class Recording:
     def complete(self) -> bool:
         return self.footer is not None
 
+    @property
+    def schemas(self) -> dict[str, np.dtype]:
+        return {name: records.dtype for name, records in self.events.items()}
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return {name: len(records) for name, records in self.events.items()}
+
+    @property
+    def ts_range(self) -> dict[str, tuple[int, int]]:
+        return {name: (int(r["ts_ns"].min()), int(r["ts_ns"].max()))
+                for name, r in self.events.items() if len(r)}
+
+    def pieces(self, schema: str):
+        records = self.events.get(schema)
+        if records is None or not len(records):
+            return
+        step = max(1, PIECE_BYTES // records.dtype.itemsize)
+        for lo in range(0, len(records), step):
+            yield records[lo:lo + step]
+
 
 def read_recording(path) -> Recording:
-    """Read a whole recording. Raises RecordingError when nothing can be
-    trusted; a damaged or cut tail gives the intact prefix and a warning."""
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise RecordingError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise RecordingError(f"{path}: is a directory, expected a recording file") from None
-    except PermissionError:
-        raise RecordingError(f"{path}: permission denied") from None
-    header, offset, version = _read_header(path, data)
-    schemas = {}
-    for name, descr in header.get("schemas", {}).items():
-        schemas[name] = dtype_from_json(descr)
-    schema_names = list(schemas)
-    parts: dict[str, list[np.ndarray]] = {name: [] for name in schema_names}
-    rec = Recording(path=path, header=header, events={}, version=version)
-    index = 0
-    while offset < len(data):
-        problem = None
-        if len(data) - offset < _CHUNK.size:
-            problem = f"cut short inside the header of chunk {index}"
-        else:
-            magic, kind, _, schema, count, length, crc = _CHUNK.unpack_from(data, offset)
-            start = offset + _CHUNK.size
-            if magic != CHUNK_MAGIC:
-                problem = f"chunk {index} has no chunk marker"
-            elif length > MAX_CHUNK_BYTES or start + length > len(data):
-                problem = f"cut short inside chunk {index}"
-            else:
-                payload = data[start:start + length]
-                expect = zlib.crc32(payload, zlib.crc32(
-                    _CHUNK.pack(magic, kind, 0, schema, count, length, 0)))
-                if expect != crc:
-                    problem = f"chunk {index} fails its checksum"
-                else:
-                    problem = _take_chunk(rec, parts, schema_names, schemas, kind,
-                                          schema, count, payload, index)
-        if problem:
-            rec.warnings.append(
-                f"{path}: {problem} (byte {offset}); read the {index} intact chunks before it")
-            break
-        offset = start + length
-        index += 1
-        if rec.footer is not None:
-            if offset < len(data):
-                rec.warnings.append(f"{path}: {len(data) - offset} bytes after the end chunk ignored")
-            break
-    if rec.footer is None and not rec.warnings:
-        rec.warnings.append(
-            f"{path}: no end chunk, the recording was cut short; read its {index} complete chunks")
-    rec.events = {name: (np.concatenate(p) if p else np.empty(0, schemas[name]))
-                  for name, p in parts.items()}
-    return rec
-
-
-def _read_header(path, data: bytes):
-    if len(data) < _HEAD.size or not data.startswith(MAGIC):
-        raise RecordingError(f"{path}: not an mmtrace recording (no MMTRACE magic at the start)")
-    _, major, minor, body_len = _HEAD.unpack_from(data, 0)
-    if major > MAJOR:
-        raise RecordingError(
-            f"{path}: recording format {major}.{minor} is newer than this mmtrace reads "
-            f"({MAJOR}.x); upgrade mmtrace")
-    end = _HEAD.size + body_len
-    if body_len > MAX_HEADER_BYTES or end + _CRC.size > len(data):
-        raise RecordingError(f"{path}: recording header is cut short or damaged")
-    (crc,) = _CRC.unpack_from(data, end)
-    if zlib.crc32(data[:end]) != crc:
-        raise RecordingError(f"{path}: recording header fails its checksum")
-    try:
-        header = json.loads(data[_HEAD.size:end])
-    except ValueError as exc:
-        raise RecordingError(f"{path}: recording header is not valid JSON: {exc}") from None
-    if not isinstance(header, dict) or not isinstance(header.get("schemas", {}), dict):
-        raise RecordingError(f"{path}: recording header has no schema table")
-    return header, end + _CRC.size, (major, minor)
-
-
-def _take_chunk(rec, parts, schema_names, schemas, kind, schema, count, payload, index):
-    """Add one verified chunk to `rec`; return a problem string or None."""
-    if kind == KIND_EVENTS:
-        if schema >= len(schema_names):
-            return f"chunk {index} names schema {schema}, the header has {len(schema_names)}"
-        dtype = schemas[schema_names[schema]]
-        if count * dtype.itemsize != len(payload):
-            return (f"chunk {index} holds {len(payload)} bytes, expected "
-                    f"{count} records of {dtype.itemsize}")
-        parts[schema_names[schema]].append(np.frombuffer(payload, dtype, count))
-        return None
-    if kind in (KIND_META, KIND_END):
-        try:
-            doc = json.loads(payload)
-        except ValueError:
-            return f"chunk {index} ({KIND_NAMES[kind]}) is not valid JSON"
-        if not isinstance(doc, dict):
-            return f"chunk {index} ({KIND_NAMES[kind]}) is not a JSON object"
-        if kind == KIND_META:
-            rec.meta.append(doc)
-        else:
-            rec.footer = doc
-        return None
-    return f"chunk {index} has unknown kind {kind}"
+    """Read a whole recording into memory (see RecordingReader)."""
+    with RecordingReader(path) as reader:
+        events = {}
+        for name, dtype in reader.schemas.items():
+            parts = list(reader.pieces(name))
+            events[name] = np.concatenate(parts) if parts else np.empty(0, dtype)
+        return Recording(reader.path, reader.header, events, reader.meta, reader.footer,
+                         reader.warnings, reader.version)

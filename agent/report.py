@@ -1,9 +1,14 @@
 """`mmtrace report`: a summary of one recording, as text or JSON."""
 
+from collections import Counter
+
 import numpy as np
 
-from .offline import detect
-from .recording import Recording
+from mmtrace.detectors.quantile_sketch import QuantileSketch
+
+from .offline import Detectors
+from .recording_checks import lost_total
+from .replay import DEVICE, replay
 
 
 def log2_buckets_us(delays_ns: np.ndarray) -> np.ndarray:
@@ -13,157 +18,214 @@ def log2_buckets_us(delays_ns: np.ndarray) -> np.ndarray:
     return np.where(us < 2, 0, exponent - 1).astype(np.int64)
 
 
-def log2_hist(delays_ns: np.ndarray) -> list[dict]:
-    if len(delays_ns) == 0:
-        return []
-    counts = np.bincount(log2_buckets_us(delays_ns))
+def hist_buckets(counts: np.ndarray) -> list[dict]:
+    counts = np.trim_zeros(np.asarray(counts), "b")
     return [{"low_us": 0 if k == 0 else 1 << k, "high_us": (1 << (k + 1)) - 1,
              "count": int(c)} for k, c in enumerate(counts)]
 
 
-def runq_summary(runq: np.ndarray) -> dict:
-    delays = runq["delay_ns"] if len(runq) else np.empty(0, np.uint64)
-    out = {"count": int(len(delays)), "p50_us": None, "p99_us": None, "max_us": None,
-           "hist_log2_us": log2_hist(delays)}
-    if len(delays):
-        p50, p99 = np.percentile(delays, [50, 99])
-        out.update(p50_us=round(float(p50) / 1e3, 3), p99_us=round(float(p99) / 1e3, 3),
-                   max_us=round(float(delays.max()) / 1e3, 3))
-    return out
+class Percentiles:
+    """p50/p99 of a stream of values: exact (numpy's) while they fit in
+    `exact_limit` values, then from a mergeable quantile sketch (within 1 %)."""
+
+    def __init__(self, exact_limit: int = 1 << 20):
+        self.exact_limit = exact_limit
+        self._parts: list[np.ndarray] = []
+        self._held = 0
+        self.sketch = None
+        self.count = 0
+        self.total = 0.0
+        self.max = None
+
+    def add(self, values: np.ndarray):
+        if not len(values):
+            return
+        values = values.astype(np.float64)
+        self.count += len(values)
+        self.total += float(values.sum())
+        top = float(values.max())
+        self.max = top if self.max is None else max(self.max, top)
+        if self.sketch is not None:
+            self.sketch.add_many(values)
+            return
+        self._parts.append(values)
+        self._held += len(values)
+        if self._held > self.exact_limit:
+            self.sketch = QuantileSketch()
+            for part in self._parts:
+                self.sketch.add_many(part)
+            self._parts = []
+
+    def p50_p99(self) -> tuple[float, float] | None:
+        if not self.count:
+            return None
+        if self.sketch is not None:
+            return tuple(self.sketch.quantiles([0.5, 0.99]))
+        p50, p99 = np.percentile(np.concatenate(self._parts), [50, 99])
+        return float(p50), float(p99)
 
 
-def top_threads(runq: np.ndarray, limit: int = 10) -> list[dict]:
-    """Threads with the largest total run-queue delay."""
-    if len(runq) == 0:
-        return []
-    tids, inverse = np.unique(runq["tid"], return_inverse=True)
-    total = np.bincount(inverse, weights=runq["delay_ns"].astype(np.float64))
-    count = np.bincount(inverse)
-    order = np.argsort(total)[::-1][:limit]
-    # The thread's latest name: a process renames itself at exec.
-    latest = np.zeros(len(tids), dtype=np.int64)
-    np.maximum.at(latest, inverse, np.arange(len(runq)))
-    out = []
-    for i in order:
-        row = runq[latest[i]]
-        out.append({"pid": int(row["pid"]), "tid": int(tids[i]),
-                    "comm": row["comm"].decode(errors="replace"),
-                    "count": int(count[i]), "total_ms": round(float(total[i]) / 1e6, 3)})
-    return out
+def _us(ns) -> float:
+    return round(float(ns) / 1e3, 3)
 
 
-def duration_s(rec: Recording) -> float:
+class TopCounter:
+    """Counts by key, bounded: past `limit` keys the smaller half is dropped
+    (a recording with more distinct keys than that is ranked approximately)."""
+
+    def __init__(self, limit: int = 1 << 16):
+        self.limit = limit
+        self.counts: Counter = Counter()
+
+    def update(self, counts):
+        self.counts.update(counts)
+        if len(self.counts) > self.limit:
+            self.counts = Counter(dict(self.counts.most_common(self.limit // 2)))
+
+
+class RunqSummary:
+    def __init__(self):
+        self.hist = np.zeros(64, np.int64)
+        self.delays = Percentiles()
+        self.threads: dict[int, list] = {}      # tid -> [total_ns, count, pid, comm]
+        self.thread_limit = 1 << 16
+
+    def add(self, runq: np.ndarray):
+        delays = runq["delay_ns"]
+        self.hist += np.bincount(log2_buckets_us(delays), minlength=64)[:64]
+        self.delays.add(delays)
+        tids, inverse = np.unique(runq["tid"], return_inverse=True)
+        total = np.bincount(inverse, weights=delays.astype(np.float64))
+        count = np.bincount(inverse)
+        # The thread's latest name: a process renames itself at exec.
+        latest = np.zeros(len(tids), dtype=np.int64)
+        np.maximum.at(latest, inverse, np.arange(len(runq)))
+        pids, comms = runq["pid"][latest].tolist(), runq["comm"][latest].tolist()
+        for i, tid in enumerate(tids.tolist()):
+            entry = self.threads.get(tid)
+            if entry is None:
+                self.threads[tid] = [float(total[i]), int(count[i]), pids[i], comms[i]]
+            else:
+                entry[0] += float(total[i])
+                entry[1] += int(count[i])
+                entry[2], entry[3] = pids[i], comms[i]
+        if len(self.threads) > self.thread_limit:
+            keep = sorted(self.threads.items(), key=lambda kv: -kv[1][0])
+            self.threads = dict(keep[:self.thread_limit // 2])
+
+    def summary(self) -> dict:
+        d = self.delays
+        out = {"count": d.count, "p50_us": None, "p99_us": None, "max_us": None,
+               "hist_log2_us": hist_buckets(self.hist) if d.count else []}
+        pct = d.p50_p99()
+        if pct:
+            out.update(p50_us=_us(pct[0]), p99_us=_us(pct[1]), max_us=_us(d.max))
+        return out
+
+    def top_threads(self, limit: int = 10) -> list[dict]:
+        """Threads with the largest total run-queue delay."""
+        ranked = sorted(self.threads.items(), key=lambda kv: (-kv[1][0], kv[0]))[:limit]
+        return [{"pid": pid, "tid": tid, "comm": comm.decode(errors="replace"), "count": n,
+                 "total_ms": round(total / 1e6, 3)} for tid, (total, n, pid, comm) in ranked]
+
+
+class DeviceSummary:
+    """Counts, top ops, sync waits and copied bytes of decoded device rows."""
+
+    def __init__(self):
+        self.events: Counter = Counter()
+        self.ops = TopCounter()
+        self.waits: dict[tuple, Percentiles] = {}
+        self.copies: dict[tuple, list] = {}
+
+    def add(self, rows):
+        self.events.update(f"{s}.{k}" for s, k in zip(rows.stream, rows.kind))
+        self.ops.update(Counter(
+            (s, k, a, n) for s, k, a, n in zip(rows.stream, rows.kind, rows.api, rows.op_name)
+            if k in ("launch", "graph_launch", "model_exec")))
+        ev = rows.events
+        returned = (ev["flags"] & 1) != 0
+        is_sync = (rows.kind == "sync") & returned
+        if is_sync.any():
+            at = np.flatnonzero(is_sync)
+            keys = list(zip(rows.stream[at], rows.api[at]))
+            waits = ev["duration_ns"][at]
+            for key in set(keys):
+                mine = np.fromiter((k == key for k in keys), bool, len(keys))
+                self.waits.setdefault(key, Percentiles(1 << 16)).add(waits[mine])
+        is_copy = np.flatnonzero(rows.kind == "memcpy")
+        for i, stream, direction in zip(is_copy.tolist(), rows.stream[is_copy],
+                                        rows.direction[is_copy]):
+            entry = self.copies.setdefault((stream, direction), [0, 0])
+            entry[0] += 1
+            entry[1] += int(ev["bytes"][i])
+
+    def top_ops(self, limit: int = 20) -> list[dict]:
+        """Submissions (not syncs, not copies) by (stream, api, op_name), most first."""
+        ranked = sorted(self.ops.counts.items(), key=lambda item: (-item[1], str(item[0])))
+        return [{"stream": s, "kind": k, "api": a, "op_name": n, "count": c}
+                for (s, k, a, n), c in ranked[:limit]]
+
+    def sync_waits(self) -> list[dict]:
+        """Time the host spent blocked in each sync API."""
+        out = []
+        for (stream, api), waits in sorted(self.waits.items()):
+            p50, p99 = waits.p50_p99()
+            out.append({"stream": stream, "api": api, "count": waits.count,
+                        "total_ms": round(waits.total / 1e6, 3),
+                        "p50_us": _us(p50), "p99_us": _us(p99), "max_us": _us(waits.max)})
+        return out
+
+    def bytes_by_direction(self) -> list[dict]:
+        return [{"stream": stream, "direction": direction, "count": n, "bytes": total}
+                for (stream, direction), (n, total) in sorted(
+                    self.copies.items(), key=lambda kv: (kv[0][0], str(kv[0][1])))]
+
+
+def duration_s(rec) -> float:
     if rec.footer and "duration_s" in rec.footer:
         return float(rec.footer["duration_s"])
-    stamps = [a["ts_ns"] for a in rec.events.values() if len(a)]
-    if not stamps:
+    ranges = list(rec.ts_range.values())
+    if not ranges:
         return 0.0
-    lo = min(int(s.min()) for s in stamps)
-    hi = max(int(s.max()) for s in stamps)
-    return (hi - lo) / 1e9
+    return (max(hi for _, hi in ranges) - min(lo for lo, _ in ranges)) / 1e9
 
 
-def lost_events(rec: Recording) -> int:
-    if rec.footer and "lost_events" in rec.footer:
-        return int(rec.footer["lost_events"])
-    return 0
-
-
-def device_rows(rec: Recording):
-    events = rec.events.get("dev.event")
-    if events is None or not len(events):
-        return None
-    from .device_view import DeviceContext, decode
-    return decode(events, DeviceContext.from_meta(rec.meta))
-
-
-def event_counts(rec: Recording, rows) -> dict[str, int]:
-    """Events by "<stream>.<kind>" (cpu.runq, gpu.launch, npu.sync, ...);
-    other recorded samples by their schema name."""
-    counts = {}
-    for name, records in rec.events.items():
-        if name != "dev.event" and len(records):
-            counts[name] = int(len(records))
-    if rows is not None:
-        keys, n = np.unique(np.char.add(np.char.add(rows.stream.astype(str), "."),
-                                        rows.kind.astype(str)), return_counts=True)
-        counts.update({str(k): int(c) for k, c in zip(keys, n)})
-    return dict(sorted(counts.items()))
-
-
-def top_ops(rows, limit: int = 20) -> list[dict]:
-    """Submissions (not syncs, not copies) by (stream, api, op_name), most first."""
-    if rows is None:
-        return []
-    counts: dict[tuple, int] = {}
-    for stream, kind, api, name in zip(rows.stream, rows.kind, rows.api, rows.op_name):
-        if kind in ("launch", "graph_launch", "model_exec"):
-            key = (stream, kind, api, name)
-            counts[key] = counts.get(key, 0) + 1
-    ranked = sorted(counts.items(), key=lambda item: (-item[1], str(item[0])))[:limit]
-    return [{"stream": s, "kind": k, "api": a, "op_name": n, "count": c}
-            for (s, k, a, n), c in ranked]
-
-
-def sync_waits(rows) -> list[dict]:
-    """Time the host spent blocked in each sync API."""
-    if rows is None:
-        return []
-    out = []
-    is_sync = rows.kind == "sync"
-    returned = (rows.events["flags"] & 1) != 0
-    for stream, api in sorted({(s, a) for s, a in zip(rows.stream[is_sync], rows.api[is_sync])}):
-        at = is_sync & (rows.stream == stream) & (rows.api == api) & returned
-        waits = rows.events["duration_ns"][at].astype(np.float64)
-        if not len(waits):
-            continue
-        p50, p99 = np.percentile(waits, [50, 99])
-        out.append({"stream": stream, "api": api, "count": int(len(waits)),
-                    "total_ms": round(float(waits.sum()) / 1e6, 3),
-                    "p50_us": round(float(p50) / 1e3, 3), "p99_us": round(float(p99) / 1e3, 3),
-                    "max_us": round(float(waits.max()) / 1e3, 3)})
-    return out
-
-
-def bytes_by_direction(rows) -> list[dict]:
-    if rows is None:
-        return []
-    is_copy = rows.kind == "memcpy"
-    out = []
-    for stream, direction in sorted({(s, str(d)) for s, d in zip(rows.stream[is_copy],
-                                                                  rows.direction[is_copy])}):
-        at = is_copy & (rows.stream == stream) & (rows.direction.astype(str) == direction)
-        out.append({"stream": stream, "direction": None if direction == "None" else direction,
-                    "count": int(at.sum()),
-                    "bytes": int(rows.events["bytes"][at].astype(np.uint64).sum())})
-    return out
-
-
-def device_probes(rec: Recording) -> dict:
+def device_probes(rec) -> dict:
     footer = rec.footer or {}
     return {"summary": footer.get("device_probe_summary", {}),
             "name_resolution": footer.get("name_resolution", {})}
 
 
-def summarize(rec: Recording) -> dict:
-    runq = rec.events.get("cpu.runq", np.empty(0))
-    rows = device_rows(rec)
+def summarize(rec) -> dict:
+    """The report of a recording (a Recording, or a RecordingReader streamed
+    from disk): one replay feeds every aggregate and the detectors."""
+    runq, device = RunqSummary(), DeviceSummary()
+    detectors = Detectors(rec)
+    for step in replay(rec):
+        if "cpu.runq" in step.records:
+            runq.add(step.records["cpu.runq"])
+        if step.device is not None and len(step.device):
+            device.add(step.device)
+        detectors.feed(step)
+    counts = {name: n for name, n in rec.counts.items() if name != DEVICE and n}
+    counts.update(device.events)
     return {
         "file": str(rec.path),
         "format_version": "%d.%d" % rec.version,
         "complete": rec.complete,
         "warnings": list(rec.warnings),
         "duration_s": round(duration_s(rec), 6),
-        "events": event_counts(rec, rows),
-        "lost_events": lost_events(rec),
+        "events": dict(sorted(counts.items())),
+        "lost_events": lost_total(rec.footer),
         "kernel_counters": (rec.footer or {}).get("counters", {}),
-        "runq": runq_summary(runq),
-        "top_runq_threads": top_threads(runq),
-        "ops": top_ops(rows),
-        "sync_waits": sync_waits(rows),
-        "bytes_by_direction": bytes_by_direction(rows),
+        "runq": runq.summary(),
+        "top_runq_threads": runq.top_threads(),
+        "ops": device.top_ops(),
+        "sync_waits": device.sync_waits(),
+        "bytes_by_direction": device.bytes_by_direction(),
         "device_probes": device_probes(rec),
-        "anomalies": detect(rec),
+        "anomalies": detectors.finish(),
     }
 
 

@@ -28,3 +28,10 @@ def hist_from_table(table) -> list[int]:
 def sum_from_table(table) -> int:
     """The in-kernel sum of the histogram's delays, ns (per-CPU sums)."""
     return int(sum(table[table.Key(0)]))
+
+
+def wait_start_ns(runq: np.ndarray) -> np.ndarray:
+    """When each run-queue wait began: the switch-in time less the delay
+    (never before 0, whatever a damaged record says)."""
+    ts = runq["ts_ns"]
+    return ts - np.minimum(runq["delay_ns"], ts)

@@ -6,9 +6,22 @@ than send something the agent would refuse."""
 
 import json
 import math
+import re
 
+# The agent's limits (agent/hint_protocol.py; a test keeps the two equal:
+# the dispatcher imports nothing of the agent's).
 MAX_MESSAGE = 64 * 1024
+MAX_NAME = 256
+MAX_VALUES = 2048
+MAX_HEAD = 65535
+MAX_VALUE_MS = 3_600_000.0
 UNNAMED_MODALITY = "unknown"
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def is_name(text) -> bool:
+    """A series, modality or layer name the agent takes."""
+    return isinstance(text, str) and 1 <= len(text) <= MAX_NAME and not _CONTROL.search(text)
 
 
 def encode(message: dict) -> bytes:
@@ -30,8 +43,10 @@ def sample(series: str, modality: str, value_ms: float, ts_ns: int) -> dict:
     value_ms = float(value_ms)
     if not math.isfinite(value_ms) or value_ms < 0:
         raise ValueError(f"sample value_ms: expected a finite number >= 0, got {value_ms!r}")
-    if not series or not modality:
-        raise ValueError(f"sample: expected non-empty series and modality, got {series!r}, {modality!r}")
+    value_ms = min(value_ms, MAX_VALUE_MS)       # longer than the detector's largest value
+    if not is_name(series) or not is_name(modality):
+        raise ValueError(f"sample: expected series and modality of 1..{MAX_NAME} characters "
+                         f"without control characters, got {series!r}, {modality!r}")
     return {"v": 1, "type": "sample", "series": str(series), "modality": str(modality),
             "value_ms": value_ms, "ts_ns": int(ts_ns)}
 
@@ -41,7 +56,7 @@ def entropy_value(s) -> dict | None:
     if not isinstance(s, dict):
         return None
     layer, head, value = s.get("layer"), s.get("head"), s.get("value")
-    if not isinstance(layer, str) or not isinstance(head, int) or isinstance(head, bool):
+    if not is_name(layer) or type(head) is not int or not 0 <= head <= MAX_HEAD:
         return None
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return None
@@ -62,7 +77,7 @@ def entropy(samples: list, budget: int = MAX_MESSAGE - 512) -> tuple[list[dict],
             unusable += 1
             continue
         modality = s.get("modality")
-        modality = modality if isinstance(modality, str) and modality else UNNAMED_MODALITY
+        modality = modality if is_name(modality) else UNNAMED_MODALITY
         by_modality.setdefault(modality, []).append(v)
     out = []
     for modality, values in by_modality.items():
@@ -72,7 +87,7 @@ def entropy(samples: list, budget: int = MAX_MESSAGE - 512) -> tuple[list[dict],
             if n > budget:
                 unusable += 1           # a layer name longer than a message
                 continue
-            if chunk and size + n > budget:
+            if chunk and (size + n > budget or len(chunk) == MAX_VALUES):
                 out.append({"v": 1, "type": "entropy", "modality": modality, "values": chunk})
                 chunk, size = [], 0
             chunk.append(v)

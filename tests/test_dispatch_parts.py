@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmtrace.agent.hint_socket import validate
+from mmtrace.agent.hint_protocol import validate
 from mmtrace.dispatch import messages
 from mmtrace.dispatch.batching import ModalityQueue, Request
 from mmtrace.dispatch.hints import MAX_TTL_S, HintBook
@@ -353,6 +353,12 @@ def test_after_every_ttl_the_book_is_back_on_defaults(applied, later_ms):
 
 # ---------------------------------------------------------------- messages
 
+def test_the_limits_are_the_agents():
+    from mmtrace.agent import hint_protocol
+    for name in ("MAX_MESSAGE", "MAX_NAME", "MAX_VALUES", "MAX_HEAD", "MAX_VALUE_MS"):
+        assert getattr(messages, name) == getattr(hint_protocol, name), name
+
+
 def test_sample_follows_the_schema_strictly():
     msg = messages.sample("e2e", "text", 12, 123)
     assert msg == {"v": 1, "type": "sample", "series": "e2e", "modality": "text", "value_ms": 12.0,
@@ -382,7 +388,9 @@ def test_entropy_messages_are_valid_bounded_and_lose_nothing_usable(samples):
     for m in built:
         line = messages.encode(m)
         assert len(line) <= messages.MAX_MESSAGE
-        assert validate(json.loads(line)) == m
+        # the agent takes it whole, and hands each sample on with its modality
+        assert validate(json.loads(line)) == {
+            **m, "values": [{**v, "modality": m["modality"]} for v in m["values"]]}
         assert all(0.0 <= v["value"] <= 1.0 and type(v["head"]) is int for v in m["values"])
 
 

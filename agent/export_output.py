@@ -1,0 +1,111 @@
+"""Where an export goes: a temporary file beside the output, renamed into
+place only when everything was written (a failed export leaves nothing
+behind and an existing file as it was), never the input itself, or
+standard output, where a reader that goes away (`| head`) is not an error."""
+
+import errno
+import os
+import secrets
+import stat
+import sys
+from pathlib import Path
+
+BUFFER_BYTES = 1 << 20
+
+
+class OutputError(Exception):
+    """The output cannot be written."""
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+class ExportOutput:
+    """`with ExportOutput(path, source=input_path) as out: out.stream.write(...)`;
+    path "-" is standard output."""
+
+    def __init__(self, output: str, source):
+        self.output = output
+        self.source = Path(source)
+        self.stream = None
+        self._tmp = None
+        self._final = None
+
+    def __enter__(self):
+        if self.output == "-":
+            sys.stdout.flush()
+            self.stream = sys.stdout.buffer
+            return self
+        final = Path(os.path.realpath(self.output))
+        try:
+            existing = os.stat(final)
+        except FileNotFoundError:
+            existing = None
+        except OSError as exc:
+            raise OutputError(f"cannot write {self.output}: {exc.strerror}") from None
+        if existing is not None and _same_file(existing, os.stat(self.source)):
+            raise OutputError(f"{self.output} is the input recording {self.source}; "
+                              "refusing to overwrite it")
+        if existing is not None and stat.S_ISDIR(existing.st_mode):
+            raise OutputError(f"cannot write {self.output}: it is a directory")
+        try:
+            if existing is not None and not stat.S_ISREG(existing.st_mode):
+                # A device or FIFO (/dev/null, a pipe): written in place, never replaced.
+                self.stream = open(final, "wb", buffering=BUFFER_BYTES)
+                return self
+            tmp = final.with_name(f".{final.name}.{secrets.token_hex(4)}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            if existing is not None:        # a file replaced keeps its permissions
+                os.fchmod(fd, stat.S_IMODE(existing.st_mode))
+        except OSError as exc:
+            raise OutputError(f"cannot write {self.output}: {exc.strerror}") from None
+        self._tmp, self._final = tmp, final
+        self.stream = os.fdopen(fd, "wb", buffering=BUFFER_BYTES)
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if self.output == "-":
+            return self._exit_stdout(exc)
+        failure = exc
+        try:
+            self.stream.close()
+        except OSError as close_exc:
+            failure = failure or close_exc
+        if failure is None and self._tmp is not None:
+            try:
+                os.rename(self._tmp, self._final)
+                self._tmp = None
+            except OSError as rename_exc:
+                failure = rename_exc
+        if self._tmp is not None:
+            self._tmp.unlink(missing_ok=True)
+        if isinstance(failure, OSError):
+            raise OutputError(f"cannot write {self.output}: "
+                              f"{failure.strerror or failure}") from None
+        return False
+
+    def _exit_stdout(self, exc):
+        failure = exc
+        if failure is None:
+            try:
+                self.stream.flush()
+            except OSError as flush_exc:
+                failure = flush_exc
+        if not isinstance(failure, OSError):
+            return False
+        _quiet_stdout()
+        if isinstance(failure, BrokenPipeError) or failure.errno == errno.EPIPE:
+            return True     # the reader went away (`| head`): not an error
+        raise OutputError(f"cannot write standard output: {failure.strerror or failure}") from None
+
+
+def _quiet_stdout():
+    """Point standard output at /dev/null, so that the interpreter's own
+    flush at exit does not fail again on what is left in the buffer."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass    # not a real descriptor (a test runner's capture)

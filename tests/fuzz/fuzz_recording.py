@@ -1,0 +1,44 @@
+"""Fuzz target: any bytes as a recording file, through everything a command
+does with one (open, report, every export). RecordingError is the one
+documented failure; any other exception is a crash."""
+
+import atexit
+import io
+import os
+import shutil
+import sys
+import tempfile
+
+import atheris
+
+with atheris.instrument_imports():
+    from mmtrace.agent.recording import RecordingError, RecordingReader
+    from mmtrace.agent.replay import replay
+    from mmtrace.agent.report import format_text, summarize
+    from mmtrace.exporters.chrome import write_chrome
+    from mmtrace.exporters.jsonl import write_jsonl
+    from mmtrace.exporters.perfetto import write_recording
+
+
+def _input_path() -> str:
+    where = tempfile.mkdtemp(prefix="fuzz-recording-")
+    atexit.register(shutil.rmtree, where, ignore_errors=True)
+    return os.path.join(where, "input.mmtr")
+
+
+def test_one_input(data: bytes):
+    with open(PATH, "wb") as f:
+        f.write(data)
+    try:
+        with RecordingReader(PATH) as rec:
+            format_text(summarize(rec))
+            for write in (write_jsonl, write_chrome, write_recording):
+                write(replay(rec), io.BytesIO())
+    except RecordingError:
+        pass
+
+
+if __name__ == "__main__":
+    PATH = _input_path()
+    atheris.Setup(sys.argv, test_one_input)
+    atheris.Fuzz()
