@@ -4,6 +4,8 @@ import tomllib
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
+from mmtrace.dispatch.policy import PolicySettings
+
 from .errors import MmtraceError
 from .priority import DEFAULT_NICE
 
@@ -55,6 +57,7 @@ class DaemonConfig:
     p99: P99Settings = field(default_factory=P99Settings)
     entropy: EntropySettings = field(default_factory=EntropySettings)
     otlp: OtlpSettings = field(default_factory=OtlpSettings)
+    policy: PolicySettings = field(default_factory=PolicySettings)
 
 
 def _coerce(section: str, cls, table: dict):
@@ -105,17 +108,23 @@ def load_config(path: Path | None) -> DaemonConfig:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise MmtraceError(f"config {path}: not valid TOML: {exc}") from None
     top = {k: v for k, v in doc.items() if not isinstance(v, dict)}
-    unknown = set(doc) - set(top) - {"p99", "entropy", "otlp"}
+    unknown = set(doc) - set(top) - {"p99", "entropy", "otlp", "policy"}
     if unknown:
         raise MmtraceError(f"config {path}: unknown section(s) {sorted(unknown)}; "
-                           "expected [p99], [entropy] and [otlp]")
+                           "expected [p99], [entropy], [otlp] and [policy]")
     cfg = DaemonConfig(**_coerce("top", DaemonConfig, {k: v for k, v in top.items()}))
     cfg.p99 = P99Settings(**_coerce("p99", P99Settings, doc.get("p99", {})))
     cfg.entropy = EntropySettings(**_coerce("entropy", EntropySettings, doc.get("entropy", {})))
     cfg.otlp = OtlpSettings(**_coerce("otlp", OtlpSettings, doc.get("otlp", {})))
+    cfg.policy = PolicySettings(**_coerce("policy", PolicySettings, doc.get("policy", {})))
     if not -20 <= cfg.nice <= 19:
         raise MmtraceError(f"config {path}: nice must be within -20..19, got {cfg.nice}")
     if min(cfg.tick_s, cfg.ring_seconds, cfg.ring_capacity, cfg.device_ring_capacity) <= 0:
         raise MmtraceError(f"config {path}: tick_s, ring_seconds, ring_capacity and "
                            "device_ring_capacity must be positive")
+    pol = cfg.policy
+    if min(pol.ttl_s, pol.window_s, pol.max_hints_per_window) <= 0 or \
+            min(pol.escalate_dwell_s, pol.relax_dwell_s, pol.cooldown_s) < 0:
+        raise MmtraceError(f"config {path}: [policy] ttl_s, window_s and max_hints_per_window "
+                           "must be positive, the dwell times and cooldown_s not negative")
     return cfg

@@ -36,6 +36,7 @@ from .event_ring import EventRing
 from .flight import FlightRecorder
 from .hint_socket import HintServer
 from .record import CPU_PROBE_STATE, DeviceSources, StopFlag
+from .steering import Steering
 from .threads import ThreadProcesses
 
 log = logging.getLogger("mmtrace.daemon")
@@ -47,7 +48,6 @@ REQUEST_SAMPLE = np.dtype([("ts_ns", "<u8"), ("value_s", "<f8"), ("series", "<u4
 SCHEMAS = {"cpu.runq": sched_stream.RUNQ_EVENT, "dev.event": device_stream.DEV_EVENT,
            "model.entropy": ENTROPY_SAMPLE, "request.latency": REQUEST_SAMPLE}
 MAX_CLIENT_SERIES = 256
-HINT_TTL_S = 30.0
 SWEEP_INTERVAL_S = 10.0
 PID_IN_SERIES = re.compile(r"\bpid=(\d+)")
 
@@ -104,7 +104,6 @@ class Daemon:
         self.recent_hints: deque[dict] = deque(maxlen=status_view.MAX_HINTS)
         self.started_ns = time.monotonic_ns()
         self._counters_at_start: dict[str, int] = {}
-        self._hint_seq = 0
         self.loaded = None
         self.sources = None
         self.server = None
@@ -113,6 +112,8 @@ class Daemon:
         self._next_sweep = 0.0
         self.forgotten_series = 0
         self.otlp = _otlp_traces(config, lambda rows: describe(rows, self.infos, self.op_name_of))
+        # The hint policy; steering.inputs.device_weights is where device weights go.
+        self.steering = Steering(config.policy, hint_id=lambda seq: f"{os.getpid()}-{seq}")
 
     # ------------------------------------------------------------ lifecycle
 
@@ -173,6 +174,7 @@ class Daemon:
             self._next_sweep = time.monotonic() + SWEEP_INTERVAL_S
             self.forget_exited()
         self._act(self.p99.advance(now_ns - int(self.config.p99.window_s * 1e9 / 4)))
+        self._steer(now_ns)
 
     def forget_exited(self):
         """Series of processes that have exited are reset: a pid's alarm must
@@ -182,6 +184,7 @@ class Daemon:
             if match and self.p99.state(name) != "normal" and \
                     not (self.proc_root / match.group(1)).exists():
                 self.p99.reset(name)
+                self.steering.inputs.forget(("series", name))
                 self.forgotten_series += 1
 
     def _device(self):
@@ -218,6 +221,7 @@ class Daemon:
     def _on_messages(self, messages):
         requests = []
         for client, msg in messages:
+            self.steering.inputs.on_message(client.pid, msg)
             ts = int(msg.get("ts_ns") or time.monotonic_ns())
             if msg["type"] == "entropy":
                 samples = [{**s, "modality": s.get("modality", msg["modality"])}
@@ -281,6 +285,7 @@ class Daemon:
                 "processes": processes,
                 "anomalies": status_view.active_anomalies(self.anomalies),
                 "hints": list(self.recent_hints), "hints_sent": self.hints_sent,
+                "policy": self.steering.summary(),
                 "losses": self.losses()}
 
     def losses(self) -> dict[str, int]:
@@ -299,6 +304,7 @@ class Daemon:
 
     def _act(self, anomalies: list[dict]):
         for anomaly in anomalies:
+            self.steering.inputs.on_anomaly(anomaly)
             self.anomalies.append(anomaly)
             del self.anomalies[:-1000]
             firing = anomaly.get("state") == "firing"
@@ -313,7 +319,6 @@ class Daemon:
             if self.config.adaptive_launches and self._device() is not None:
                 # The next minutes complete: per-launch probes on for a while.
                 self._device().attach_launches(self.config.launch_burst_s)
-            self._hint(anomaly)
         if anomalies and self.otlp is not None:
             self.otlp.anomalies(anomalies)
 
@@ -331,27 +336,21 @@ class Daemon:
                  "entropy_layers": self.layers.table(),
                  "modalities": self.modalities.table(),
                  "request_series": self.request_series.table(),
+                 "hint_audit": self.steering.audit(),
                  "host": platform.node(), "daemon_pid": os.getpid(),
                  "config": _jsonable(asdict(self.config))}]
         return self.flight.dump(windows, SCHEMAS, anomaly, meta, time.monotonic_ns())
 
-    def _hint(self, anomaly):
-        if self.server is None:
-            return
-        series = anomaly.get("series", "")
-        if not series.startswith("runq_delay"):
-            return
-        self._hint_seq += 1
-        ev = anomaly.get("evidence", {})
-        ratio = (ev.get("p99") or 0) / ev["baseline"] if ev.get("baseline") else None
-        hint = {"v": 1, "type": "hint", "id": f"{os.getpid()}-{self._hint_seq}",
-                "kind": "cpu_contention", "target": series[series.find("{") + 1:-1],
-                "value": ratio, "ttl_s": HINT_TTL_S,
-                "reason": "run-queue delay p99 of the submitting threads drifted up",
-                "evidence": ev, "issued_ns": time.monotonic_ns()}
-        self.recent_hints.append({k: hint[k] for k in ("id", "kind", "target", "value",
-                                                       "ttl_s", "reason", "issued_ns")})
-        self.hints_sent += self.server.broadcast(hint)
+    def _steer(self, now_ns: int):
+        """Send what the hint policy decides now (nothing in dry-run: the
+        audit log has every decision)."""
+        for hint in self.steering.step(now_ns):
+            self.recent_hints.append({k: hint[k] for k in ("id", "kind", "target", "value",
+                                                           "ttl_s", "reason", "issued_ns")})
+            log.warning("hint %s %s -> %s: %s", hint["kind"], hint["target"], hint["value"],
+                        hint["reason"])
+            if self.server is not None:
+                self.hints_sent += self.server.broadcast(hint)
 
 
 def _otlp_traces(config: DaemonConfig, describe_rows):
