@@ -263,6 +263,7 @@ def run(plan: Plan, workdir: Path, out=sys.stdout) -> Result:
         contention.stop()
         monitor.say("inject", "contention stopped")
         time.sleep(0.3)
+        result.errors = load.errors           # before closing fails what is still queued
     finally:
         contention.stop()
         monitor.stop()
@@ -271,7 +272,6 @@ def run(plan: Plan, workdir: Path, out=sys.stdout) -> Result:
         agent.kill()
         os.sched_setaffinity(0, cpus)
     result.events = monitor.events
-    result.errors = load.errors
     result.flight_recordings = sorted(str(p) for p in agent.state_dir.glob("*.mmtr"))
     _measure(result, phases, load, server, plan)
     return result
