@@ -4,6 +4,7 @@ import numpy as np
 
 from .offline import detect
 from .recording import Recording
+from .report_telemetry import telemetry_lines, telemetry_summary
 
 
 def log2_buckets_us(delays_ns: np.ndarray) -> np.ndarray:
@@ -164,6 +165,7 @@ def summarize(rec: Recording) -> dict:
         "bytes_by_direction": bytes_by_direction(rows),
         "device_probes": device_probes(rec),
         "anomalies": detect(rec),
+        "telemetry": telemetry_summary(rec),
     }
 
 
@@ -193,6 +195,7 @@ def format_text(summary: dict) -> str:
     lines.append(f"anomalies: {len(summary['anomalies'])}")
     for anomaly in summary["anomalies"]:
         lines.append("  " + anomaly_line(anomaly))
+    lines.extend(telemetry_lines(summary["telemetry"]))
     return "\n".join(lines)
 
 

@@ -35,13 +35,14 @@ class Plan:
     baseline_s: float = 12.0          # no contention; the daemon learns the baselines
     phase_s: float = 8.0              # each hints-on / hints-off phase under contention
     rounds: int = 2                   # off, on, off, on, ...
-    detect_timeout_s: float = 40.0    # for the first hint after contention starts
+    detect_timeout_s: float = 60.0    # for the first hint after contention starts
     settle_s: float = 2.0             # the start of each phase not measured
     ttl_s: float = 4.0
     relax_dwell_s: float = 60.0       # relax slowly: the hints hold through the contention
-    busy: int = 4                     # busy processes on the server's CPUs
+    busy: int = 2                     # busy processes on the server's CPUs...
+    busy_nice: int = 5                # ...this much above the server's priority
     vision_in_flight: int = 16
-    text_rate: float = 60.0
+    text_rate: float = 30.0
 
 
 def daemon_config(socket_path: Path, state_dir: Path, plan: Plan) -> str:
@@ -211,7 +212,7 @@ def run(plan: Plan, workdir: Path, out=sys.stdout) -> Result:
     os.sched_setaffinity(0, server_cpus)       # the server's threads start on its CPU
     server = DemoServer(agent.socket)
     load = MixedLoad(server, vision_in_flight=plan.vision_in_flight, text_rate=plan.text_rate)
-    contention = Contention(server_cpus, plan.busy)
+    contention = Contention(server_cpus, plan.busy, plan.busy_nice)
     t0 = time.monotonic()
     monitor = Monitor(agent, server, t0, out)
     result = Result()
@@ -232,7 +233,8 @@ def run(plan: Plan, workdir: Path, out=sys.stdout) -> Result:
             phases.append({"name": name, "start_ns": start, "end_ns": time.monotonic_ns()})
 
         phase(BEFORE, plan.baseline_s, True)
-        monitor.say("inject", f"{plan.busy} busy processes on CPU {sorted(server_cpus)}")
+        monitor.say("inject", f"{plan.busy} busy processes on CPU {sorted(server_cpus)}, "
+                    f"{plan.busy_nice} nice steps above the server")
         load.phase = DETECT
         injected = time.monotonic_ns()
         contention.start()

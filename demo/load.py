@@ -104,19 +104,25 @@ def percentiles(latencies_ms: np.ndarray) -> dict:
 
 
 class Contention:
-    """`busy` processes spinning on `cpus`, at the server's own priority."""
+    """`busy` processes spinning on `cpus`, each `nice` steps above the
+    server's priority (niceness lowered by that much)."""
 
-    def __init__(self, cpus, busy: int = 2):
+    def __init__(self, cpus, busy: int = 2, nice: int = 0):
         self.cpus = set(cpus)
         self.busy = busy
+        self.nice = nice
         self.procs: list[subprocess.Popen] = []
 
     def start(self):
         for _ in range(self.busy):
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-c", BUSY_LOOP],
-                preexec_fn=lambda: os.sched_setaffinity(0, self.cpus)))
+                preexec_fn=self._place))
         return self
+
+    def _place(self):
+        os.sched_setaffinity(0, self.cpus)
+        os.nice(-self.nice)
 
     def stop(self):
         for proc in self.procs:
