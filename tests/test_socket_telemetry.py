@@ -2,13 +2,18 @@
 entropy samples reach the recording through the socket, and `report`
 summarises them beside the hint audit of a flight recording."""
 
+import json
 import socket
+import subprocess
 import time
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
+from conftest import MMTRACE
 from mmtrace.agent import recording
+from mmtrace.agent.cli import cli
 from mmtrace.agent.hint_socket import HintServer
 from mmtrace.agent.report import format_text, summarize
 from mmtrace.agent.socket_telemetry import SCHEMAS, SocketTelemetry
@@ -82,3 +87,28 @@ def test_report_shows_the_hint_audit_of_a_flight_recording(tmp_path):
     assert [h["value"] for h in hints["last"]] == [4, 2]
     text = format_text(summary)
     assert "hints: 2 decisions" in text and "capped   escalate  modality_batch vision -> 2: r2" in text
+
+
+@pytest.mark.bpf
+def test_mmtrace_record_with_a_socket_keeps_the_dispatchers_reports(tmp_path):
+    out, sock = tmp_path / "r.mmtr", tmp_path / "s.sock"
+    rec = subprocess.Popen([str(MMTRACE), "record", "-o", str(out), "--duration", "8",
+                            "--socket", str(sock)], stderr=subprocess.PIPE, text=True)
+    d = None
+    try:
+        deadline = time.monotonic() + 60
+        while not sock.exists() and time.monotonic() < deadline and rec.poll() is None:
+            time.sleep(0.1)
+        assert sock.exists(), rec.stderr.read() if rec.poll() is not None else "no socket"
+        d = Dispatcher(["gpu0"], handler, socket=sock)
+        for i in range(40):
+            d.submit(i, modality="text").result(timeout=10)
+    finally:
+        if d is not None:
+            d.close()
+        rec.wait(timeout=60)
+    assert rec.returncode == 0, rec.stderr.read()
+    result = CliRunner().invoke(cli, ["report", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    [text] = json.loads(result.stdout)["telemetry"]["requests"]
+    assert text["series"] == "request_latency{series=e2e,modality=text}" and text["count"] == 40
