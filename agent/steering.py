@@ -39,4 +39,6 @@ class Steering:
         return {"dry_run": self.dry_run, "issued": dict(self.issued),
                 "outcomes": {f"{kind}/{outcome}": n
                              for (kind, outcome), n in sorted(self.policy.counts.items())},
-                "audit": self.audit(AUDIT_IN_STATUS)}
+                # without the evidence, which flight recordings keep: status stays small
+                "audit": [{k: v for k, v in e.items() if k != "evidence"}
+                          for e in self.audit(AUDIT_IN_STATUS)]}
