@@ -97,7 +97,11 @@ def _positive(ctx, param, value):
 @click.option("--nice", type=click.IntRange(-20, 19), default=DEFAULT_NICE, show_default=True,
               help="The recorder's niceness: it must keep draining while the CPUs it "
                    "watches are contended.")
-def record(output, duration, pids, libs, nice):
+@click.option("--socket", "socket_path", type=click.Path(dir_okay=False), default=None,
+              help="Also listen here for the request latencies and entropy samples that "
+                   "dispatchers report (the daemon's hint socket protocol); default: off. "
+                   "Give the daemon's path, /run/mmtrace/mmtrace.sock, while no daemon runs.")
+def record(output, duration, pids, libs, nice, socket_path):
     """Record the CPU, GPU and NPU streams to a file for later analysis.
 
     A progress line on stderr shows elapsed time, events and losses.
@@ -112,6 +116,7 @@ def record(output, duration, pids, libs, nice):
       sudo mmtrace record -o incident.mmtr --duration 30
       sudo mmtrace record -o server.mmtr --pid 4242 --pid 4243
       sudo mmtrace record -o app.mmtr --lib /opt/app/bin/server   # static cudart
+      sudo mmtrace record -o loop.mmtr --socket /run/mmtrace/mmtrace.sock
     """
     import os
     from . import record as recorder
@@ -124,7 +129,7 @@ def record(output, duration, pids, libs, nice):
     if why_not:
         click.echo(f"mmtrace: warning: {why_not}", err=True)
     result = recorder.record(output, duration, pids=pids, libs=libs,
-                             progress=recorder.Progress(),
+                             progress=recorder.Progress(), socket_path=socket_path,
                              warn=lambda text: click.echo(f"mmtrace: warning: {text}",
                                                           err=True))
     click.echo(f"wrote {output}: {result.events:,} events, {result.lost:,} lost, "

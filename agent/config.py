@@ -142,6 +142,21 @@ class OtlpSettings:
 
 
 @dataclass
+class PolicySettings:
+    """The hint policy's settings (mmtrace.dispatch.policy.PolicySettings,
+    whose fields these are, with their rules)."""
+    ttl_s: float = _seconds(30.0, 0.0, 3600.0)                 # every hint's life
+    escalate_dwell_s: float = _seconds(2.0, 0.0, 3600.0, low_open=False)
+    relax_dwell_s: float = _seconds(20.0, 0.0, DAY_S, low_open=False)
+    cooldown_s: float = _seconds(3.0, 0.0, 3600.0, low_open=False)
+    max_hints_per_window: int = _count(30, 100_000)
+    window_s: float = _seconds(60.0, 0.0, DAY_S)
+    degrade_cpu_below: float = _setting(0.45, Number(0.0, 1.0))
+    weight_change: float = _setting(0.1, Number(0.0, 1e6))
+    dry_run: bool = _setting(False, Flag())                    # decide and log, send nothing
+
+
+@dataclass
 class DaemonConfig:
     pids: tuple[int, ...] = _setting((), ListOf(Number(1, PID_MAX, integer=True), 4096))
     libs: tuple[str, ...] = _setting((), ListOf(PathText(), 1024))
@@ -164,9 +179,11 @@ class DaemonConfig:
     p99: P99Settings = field(default_factory=P99Settings)
     entropy: EntropySettings = field(default_factory=EntropySettings)
     otlp: OtlpSettings = field(default_factory=OtlpSettings)
+    policy: PolicySettings = field(default_factory=PolicySettings)
 
 
-SECTIONS = {"p99": P99Settings, "entropy": EntropySettings, "otlp": OtlpSettings}
+SECTIONS = {"p99": P99Settings, "entropy": EntropySettings, "otlp": OtlpSettings,
+            "policy": PolicySettings}
 
 
 def _checked(where: str, cls, table: dict, problems: list[str]) -> dict:

@@ -41,6 +41,7 @@ from .hint_socket import HintServer
 from .log_limit import RateLimitedLog
 from .record import CPU_PROBE_STATE, DeviceSources, StopFlag, exited_process_resolver
 from .sd_notify import Notifier
+from .steering import Steering
 from .threads import ThreadProcesses
 
 log = logging.getLogger("mmtrace.daemon")
@@ -54,7 +55,6 @@ SCHEMAS = {"cpu.runq": sched_stream.RUNQ_EVENT, "dev.event": device_stream.DEV_E
 MAX_ENTROPY_HEADS = 8192   # (layer, head) pairs per modality
 MAX_MODALITIES = 8
 MAX_CLIENT_SERIES = 64     # request series from dispatchers (~25 KiB each in P99Drift)
-HINT_TTL_S = 30.0
 MAX_FUTURE_NS = 10**9       # how far a client's ts_ns may run ahead of the agent's clock
 SWEEP_INTERVAL_S = 10.0
 STATUS_MIN_INTERVAL_S = 0.5
@@ -121,7 +121,6 @@ class Daemon:
         self.recent_hints: deque[dict] = deque(maxlen=status_view.MAX_HINTS)
         self.started_ns = time.monotonic_ns()
         self._counters_at_start: dict[str, int] = {}
-        self._hint_seq = 0
         self.loaded = None
         self.sources = None
         self.server = None
@@ -143,6 +142,8 @@ class Daemon:
         self._log_failure = RateLimitedLog(log)
         self._ts_past_ns = int(config.ring_seconds * 1e9)
         self._status_cache: tuple[int, dict] | None = None
+        # The hint policy; steering.inputs.device_weights is where device weights go.
+        self.steering = Steering(config.policy, hint_id=lambda seq: f"{os.getpid()}-{seq}")
 
     # ------------------------------------------------------------ lifecycle
 
@@ -247,6 +248,7 @@ class Daemon:
             self._next_sweep = time.monotonic() + SWEEP_INTERVAL_S
             self.forget_exited()
         self._act(self.p99.advance(now_ns - int(self.config.p99.window_s * 1e9 / 4)))
+        self._steer(now_ns)
 
     def forget_exited(self):
         """Series of processes that have exited are reset: a pid's alarm must
@@ -256,6 +258,7 @@ class Daemon:
             if match and self.p99.state(name) != "normal" and \
                     not (self.proc_root / match.group(1)).exists():
                 self.p99.reset(name)
+                self.steering.inputs.forget(("series", name))
                 self.forgotten_series += 1
         self.counts.forget_exited()
 
@@ -300,6 +303,7 @@ class Daemon:
         now = time.monotonic_ns()
         for client, msg in messages:
             try:
+                self.steering.inputs.on_message(getattr(client, "pid", None), msg)
                 self._on_message(client, msg, now, requests)
             except Exception:
                 self._message_failed(msg.get("type"))
@@ -387,6 +391,7 @@ class Daemon:
                 "processes": processes,
                 "anomalies": status_view.active_anomalies(self.anomalies),
                 "hints": list(self.recent_hints), "hints_sent": self.hints_sent,
+                "policy": self.steering.summary(),
                 "losses": self.losses()}
 
     def losses(self) -> dict[str, int]:
@@ -405,6 +410,7 @@ class Daemon:
 
     def _act(self, anomalies: list[dict]):
         for anomaly in anomalies:
+            self.steering.inputs.on_anomaly(anomaly)
             self.anomalies.append(anomaly)
             del self.anomalies[:-1000]
             firing = anomaly.get("state") == "firing"
@@ -421,7 +427,6 @@ class Daemon:
             if self.config.adaptive_launches and self._device() is not None:
                 # The next minutes complete: per-launch probes on for a while.
                 self._device().attach_launches(self.config.launch_burst_s)
-            self._hint(anomaly)
         if anomalies and self.otlp is not None:
             self.otlp.anomalies(anomalies)
 
@@ -439,29 +444,29 @@ class Daemon:
                  "entropy_layers": self.layers.table(),
                  "modalities": self.modalities.table(),
                  "request_series": self.request_series.table(),
+                 "hint_audit": self.steering.audit(),
                  "host": platform.node(), "daemon_pid": os.getpid(),
                  "config": _jsonable(asdict(self.config))}]
         return self.flight.dump(windows, SCHEMAS, anomaly, meta, time.monotonic_ns())
 
-    def _hint(self, anomaly):
-        if self.server is None:
-            return
-        series = anomaly.get("series", "")
-        if not series.startswith("runq_delay"):
-            return
-        self._hint_seq += 1
-        ev = anomaly.get("evidence", {})
-        ratio = (ev.get("p99") or 0) / ev["baseline"] if ev.get("baseline") else None
-        hint = {"v": 1, "type": "hint", "id": f"{os.getpid()}-{self._hint_seq}",
-                "kind": "cpu_contention", "target": series[series.find("{") + 1:-1],
-                "value": ratio, "ttl_s": HINT_TTL_S,
-                "reason": "run-queue delay p99 of the submitting threads drifted up",
-                "evidence": ev, "issued_ns": time.monotonic_ns()}
-        self.recent_hints.append({k: hint[k] for k in ("id", "kind", "target", "value",
-                                                       "ttl_s", "reason", "issued_ns")})
-        sent = self.server.broadcast(hint)
-        self.hints_sent += sent
-        self.hint_counts["cpu_contention"] += sent
+    def _steer(self, now_ns: int):
+        """Send what the hint policy decides now (nothing in dry-run: the
+        audit log has every decision)."""
+        self.steering.inputs.device_weights = self._device_weights()
+        for hint in self.steering.step(now_ns):
+            self.recent_hints.append({k: hint[k] for k in ("id", "kind", "target", "value",
+                                                           "ttl_s", "reason", "issued_ns")})
+            log.warning("hint %s %s -> %s: %s", hint["kind"], hint["target"], hint["value"],
+                        hint["reason"])
+            if self.server is not None:
+                sent = self.server.broadcast(hint)
+                self.hints_sent += sent
+                self.hint_counts[hint["kind"]] += sent
+
+    def _device_weights(self) -> dict | None:
+        """The GPUs' weights by ordinal (the gpu label of the metrics), where NVML answers."""
+        gpus = self.nvml.devices() if self.nvml is not None else []
+        return {str(d.index): d.weight for d in gpus} or None
 
 
 def _otlp_traces(config: DaemonConfig, describe_rows):

@@ -158,11 +158,13 @@ def device_probe_target(path: str):
 def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 0.025,
            progress: Progress | None = None, stop: StopFlag | None = None,
            options: probe_loader.ProbeOptions | None = None, libs=(),
-           discover: bool = True, warn=None) -> RecordResult:
+           discover: bool = True, warn=None, socket_path=None) -> RecordResult:
     """Record every stream to `output`. GPU/NPU probes go on every library
     given in `libs` and, with `discover`, every one found while recording;
     all probes trace (per-launch ones included) unless `options` says not.
-    `warn(text)` is told of files that run CUDA code and cannot be traced."""
+    `warn(text)` is told of files that run CUDA code and cannot be traced.
+    With `socket_path`, dispatchers' request latencies and entropy samples
+    reported on that socket are recorded too (see socket_telemetry)."""
     options = options or probe_loader.ProbeOptions(pids=tuple(pids))
     sources = DeviceSources(libs, options.pids, discover, warn) if options.device else None
     loaded = probe_loader.load(options)
@@ -171,15 +173,23 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
     stop = StopFlag() if own_stop else stop     # an unset flag is falsy: keep it
     if own_stop:
         stop.install()
-    writer = None
+    writer = telemetry = None
     try:
-        writer = RecordingWriter(output, SCHEMAS, info={
+        if socket_path is not None:
+            from . import socket_telemetry
+        writer = RecordingWriter(output, {**SCHEMAS, **(socket_telemetry.SCHEMAS if socket_path
+                                                       else {})}, info={
             "hostname": platform.node(),
             "kernel": platform.release(),
             "pids": list(options.pids),
             "recorder_pid": os.getpid(),
         })
         device = _DeviceRecording(loaded, writer, sources)
+        if socket_path is not None:
+            try:
+                telemetry = socket_telemetry.SocketTelemetry(socket_path, writer)
+            except OSError as exc:
+                raise MmtraceError(f"--socket {socket_path}: {exc}") from None
         start_counters = loaded.counters()
         writer.write_meta({"counters_at_start": start_counters,
                            "apis": device_stream.default_table().to_json(),
@@ -191,6 +201,8 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
             finishing = bool(stop) or (deadline is not None and time.monotonic() >= deadline)
             device.attach()
             events += _drain(loaded, writer, threads, device)
+            if telemetry is not None:
+                telemetry.drain()
             if progress and (finishing or progress.due()):
                 lost = bpf_counters.total_lost(_delta(loaded.counters(), start_counters))
                 progress.update(time.monotonic() - started, events, lost, force=finishing)
@@ -211,9 +223,12 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
             "unresolved_pids": threads.unresolved,
             "stopped_by": stop.reason or "duration",
             **device.footer(),
+            **(telemetry.footer() if telemetry is not None else {}),
         })
         return RecordResult(events, lost, elapsed, stop.reason or "duration")
     finally:
+        if telemetry is not None:
+            telemetry.close()
         if writer is not None and not writer.closed:
             writer.close({"stopped_by": "error"})
         loaded.close()

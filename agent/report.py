@@ -4,11 +4,11 @@ from collections import Counter
 
 import numpy as np
 
-from mmtrace.detectors.quantile_sketch import QuantileSketch
-
 from .offline import Detectors
+from .percentiles import Percentiles
 from .recording_checks import lost_total
 from .replay import DEVICE, replay
+from .report_telemetry import Telemetry, telemetry_lines
 
 
 def log2_buckets_us(delays_ns: np.ndarray) -> np.ndarray:
@@ -22,47 +22,6 @@ def hist_buckets(counts: np.ndarray) -> list[dict]:
     counts = np.trim_zeros(np.asarray(counts), "b")
     return [{"low_us": 0 if k == 0 else 1 << k, "high_us": (1 << (k + 1)) - 1,
              "count": int(c)} for k, c in enumerate(counts)]
-
-
-class Percentiles:
-    """p50/p99 of a stream of values: exact (numpy's) while they fit in
-    `exact_limit` values, then from a mergeable quantile sketch (within 1 %)."""
-
-    def __init__(self, exact_limit: int = 1 << 20):
-        self.exact_limit = exact_limit
-        self._parts: list[np.ndarray] = []
-        self._held = 0
-        self.sketch = None
-        self.count = 0
-        self.total = 0.0
-        self.max = None
-
-    def add(self, values: np.ndarray):
-        if not len(values):
-            return
-        values = values.astype(np.float64)
-        self.count += len(values)
-        self.total += float(values.sum())
-        top = float(values.max())
-        self.max = top if self.max is None else max(self.max, top)
-        if self.sketch is not None:
-            self.sketch.add_many(values)
-            return
-        self._parts.append(values)
-        self._held += len(values)
-        if self._held > self.exact_limit:
-            self.sketch = QuantileSketch()
-            for part in self._parts:
-                self.sketch.add_many(part)
-            self._parts = []
-
-    def p50_p99(self) -> tuple[float, float] | None:
-        if not self.count:
-            return None
-        if self.sketch is not None:
-            return tuple(self.sketch.quantiles([0.5, 0.99]))
-        p50, p99 = np.percentile(np.concatenate(self._parts), [50, 99])
-        return float(p50), float(p99)
 
 
 def _us(ns) -> float:
@@ -200,9 +159,10 @@ def device_probes(rec) -> dict:
 def summarize(rec) -> dict:
     """The report of a recording (a Recording, or a RecordingReader streamed
     from disk): one replay feeds every aggregate and the detectors."""
-    runq, device = RunqSummary(), DeviceSummary()
+    runq, device, telemetry = RunqSummary(), DeviceSummary(), Telemetry()
     detectors = Detectors(rec)
     for step in replay(rec):
+        telemetry.add(step.records)
         if "cpu.runq" in step.records:
             runq.add(step.records["cpu.runq"])
         if step.device is not None and len(step.device):
@@ -226,6 +186,7 @@ def summarize(rec) -> dict:
         "bytes_by_direction": device.bytes_by_direction(),
         "device_probes": device_probes(rec),
         "anomalies": detectors.finish(),
+        "telemetry": telemetry.summary(rec),
     }
 
 
@@ -255,6 +216,7 @@ def format_text(summary: dict) -> str:
     lines.append(f"anomalies: {len(summary['anomalies'])}")
     for anomaly in summary["anomalies"]:
         lines.append("  " + anomaly_line(anomaly))
+    lines.extend(telemetry_lines(summary["telemetry"]))
     return "\n".join(lines)
 
 

@@ -276,6 +276,7 @@ def test_hints_count_what_subscribed_dispatchers_received(daemon, tmp_path):
         daemon._act([{"detector": "p99_drift", "series": "runq_delay{pid=100}",
                       "state": "firing", "ts_ns": 1, "evidence": {"p99": 0.004,
                                                                    "baseline": 0.001}}])
+        daemon.tick()                   # the hint policy decides at the tick
         clients[0].settimeout(5)
         assert b'"kind":"cpu_contention"' in clients[0].recv(65536)
         lines = scrape(daemon)

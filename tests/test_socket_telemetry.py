@@ -1,0 +1,114 @@
+"""`mmtrace record --socket`: a real Dispatcher's request latencies and
+entropy samples reach the recording through the socket, and `report`
+summarises them beside the hint audit of a flight recording."""
+
+import json
+import socket
+import subprocess
+import time
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from conftest import MMTRACE
+from mmtrace.agent import recording
+from mmtrace.agent.cli import cli
+from mmtrace.agent.hint_socket import HintServer
+from mmtrace.agent.report import format_text, summarize
+from mmtrace.agent.socket_telemetry import SCHEMAS, SocketTelemetry
+from mmtrace.dispatch import Dispatcher
+
+
+def handler(device, modality, items):
+    time.sleep(0.002 if modality == "text" else 0.01)
+    return items
+
+
+def test_a_dispatchers_reports_are_recorded_and_summarised(tmp_path):
+    path = tmp_path / "rec.mmtr"
+    writer = recording.RecordingWriter(path, SCHEMAS)
+    telemetry = SocketTelemetry(tmp_path / "s.sock", writer)
+    d = Dispatcher(["gpu0"], handler, socket=tmp_path / "s.sock")
+    try:
+        futures = [d.submit(i, modality="text") for i in range(30)]
+        futures += [d.submit(i, modality="vision") for i in range(16)]
+        d.entropy_sink([{"layer": "enc.0", "head": h, "value": 0.5 + h / 10, "modality": "text"}
+                        for h in range(4)])
+        for f in futures:
+            f.result(timeout=10)
+        written, deadline = 0, time.monotonic() + 10
+        while written < 50 and time.monotonic() < deadline:
+            written += telemetry.drain()
+            time.sleep(0.02)
+    finally:
+        d.close()
+        telemetry.close()
+        writer.close({})
+    assert written == 50
+    summary = summarize(recording.read_recording(path))
+    requests = {r["series"]: r for r in summary["telemetry"]["requests"]}
+    text = requests["request_latency{series=e2e,modality=text}"]
+    vision = requests["request_latency{series=e2e,modality=vision}"]
+    assert text["count"] == 30 and vision["count"] == 16
+    assert 2 <= text["p50_ms"] <= text["p99_ms"] and vision["p50_ms"] >= 10
+    [entropy] = summary["telemetry"]["entropy"]
+    assert entropy["modality"] == "text" and entropy["samples"] == 4 and entropy["heads"] == 4
+    assert entropy["mean"] == pytest.approx(0.65)
+    assert "request_latency{series=e2e,modality=text}" in format_text(summary)
+
+
+def test_a_path_a_daemon_listens_on_is_refused(tmp_path):
+    server = HintServer(tmp_path / "s.sock")
+    writer = recording.RecordingWriter(tmp_path / "rec.mmtr", SCHEMAS)
+    try:
+        with pytest.raises(OSError, match="already listens"):
+            SocketTelemetry(tmp_path / "s.sock", writer)
+        with socket.socket(socket.AF_UNIX) as probe:
+            probe.connect(str(tmp_path / "s.sock"))      # the daemon's socket is left alone
+    finally:
+        server.close()
+        writer.close({})
+
+
+def test_report_shows_the_hint_audit_of_a_flight_recording(tmp_path):
+    path = tmp_path / "f.mmtr"
+    writer = recording.RecordingWriter(path, SCHEMAS)
+    audit = [{"ts_ns": 1, "kind": "modality_batch", "target": "vision", "value": 4,
+              "step": "escalate", "outcome": "sent", "reason": "r1", "evidence": {}},
+             {"ts_ns": 2, "kind": "modality_batch", "target": "vision", "value": 2,
+              "step": "escalate", "outcome": "capped", "reason": "r2", "evidence": {}}]
+    writer.write_meta({"hint_audit": audit})
+    writer.write_events("request.latency", np.zeros(0, SCHEMAS["request.latency"]))
+    writer.close({})
+    summary = summarize(recording.read_recording(path))
+    hints = summary["telemetry"]["hints"]
+    assert hints["by_kind_outcome"] == {"modality_batch/sent": 1, "modality_batch/capped": 1}
+    assert [h["value"] for h in hints["last"]] == [4, 2]
+    text = format_text(summary)
+    assert "hints: 2 decisions" in text and "capped   escalate  modality_batch vision -> 2: r2" in text
+
+
+@pytest.mark.bpf
+def test_mmtrace_record_with_a_socket_keeps_the_dispatchers_reports(tmp_path):
+    out, sock = tmp_path / "r.mmtr", tmp_path / "s.sock"
+    rec = subprocess.Popen([str(MMTRACE), "record", "-o", str(out), "--duration", "8",
+                            "--socket", str(sock)], stderr=subprocess.PIPE, text=True)
+    d = None
+    try:
+        deadline = time.monotonic() + 60
+        while not sock.exists() and time.monotonic() < deadline and rec.poll() is None:
+            time.sleep(0.1)
+        assert sock.exists(), rec.stderr.read() if rec.poll() is not None else "no socket"
+        d = Dispatcher(["gpu0"], handler, socket=sock)
+        for i in range(40):
+            d.submit(i, modality="text").result(timeout=10)
+    finally:
+        if d is not None:
+            d.close()
+        rec.wait(timeout=60)
+    assert rec.returncode == 0, rec.stderr.read()
+    result = CliRunner().invoke(cli, ["report", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    [text] = json.loads(result.stdout)["telemetry"]["requests"]
+    assert text["series"] == "request_latency{series=e2e,modality=text}" and text["count"] == 40
