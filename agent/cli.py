@@ -225,7 +225,8 @@ def run(config_path, pids, libs, state_dir, socket_path, trace_launches, metrics
     and attention entropy that dispatchers report on the hint socket. When
     an anomaly fires it writes the last 30 s to a flight recording in the
     state directory, and turns per-launch probes on for a while. Logs go to
-    stderr; SIGTERM or Ctrl-C stops it cleanly. Needs root. Metrics for
+    stderr; SIGTERM or Ctrl-C stops it cleanly; SIGHUP reads the configuration
+    again (what can change live does, a broken file changes nothing). Needs root. Metrics for
     Prometheus are served on :9464/metrics (see dashboards/ for Grafana
     and alert rules).
 
@@ -242,20 +243,25 @@ def run(config_path, pids, libs, state_dir, socket_path, trace_launches, metrics
     from .daemon import Daemon
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = load_config(Path(config_path) if config_path else None)
-    if pids:
-        cfg.pids = tuple(pids)
-    if libs:
-        cfg.libs = tuple(libs)
-    if state_dir:
-        cfg.state_dir = Path(state_dir)
-    if socket_path:
-        cfg.socket = Path(socket_path)
-    if trace_launches is not None:
-        cfg.adaptive_launches = not trace_launches
-    if metrics_address is not None:
-        cfg.metrics_address = metrics_address
-    cfg = check(cfg)
+
+    def configuration():
+        """The file, then the flags over it (again at each SIGHUP)."""
+        cfg = load_config(Path(config_path) if config_path else None)
+        if pids:
+            cfg.pids = tuple(pids)
+        if libs:
+            cfg.libs = tuple(libs)
+        if state_dir:
+            cfg.state_dir = Path(state_dir)
+        if socket_path:
+            cfg.socket = Path(socket_path)
+        if trace_launches is not None:
+            cfg.adaptive_launches = not trace_launches
+        if metrics_address is not None:
+            cfg.metrics_address = metrics_address
+        return check(cfg)
+
+    cfg = configuration()
     why_not = set_niceness(cfg.nice)
     if why_not:
         logging.getLogger("mmtrace.daemon").warning(why_not)
@@ -263,7 +269,7 @@ def run(config_path, pids, libs, state_dir, socket_path, trace_launches, metrics
     daemon = Daemon(cfg)
     daemon.stop.install()
     try:
-        daemon.run()
+        daemon.run(load_config=configuration)
     except MetricsAddressError as exc:
         daemon.close()
         raise MmtraceError(str(exc)) from None

@@ -40,6 +40,7 @@ from .flight import FlightRecorder
 from .hint_socket import HintServer
 from .log_limit import RateLimitedLog
 from .record import CPU_PROBE_STATE, DeviceSources, StopFlag, exited_process_resolver
+from .reload import ReloadRequest, reload
 from .sd_notify import Notifier
 from .steering import Steering
 from .threads import ThreadProcesses
@@ -207,12 +208,22 @@ class Daemon:
             self.loaded.close()
             self.loaded = None
 
-    def run(self, notifier: Notifier | None = None):
+    def run(self, notifier: Notifier | None = None, load_config=None):
+        """Trace until stopped; with `load_config`, SIGHUP reloads the
+        configuration through it (agent/reload.py)."""
         systemd = notifier or Notifier()
+        hup = ReloadRequest()
+        if load_config is not None:
+            hup.install()
         self.start()
         systemd.ready(f"tracing; metrics {self.metrics.address if self.metrics else 'off'}")
         try:
             while not self.stop:
+                if hup.take():
+                    systemd.status("reloading the configuration")
+                    with self.lock:
+                        reload(self, load_config)
+                    systemd.status("tracing")
                 with self.lock:
                     self.tick()
                 systemd.watchdog()          # the loop itself proves it is alive
