@@ -85,7 +85,14 @@ def booted(tmp_path_factory):
         pytest.skip("needs root")
     files = tmp_path_factory.mktemp("nspawn")
     unit = files / "mmtrace.service"
-    unit.write_text(UNIT.read_text().replace("/opt/mmtrace/.venv/bin/mmtrace", str(MMTRACE)))
+    text = UNIT.read_text().replace("/opt/mmtrace/.venv/bin/mmtrace", str(MMTRACE))
+    # A checkout under /tmp (a CI clone) would vanish behind the unit's
+    # PrivateTmp=; installs live under /opt. Bind it back, read-only.
+    in_tmp = [d for d in environment_dirs()
+              if d.is_relative_to("/tmp") or d.is_relative_to("/var/tmp")]
+    text = text.replace("[Service]\n", "[Service]\n" + "".join(
+        f"BindReadOnlyPaths={d}\n" for d in in_tmp), 1)
+    unit.write_text(text)
     binds = {unit: "/etc/systemd/system/mmtrace.service",
              SYSUSERS: "/etc/sysusers.d/mmtrace.conf",
              CONFIG: "/etc/mmtrace/mmtrace.toml"}
