@@ -1,19 +1,27 @@
 """Native Perfetto trace (protobuf TracePacket stream) for ui.perfetto.dev.
 
 Every thread gets a track (grouped under its process); each event that has
-a duration becomes a slice on its thread's track. Field numbers are those
-of Perfetto's trace_packet.proto / track_event.proto / track_descriptor.proto.
+a duration becomes a slice on its thread's track. Each GPU/NPU stream gets a
+track too, where a submission is a slice from its call to its retirement,
+with a flow from the submission's call to the sync that retired it; each
+process that copies gets a counter track of the bytes it has copied. Field
+numbers are those of Perfetto's trace_packet.proto / track_event.proto /
+track_descriptor.proto / counter_descriptor.proto.
 """
 
 from dataclasses import dataclass
 
 import numpy as np
 
+from mmtrace.agent.align import NONE
+from mmtrace.bpf.device import SUBMISSION_KINDS
+
 from mmtrace.agent.replay import first_per_thread
 from mmtrace.bpf.sched import wait_start_ns
 
-from .protowire import field_bytes, field_str, field_varint, varint
+from .protowire import field_bytes, field_fixed64, field_str, field_varint, varint
 from .rowtext import BATCH, Rows, split, varint_lengths, write_merged
+from .rowtext import codes as rowtext_codes
 
 # Trace
 TRACE_PACKET = 1
@@ -30,6 +38,10 @@ TD_NAME = 2
 TD_PROCESS = 3
 TD_THREAD = 4
 TD_PARENT_UUID = 5
+TD_COUNTER = 8
+# CounterDescriptor
+CD_UNIT = 3
+UNIT_SIZE_BYTES = 3
 # ProcessDescriptor / ThreadDescriptor
 PD_PID = 1
 PD_NAME = 6
@@ -41,9 +53,13 @@ TE_TYPE = 9
 TE_TRACK_UUID = 11
 TE_CATEGORIES = 22
 TE_NAME = 23
+TE_COUNTER_VALUE = 30
+TE_FLOW_IDS = 47
+TE_TERMINATING_FLOW_IDS = 48
 SLICE_BEGIN = 1
 SLICE_END = 2
 INSTANT = 3
+COUNTER = 4
 
 SEQUENCE_ID = 7
 
@@ -57,6 +73,16 @@ class Slice:
     name: str
     start_ns: int
     duration_ns: int | None     # None: an instant
+    track: int | None = None    # None: the thread's track
+    flow_ids: tuple = ()                # flows that start here
+    terminating_flow_ids: tuple = ()    # flows that end here
+
+
+@dataclass(frozen=True)
+class Counter:
+    track: int
+    ts_ns: int
+    value: int
 
 
 def _packet(*fields: bytes) -> bytes:
@@ -71,15 +97,41 @@ def thread_uuid(pid: int, tid: int) -> int:
     return 1 << 62 | pid << 32 | tid
 
 
+def copied_uuid(pid: int) -> int:
+    return 1 << 60 | pid
+
+
+MASK64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: a well spread 64-bit hash of a 64-bit value."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def stream_uuid(pid: int, handle: int) -> int:
+    """Bit 63 set: apart from the process, thread and counter tracks."""
+    return 1 << 63 | _mix(_mix(pid) ^ handle) >> 1
+
+
+def flow_id(pid: int, op_id: int) -> int:
+    """A non-zero id of a process's submission (Perfetto ignores flow 0)."""
+    return _mix(_mix(pid ^ 1 << 40) ^ op_id) or 1
+
+
 class Tracks:
-    """Descriptors of the process and thread tracks, each once, before the
-    first slice that uses it."""
+    """Descriptors of the process, thread, stream and counter tracks, each
+    once, before the first event that uses it."""
 
     def __init__(self):
         self.pids: set = set()
         self.threads: set = set()
+        self.others: set = set()
 
-    def new(self, pid: int, tid: int, thread_name: str):
+    def process(self, pid: int):
         if pid not in self.pids:
             desc = field_varint(TD_UUID, process_uuid(pid)) + field_bytes(
                 TD_PROCESS, field_varint(PD_PID, pid))
@@ -87,6 +139,9 @@ class Tracks:
                      if not self.pids else b"")
             self.pids.add(pid)
             yield _packet(flags, field_bytes(TP_TRACK_DESCRIPTOR, desc))
+
+    def new(self, pid: int, tid: int, thread_name: str):
+        yield from self.process(pid)
         if (pid, tid) not in self.threads:
             self.threads.add((pid, tid))
             thread = (field_varint(THD_PID, pid) + field_varint(THD_TID, tid)
@@ -96,6 +151,25 @@ class Tracks:
                     + field_bytes(TD_THREAD, thread))
             yield _packet(field_bytes(TP_TRACK_DESCRIPTOR, desc))
 
+    def named(self, pid: int, uuid: int, name: str, counter: bytes | None = None):
+        """A track of its own under process `pid`; a counter track when
+        `counter` (a CounterDescriptor) is given."""
+        yield from self.process(pid)
+        if uuid not in self.others:
+            self.others.add(uuid)
+            desc = (field_varint(TD_UUID, uuid) + field_str(TD_NAME, name)
+                    + field_varint(TD_PARENT_UUID, process_uuid(pid)))
+            if counter is not None:
+                desc += field_bytes(TD_COUNTER, counter)
+            yield _packet(field_bytes(TP_TRACK_DESCRIPTOR, desc))
+
+    def stream(self, pid: int, stream: str, handle: int):
+        yield from self.named(pid, stream_uuid(pid, handle), f"{stream} stream {handle:#x}")
+
+    def copied(self, pid: int):
+        yield from self.named(pid, copied_uuid(pid), "memcpy bytes",
+                              field_varint(CD_UNIT, UNIT_SIZE_BYTES))
+
 
 def _descriptors(slices):
     tracks = Tracks()
@@ -104,17 +178,31 @@ def _descriptors(slices):
 
 
 def _slice_packets(s: Slice):
-    track = field_varint(TE_TRACK_UUID, thread_uuid(s.pid, s.tid))
+    uuid = thread_uuid(s.pid, s.tid) if s.track is None else s.track
+    track = field_varint(TE_TRACK_UUID, uuid)
     labels = field_str(TE_CATEGORIES, s.category) + field_str(TE_NAME, s.name)
+    flows = b"".join([field_fixed64(TE_FLOW_IDS, f) for f in s.flow_ids]
+                     + [field_fixed64(TE_TERMINATING_FLOW_IDS, f)
+                        for f in s.terminating_flow_ids])
     if s.duration_ns is None:
-        instant = field_varint(TE_TYPE, INSTANT) + track + labels
+        instant = field_varint(TE_TYPE, INSTANT) + track + labels + flows
         yield _packet(field_varint(TP_TIMESTAMP, s.start_ns), field_bytes(TP_TRACK_EVENT, instant))
         return
-    begin = field_varint(TE_TYPE, SLICE_BEGIN) + track + labels
+    begin = field_varint(TE_TYPE, SLICE_BEGIN) + track + labels + flows
     end = field_varint(TE_TYPE, SLICE_END) + track
     yield _packet(field_varint(TP_TIMESTAMP, s.start_ns), field_bytes(TP_TRACK_EVENT, begin))
     yield _packet(field_varint(TP_TIMESTAMP, s.start_ns + s.duration_ns),
                   field_bytes(TP_TRACK_EVENT, end))
+
+
+def _counter_packets(c: Counter):
+    event = (field_varint(TE_TYPE, COUNTER) + field_varint(TE_TRACK_UUID, c.track)
+             + field_varint(TE_COUNTER_VALUE, c.value))
+    yield _packet(field_varint(TP_TIMESTAMP, c.ts_ns), field_bytes(TP_TRACK_EVENT, event))
+
+
+def item_packets(item) -> bytes:
+    return b"".join(_counter_packets(item) if isinstance(item, Counter) else _slice_packets(item))
 
 
 def write_perfetto(slices: list[Slice], out) -> int:
@@ -128,25 +216,30 @@ def write_perfetto(slices: list[Slice], out) -> int:
     return len(slices)
 
 
-def _event_rows(n: int, ts: np.ndarray, track: np.ndarray, kind: bytes, labels=b""):
-    """TracePackets (timestamp, track event) for n events of one type: the
-    track event is its type field (`kind`), the track uuid, then `labels`:
-    fixed bytes, or (codes, entries) for labels that differ by row."""
+def _packet_rows(ts: np.ndarray, body: Rows) -> Rows:
+    """TracePackets (timestamp, track event) around n track event bodies."""
     tag_ts = varint(TP_TIMESTAMP << 3)
-    tag_track = varint(TE_TRACK_UUID << 3)
-    if isinstance(labels, bytes):
-        label_len = len(labels)
-    else:
-        codes, entries = labels
-        label_len = np.array([len(e) for e in entries], np.int64)[codes]
-    event_len = len(kind) + len(tag_track) + varint_lengths(track) + label_len
     te_head = varint(TP_TRACK_EVENT << 3 | 2)
+    event_len = body.lengths().copy()
     inner_len = (len(field_varint(TP_SEQUENCE_ID, SEQUENCE_ID)) + len(tag_ts)
                  + varint_lengths(ts) + len(te_head) + varint_lengths(event_len) + event_len)
-    rows = (Rows(n).const(varint(TRACE_PACKET << 3 | 2)).varint(inner_len)
+    return (Rows(body.n).const(varint(TRACE_PACKET << 3 | 2)).varint(inner_len)
             .const(field_varint(TP_SEQUENCE_ID, SEQUENCE_ID) + tag_ts).varint(ts)
-            .const(te_head).varint(event_len).const(kind).const(tag_track).varint(track))
-    return rows.const(labels) if isinstance(labels, bytes) else rows.table(*labels)
+            .const(te_head).varint(event_len).rows(body))
+
+
+def _event_rows(n: int, ts: np.ndarray, track: np.ndarray, kind: bytes, labels=b"",
+                extra=None):
+    """TracePackets for n events of one type: the track event is its type
+    field (`kind`), the track uuid, then `labels` and `extra`: fixed bytes,
+    or (codes, entries) for what differs by row."""
+    body = Rows(n).const(kind).const(varint(TE_TRACK_UUID << 3)).varint(track)
+    for part in (labels, extra):
+        if part is None or isinstance(part, bytes):
+            body.const(part or b"")
+        else:
+            body.table(*part)
+    return _packet_rows(ts, body)
 
 
 def _tracks_of(pid: np.ndarray, tid: np.ndarray) -> np.ndarray:
@@ -154,46 +247,150 @@ def _tracks_of(pid: np.ndarray, tid: np.ndarray) -> np.ndarray:
 
 
 def slice_rows(start_ns: np.ndarray, duration_ns: np.ndarray, pid: np.ndarray, tid: np.ndarray,
-               labels) -> Rows:
+               labels, track: np.ndarray | None = None, extra=None) -> Rows:
     """A begin and an end packet per slice, as _slice_packets writes them,
-    for a whole batch of slices (labels as _event_rows takes them)."""
+    for a whole batch of slices (labels and extra as _event_rows takes them)."""
     n = len(start_ns)
-    track = _tracks_of(pid, tid)
-    begin = _event_rows(n, start_ns, track, field_varint(TE_TYPE, SLICE_BEGIN), labels)
+    track = _tracks_of(pid, tid) if track is None else track
+    begin = _event_rows(n, start_ns, track, field_varint(TE_TYPE, SLICE_BEGIN), labels, extra)
     end = _event_rows(n, start_ns + duration_ns, track, field_varint(TE_TYPE, SLICE_END))
     return begin.rows(end)
+
+
+def counter_rows(ts: np.ndarray, track: np.ndarray, values: np.ndarray) -> Rows:
+    """A counter packet per value, as _counter_packets writes it."""
+    body = (Rows(len(ts)).const(field_varint(TE_TYPE, COUNTER))
+            .const(varint(TE_TRACK_UUID << 3)).varint(track)
+            .const(varint(TE_COUNTER_VALUE << 3)).varint(values))
+    return _packet_rows(ts, body)
 
 
 def labels(category: str, name: str) -> bytes:
     return field_str(TE_CATEGORIES, category) + field_str(TE_NAME, name)
 
 
-def device_packets(rows) -> list[bytes]:
-    """The packets of each GPU/NPU call, as _slice_packets writes them: the
-    time inside the call where it was measured, else an instant; named by
-    op, else by API. Built per batch; one bytes object per call."""
+MAX_PENDING_FLOWS = 1 << 16     # retirements awaited at once
+LONG_EXTRA = 512                # flow fields this long are encoded row by row
+
+
+class Flows:
+    """Flow ids started on submissions, awaiting the sync that retired them:
+    (pid, retired_ns) -> ids. A sync retires what it covered when it returns,
+    so its return time finds them; events come in time order, so what a sync
+    already passed is dropped, and the map is capped besides."""
+
+    def __init__(self, limit: int = MAX_PENDING_FLOWS):
+        self.limit = limit
+        self.pending: dict = {}
+
+    def start(self, pid: int, op_id: int, retired_ns: int) -> int:
+        fid = flow_id(pid, op_id)
+        self.pending.setdefault((pid, retired_ns), []).append(fid)
+        while len(self.pending) > self.limit:
+            del self.pending[next(iter(self.pending))]
+        return fid
+
+    def end(self, pid: int, end_ns: int) -> list:
+        return self.pending.pop((pid, end_ns), [])
+
+    def forget_before(self, ts_ns: int):
+        stale = [k for k in self.pending if k[1] < ts_ns]
+        for k in stale:
+            del self.pending[k]
+
+
+def _flow_fields(rows, flows: Flows) -> list[bytes]:
+    """Per row: the flow fields of its call event. A flow starts on a
+    submission retired by a later sync (a blocking call, retired by its own
+    return, has none) and ends on that sync."""
     ev = rows.events
-    table: dict = {}
-    codes = np.array([table.setdefault((f"{s}.{k}", op or api), len(table)) for s, k, op, api
-                      in zip(rows.stream, rows.kind, rows.op_name, rows.api)], np.int64)
-    entries = [labels(*key) for key in table]
-    returned = (ev["flags"] & 1) != 0       # FLAG_RETURNED
-    out = [b""] * len(ev)
-    spans = np.flatnonzero(returned)
-    if len(spans):
-        e = ev[spans]
-        made = slice_rows(e["ts_ns"], e["duration_ns"], e["pid"], e["tid"],
-                          (codes[spans], entries))
-        for i, packets in zip(spans.tolist(), split(made)):
-            out[i] = packets
-    instants = np.flatnonzero(~returned)
-    if len(instants):
-        e = ev[instants]
-        made = _event_rows(len(e), e["ts_ns"], _tracks_of(e["pid"], e["tid"]),
-                           field_varint(TE_TYPE, INSTANT), (codes[instants], entries))
-        for i, packets in zip(instants.tolist(), split(made)):
-            out[i] = packets
-    return out
+    extras = [b""] * len(ev)
+    if len(ev):
+        flows.forget_before(int(ev["ts_ns"][0]))
+    for i, (kind, pid, op, ts, dur, flags, retired) in enumerate(zip(
+            rows.kind.tolist(), ev["pid"].tolist(), ev["op_id"].tolist(), ev["ts_ns"].tolist(),
+            ev["duration_ns"].tolist(), ev["flags"].tolist(), ev["retired_ns"].tolist())):
+        if kind in SUBMISSION_KINDS:
+            if retired != NONE and not (flags & 1 and retired == ts + dur):
+                extras[i] = field_fixed64(TE_FLOW_IDS, flows.start(pid, op, retired))
+        elif kind == "sync" and flags & 1:
+            extras[i] = b"".join(field_fixed64(TE_TERMINATING_FLOW_IDS, f)
+                                 for f in flows.end(pid, ts + dur))
+    return extras
+
+
+class DeviceEncoder:
+    """The packets of each GPU/NPU call, as _slice_packets and
+    _counter_packets write them: the call on its thread (the time inside it
+    where measured, else an instant; named by op, else by API) with its
+    flows; a retired submission's time in flight on its stream's track; a
+    memcpy's running total on its process's counter. Built per batch; one
+    bytes object per call. Keeps the pending flows and totals across calls."""
+
+    def __init__(self):
+        self.flows = Flows()
+        self.copied: dict = {}
+
+    def packets(self, rows) -> list[bytes]:
+        ev = rows.events
+        table: dict = {}
+        codes = np.array([table.setdefault((f"{s}.{k}", op or api), len(table)) for s, k, op, api
+                          in zip(rows.stream, rows.kind, rows.op_name, rows.api)], np.int64)
+        entries = [labels(*key) for key in table]
+        extras = _flow_fields(rows, self.flows)
+        out = [b""] * len(ev)
+        long = {i for i, e in enumerate(extras) if len(e) > LONG_EXTRA}
+        for chunk in [np.array([i for i in range(len(ev)) if i not in long], np.int64)] + [
+                np.array([i]) for i in sorted(long)]:
+            self._calls(ev, chunk, (codes, entries), extras, out)
+        retired = ev["retired_ns"] != NONE
+        inflight = np.array([i for i, k in enumerate(rows.kind.tolist())
+                             if k in SUBMISSION_KINDS and retired[i]], np.int64)
+        if len(inflight):
+            e = ev[inflight]
+            track = np.array([stream_uuid(p, h) for p, h in zip(
+                e["pid"].tolist(), e["stream_handle"].tolist())], np.uint64)
+            made = slice_rows(e["ts_ns"], e["retired_ns"].astype(np.uint64) - e["ts_ns"],
+                              e["pid"], e["tid"], (codes[inflight], entries), track)
+            for i, packets in zip(inflight.tolist(), split(made)):
+                out[i] += packets
+        copies = np.flatnonzero(rows.kind == "memcpy")
+        if len(copies):
+            e = ev[copies]
+            totals = []
+            for pid, size in zip(e["pid"].tolist(), e["bytes"].tolist()):
+                self.copied[pid] = self.copied.get(pid, 0) + size
+                totals.append(self.copied[pid])
+            made = counter_rows(e["ts_ns"], np.uint64(1 << 60) | e["pid"].astype(np.uint64),
+                                np.array(totals, np.uint64))
+            for i, packets in zip(copies.tolist(), split(made)):
+                out[i] += packets
+        return out
+
+    @staticmethod
+    def _calls(ev, at: np.ndarray, labels, extras: list, out: list):
+        if not len(at):
+            return
+        codes, entries = labels
+        returned = (ev["flags"][at] & 1) != 0       # FLAG_RETURNED
+        for sub, kind in ((at[returned], SLICE_BEGIN), (at[~returned], INSTANT)):
+            if not len(sub):
+                continue
+            e = ev[sub]
+            extra = rowtext_codes([extras[i] for i in sub.tolist()])
+            if kind == SLICE_BEGIN:
+                made = slice_rows(e["ts_ns"], e["duration_ns"], e["pid"], e["tid"],
+                                  (codes[sub], entries), extra=extra)
+            else:
+                made = _event_rows(len(e), e["ts_ns"], _tracks_of(e["pid"], e["tid"]),
+                                   field_varint(TE_TYPE, INSTANT), (codes[sub], entries), extra)
+            for i, packets in zip(sub.tolist(), split(made)):
+                out[i] = packets
+
+
+def device_packets(rows) -> list[bytes]:
+    """DeviceEncoder's packets of `rows` on their own."""
+    return DeviceEncoder().packets(rows)
 
 
 class PerfettoWriter:
@@ -203,13 +400,30 @@ class PerfettoWriter:
     def __init__(self, out):
         self.out = out
         self.tracks = Tracks()
+        self.device = DeviceEncoder()
         self.slices = 0
+
+    def _write(self, packets):
+        for packet in packets:
+            self.out.write(packet)
 
     def _tracks(self, pids, tids, comms):
         for pid, tid, comm in zip(pids, tids, comms):
             if (pid, tid) not in self.tracks.threads:
-                for packet in self.tracks.new(pid, tid, comm.decode(errors="replace")):
-                    self.out.write(packet)
+                self._write(self.tracks.new(pid, tid, comm.decode(errors="replace")))
+
+    def _device_tracks(self, device):
+        ev = device.events
+        submitted = np.array([k in SUBMISSION_KINDS for k in device.kind], bool) & (
+            ev["retired_ns"] != NONE)
+        keys = np.unique(np.stack([ev["pid"][submitted].astype(np.uint64),
+                                   ev["stream_handle"][submitted]], axis=1), axis=0)
+        stream_of = dict(zip(zip(ev["pid"].tolist(), ev["stream_handle"].tolist()),
+                             device.stream.tolist()))
+        for pid, handle in keys.tolist():
+            self._write(self.tracks.stream(pid, stream_of[(pid, handle)], handle))
+        for pid in np.unique(ev["pid"][device.kind == "memcpy"]).tolist():
+            self._write(self.tracks.copied(pid))
 
     def step(self, step):
         runq, device = step.part("cpu.runq"), step.device_rows()
@@ -222,8 +436,9 @@ class PerfettoWriter:
         if device is not None:
             ev = device.events
             self._tracks(*first_per_thread(ev))
+            self._device_tracks(device)
             others = [packets for part in device.batches(BATCH // 4)
-                      for packets in device_packets(part)]
+                      for packets in self.device.packets(part)]
             other_keys = ev["ts_ns"]
         if runq is None:
             for row in others:
@@ -256,17 +471,41 @@ def runq_slices(runq) -> list[Slice]:
                 runq["tid"].tolist(), runq["comm"].tolist())]
 
 
-def device_slices(rows, thread_names: dict) -> list[Slice]:
-    """GPU/NPU calls on their calling thread: the time inside the call where
-    it was measured, else an instant; named by op, else by API."""
+def device_items(rows, thread_names: dict) -> list[list]:
+    """Per GPU/NPU call, one event at a time: its Slice on its calling thread
+    (the time inside the call where it was measured, else an instant; named
+    by op, else by API), with the flow it starts (a submission a later sync
+    retired) or the flows it ends (the sync that retired them); a retired
+    submission's Slice on its stream's track; a memcpy's Counter of the
+    bytes its process has copied so far."""
     ev = rows.events
-    out = []
-    for i, (pid, tid, ts, dur, flags) in enumerate(zip(
-            ev["pid"].tolist(), ev["tid"].tolist(), ev["ts_ns"].tolist(),
-            ev["duration_ns"].tolist(), ev["flags"].tolist())):
-        out.append(Slice(pid, tid, thread_names.get((pid, tid), str(tid)),
-                         f"{rows.stream[i]}.{rows.kind[i]}", rows.op_name[i] or rows.api[i],
-                         ts, dur if flags & 1 else None))   # FLAG_RETURNED
+    pending, copied, out = {}, {}, []
+    for i, row in enumerate(ev.tolist()):
+        e = dict(zip(ev.dtype.names, row))
+        pid, ts, kind = e["pid"], e["ts_ns"], rows.kind[i]
+        returned = bool(e["flags"] & 1)    # FLAG_RETURNED
+        end = ts + e["duration_ns"]
+        category, name = f"{rows.stream[i]}.{kind}", rows.op_name[i] or rows.api[i]
+        starts, ends, items = (), (), []
+        retired = e["retired_ns"]
+        in_flight = kind in SUBMISSION_KINDS and retired != NONE
+        pending = {k: v for k, v in pending.items() if k[1] >= ts}
+        if in_flight and not (returned and retired == end):
+            starts = (flow_id(pid, e["op_id"]),)
+            pending.setdefault((pid, retired), []).extend(starts)
+        elif kind == "sync" and returned:
+            ends = tuple(pending.pop((pid, end), ()))
+        thread = thread_names.get((pid, e["tid"]), str(e["tid"]))
+        items.append(Slice(pid, e["tid"], thread, category, name, ts,
+                           e["duration_ns"] if returned else None,
+                           flow_ids=starts, terminating_flow_ids=ends))
+        if in_flight:
+            items.append(Slice(pid, e["tid"], thread, category, name, ts, retired - ts,
+                               track=stream_uuid(pid, e["stream_handle"])))
+        if kind == "memcpy":
+            copied[pid] = copied.get(pid, 0) + e["bytes"]
+            items.append(Counter(copied_uuid(pid), ts, copied[pid]))
+        out.append(items)
     return out
 
 
@@ -284,5 +523,5 @@ def recording_slices(events: dict, meta=()) -> list[Slice]:
         for pid, tid, comm in zip(device["pid"].tolist(), device["tid"].tolist(),
                                   device["comm"].tolist()):
             names.setdefault((pid, tid), comm.decode(errors="replace"))
-        slices += device_slices(rows, names)
+        slices += [items[0] for items in device_items(rows, names)]
     return slices

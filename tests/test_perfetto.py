@@ -77,3 +77,114 @@ def test_cli_exports_perfetto(tmp_path):
     assert "40 slices" in result.stderr
     events = [p for p in packets(out.read_bytes()) if perfetto.TP_TRACK_EVENT in p]
     assert len(events) == 80
+
+
+# ------------------------------------------------ GPU/NPU streams, flows, counters
+
+def fields(message: bytes) -> dict:
+    """{field: [values]} of one message."""
+    out = {}
+    for n, _, v in read_fields(message):
+        out.setdefault(n, []).append(v)
+    return out
+
+
+def decoded(blob: bytes):
+    """(track descriptors by uuid, [(ts, track event fields)]) of a trace."""
+    tracks, events = {}, []
+    for p in packets(blob):
+        if perfetto.TP_TRACK_DESCRIPTOR in p:
+            desc = fields(p[perfetto.TP_TRACK_DESCRIPTOR][0])
+            tracks[desc[perfetto.TD_UUID][0]] = desc
+        if perfetto.TP_TRACK_EVENT in p:
+            events.append((p[perfetto.TP_TIMESTAMP][0], fields(p[perfetto.TP_TRACK_EVENT][0])))
+    return tracks, events
+
+
+def device_workload():
+    """Two streams of process 1 and a blocking copy, through the real alignment."""
+    from mmtrace.agent.device_view import DeviceContext, decode
+    from mmtrace.bpf import device
+    from test_align import events
+    ev = events((100, "cudaLaunchKernel", 1, 5), (110, "cudaLaunchKernel", 2, 6),
+                (120, "cudaMemcpyAsync", 3, 5), (130, "cudaStreamSynchronize", 0, 5, 40),
+                (140, "cudaLaunchKernel", 4, 5), (300, "cudaStreamSynchronize", 0, 6, 5),
+                (400, "cudaMemcpy", 5, 0, 25), (500, "cudaMemcpyAsync", 6, 0, None, 0, 2))
+    ev["bytes"] = [0, 0, 4096, 0, 0, 0, 1000, 77]
+    ev["tid"] = ev["pid"] + 10
+    ev["comm"] = b"python"
+    return decode(ev, DeviceContext(device.default_infos()))
+
+
+def test_submissions_get_stream_tracks_flows_to_their_sync_and_copy_counters():
+    from mmtrace.agent.align import NONE
+    from mmtrace.agent.replay import Step
+    rows = device_workload()
+    buf = io.BytesIO()
+    perfetto.write_recording([Step({}, rows)], buf)
+    tracks, events = decoded(buf.getvalue())
+    ev = rows.events
+    retired = {int(e["op_id"]): int(e["retired_ns"]) for e, k in zip(ev, rows.kind)
+               if k != "sync"}
+    assert retired == {1: 170, 2: 305, 3: 170, 4: NONE, 5: 425, 6: NONE}
+
+    # Stream tracks: one per (pid, stream) with a retired submission, under its process.
+    streams = {d[perfetto.TD_NAME][0]: uuid for uuid, d in tracks.items()
+               if perfetto.TD_NAME in d and perfetto.TD_COUNTER not in d}
+    assert sorted(streams) == [b"gpu stream 0x0", b"gpu stream 0x5", b"gpu stream 0x6"]
+    assert all(tracks[u][perfetto.TD_PARENT_UUID] == [perfetto.process_uuid(1)]
+               for u in streams.values())
+    # Their slices: from each submission to its retirement, as the host saw it.
+    on_stream = {}
+    for ts, e in events:
+        for name, uuid in streams.items():
+            if e[perfetto.TE_TRACK_UUID] == [uuid]:
+                on_stream.setdefault(name, []).append((ts, e[perfetto.TE_TYPE][0]))
+    B, E = perfetto.SLICE_BEGIN, perfetto.SLICE_END
+    assert on_stream == {b"gpu stream 0x5": [(100, B), (170, E), (120, B), (170, E)],
+                         b"gpu stream 0x6": [(110, B), (305, E)],
+                         b"gpu stream 0x0": [(400, B), (425, E)]}
+
+    # Flows: started on the calls of submissions a later sync retired, each
+    # ended on exactly that sync (the one whose return is its retired_ns).
+    started, ended = {}, {}
+    calls = [(ts, e) for ts, e in events if e[perfetto.TE_TRACK_UUID][0] >> 62 == 1]
+    for ts, e in calls:
+        for fid in e.get(perfetto.TE_FLOW_IDS, []):
+            started[fid] = ts
+        for fid in e.get(perfetto.TE_TERMINATING_FLOW_IDS, []):
+            assert fid not in ended
+            ended[fid] = ts
+    assert started == {perfetto.flow_id(1, 1): 100, perfetto.flow_id(1, 2): 110,
+                       perfetto.flow_id(1, 3): 120}
+    assert ended == {perfetto.flow_id(1, 1): 130, perfetto.flow_id(1, 3): 130,
+                     perfetto.flow_id(1, 2): 300}
+    assert 0 not in started and len(set(started)) == 3
+
+    # Counters: each process's running total of bytes copied, at each copy.
+    counters = {uuid: d for uuid, d in tracks.items() if perfetto.TD_COUNTER in d}
+    assert {u: d[perfetto.TD_NAME][0] for u, d in counters.items()} == {
+        perfetto.copied_uuid(1): b"memcpy bytes", perfetto.copied_uuid(2): b"memcpy bytes"}
+    assert all(fields(d[perfetto.TD_COUNTER][0]) == {perfetto.CD_UNIT: [perfetto.UNIT_SIZE_BYTES]}
+               for d in counters.values())
+    values = [(e[perfetto.TE_TRACK_UUID][0], ts, e[perfetto.TE_COUNTER_VALUE][0])
+              for ts, e in events if e[perfetto.TE_TYPE] == [perfetto.COUNTER]]
+    assert values == [(perfetto.copied_uuid(1), 120, 4096), (perfetto.copied_uuid(1), 400, 5096),
+                      (perfetto.copied_uuid(2), 500, 77)]
+
+
+def test_flow_ids_are_nonzero_and_tell_processes_apart():
+    ids = {perfetto.flow_id(pid, op) for pid in range(1, 50) for op in range(200)}
+    assert len(ids) == 49 * 200 and 0 not in ids
+    assert perfetto.stream_uuid(1, 5) >> 63 == 1 and perfetto.stream_uuid(1, 5) != \
+        perfetto.stream_uuid(2, 5)
+
+
+def test_pending_flows_are_bounded():
+    flows = perfetto.Flows(limit=4)
+    for op in range(10):
+        flows.start(1, op, 1000 + op)
+    assert len(flows.pending) == 4
+    assert flows.end(1, 1009) == [perfetto.flow_id(1, 9)]
+    flows.forget_before(1008)
+    assert list(flows.pending) == [(1, 1008)]
