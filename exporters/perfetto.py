@@ -454,12 +454,25 @@ def _runq_slice_rows(runq: np.ndarray) -> Rows:
                       labels("cpu", "runq"))
 
 
-def write_recording(steps, out) -> int:
+def write_recording(steps, out, source=None) -> int:
     """Write the slices of `steps` (agent.replay.replay) to the binary
-    stream `out`; returns their number."""
+    stream `out`; returns their number. With the recording (`source`),
+    its anomalies follow: the one that made a flight recording and those
+    the detectors find over the same steps, as `report` lists them."""
+    from .perfetto_anomalies import anomaly_packets, recorded_anomalies
     writer = PerfettoWriter(out)
+    detectors = None
+    if source is not None:
+        from mmtrace.agent.offline import Detectors
+        detectors = Detectors(source)
     for step in steps:
         writer.step(step)
+        if detectors is not None:
+            detectors.feed(step)
+    if detectors is not None:
+        found = [{**a, "source": "replay"} for a in detectors.finish()]
+        for packet in anomaly_packets(recorded_anomalies(source) + found):
+            out.write(packet)
     return writer.slices
 
 

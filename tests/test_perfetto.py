@@ -188,3 +188,99 @@ def test_pending_flows_are_bounded():
     assert flows.end(1, 1009) == [perfetto.flow_id(1, 9)]
     flows.forget_before(1008)
     assert list(flows.pending) == [(1, 1008)]
+
+
+# ------------------------------------------------------------ anomalies
+
+def annotations(event: dict) -> dict:
+    """The debug annotations of a track event, by name, decoded by type."""
+    import struct
+    from mmtrace.exporters.perfetto_anomalies import TE_DEBUG_ANNOTATIONS
+    out = {}
+    for raw in event.get(TE_DEBUG_ANNOTATIONS, []):
+        da = fields(raw)
+        name = da[10][0].decode()
+        assert name not in out
+        if 2 in da:
+            out[name] = bool(da[2][0])
+        elif 4 in da:
+            value = da[4][0]
+            out[name] = value - (1 << 64) if value >> 63 else value
+        elif 5 in da:
+            out[name] = struct.unpack("<d", da[5][0].to_bytes(8, "little"))[0]
+        else:
+            out[name] = da[6][0].decode()
+    return out
+
+
+def anomaly_instants(blob: bytes):
+    from mmtrace.exporters.perfetto_anomalies import ANOMALY_TRACK
+    tracks, events = decoded(blob)
+    assert tracks[ANOMALY_TRACK][perfetto.TD_NAME] == [b"mmtrace anomalies"]
+    assert perfetto.TD_PARENT_UUID not in tracks[ANOMALY_TRACK]
+    found = [(ts, e) for ts, e in events if e[perfetto.TE_TRACK_UUID] == [ANOMALY_TRACK]]
+    assert all(e[perfetto.TE_TYPE] == [perfetto.INSTANT] for _, e in found)
+    return [(ts, e[perfetto.TE_NAME][0].decode(), annotations(e)) for ts, e in found]
+
+
+def test_anomalies_the_detectors_find_are_instants_with_their_evidence(tmp_path):
+    import json
+    from click.testing import CliRunner
+    from mmtrace.agent import offline, recording
+    from mmtrace.agent.cli import cli
+    from test_daemon_parts import synthetic_recording
+    path = synthetic_recording(tmp_path / "s.mmtr")
+    expected = offline.detect(recording.read_recording(path))
+    assert [a["state"] for a in expected][:1] == ["firing"]
+    out = tmp_path / "s.pftrace"
+    result = CliRunner().invoke(cli, ["export", str(path), "--format", "perfetto", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    instants = anomaly_instants(out.read_bytes())
+    assert len(instants) == len(expected)
+    for (ts, name, notes), a in zip(instants, expected):
+        ev = a["evidence"]
+        assert ts == a["ts_ns"]
+        assert name == f"p99_drift {a['series']} {a['state']}"
+        assert (notes["detector"], notes["series"], notes["state"], notes["source"]) == (
+            "p99_drift", a["series"], a["state"], "replay")
+        assert notes["evidence.p99"] == ev["p99"] and notes["evidence.baseline"] == ev["baseline"]
+        assert notes["evidence.samples"] == ev["samples"]
+        assert json.loads(notes["evidence.top_contributors"]) == ev["top_contributors"]
+        assert json.loads(notes["evidence.windows"]) == ev["windows"]
+    assert instants[0][2]["evidence.p99"] > 3 * instants[0][2]["evidence.baseline"]
+
+
+def test_a_flight_recordings_anomaly_is_an_instant_at_its_end(tmp_path):
+    from mmtrace.agent.flight import FlightRecorder
+    from mmtrace.bpf.sched import RUNQ_EVENT
+    runq = np.zeros(3, RUNQ_EVENT)
+    runq["ts_ns"] = np.array([3, 4, 5]) * 1_000_000_000
+    runq["pid"] = runq["tid"] = 9
+    anomaly = {"detector": "p99_drift", "series": "runq_delay{pid=9}", "state": "firing",
+               "evidence": {"p99": 0.004, "baseline": 0.001, "samples": 812,
+                            "clamped": True, "note": "x"}}
+    path = FlightRecorder(tmp_path).dump({"cpu.runq": runq}, {"cpu.runq": RUNQ_EVENT}, anomaly,
+                                         [], now_ns=5_000_000_000)
+    buf = io.BytesIO()
+    from mmtrace.agent.recording import RecordingReader
+    from mmtrace.agent.replay import replay
+    with RecordingReader(path) as rec:
+        perfetto.write_recording(replay(rec), buf, source=rec)
+    [(ts, name, notes)] = anomaly_instants(buf.getvalue())
+    assert ts == 5_000_000_000 and name == "p99_drift runq_delay{pid=9} firing"
+    assert notes == {"detector": "p99_drift", "series": "runq_delay{pid=9}", "state": "firing",
+                     "source": "flight recording", "evidence.p99": 0.004,
+                     "evidence.baseline": 0.001, "evidence.samples": 812,
+                     "evidence.clamped": True, "evidence.note": "x"}
+
+
+def test_a_recording_without_anomalies_has_no_anomaly_track(tmp_path):
+    from mmtrace.exporters.perfetto_anomalies import ANOMALY_TRACK
+    from test_recording import write_sample
+    from mmtrace.agent.recording import RecordingReader
+    from mmtrace.agent.replay import replay
+    buf = io.BytesIO()
+    with RecordingReader(write_sample(tmp_path / "a.mmtr")) as rec:
+        perfetto.write_recording(replay(rec), buf, source=rec)
+    tracks, _ = decoded(buf.getvalue())
+    assert tracks and ANOMALY_TRACK not in tracks
