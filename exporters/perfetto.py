@@ -4,11 +4,13 @@ Every thread gets a track (grouped under its process); each event that has
 a duration becomes a slice on its thread's track. Each GPU/NPU stream gets a
 track too, where a submission is a slice from its call to its retirement,
 with a flow from the submission's call to the sync that retired it; each
-process that copies gets a counter track of the bytes it has copied. Field
+process that copies gets a counter track of the bytes it has copied, and
+each GPU sampled by NVML counter tracks of its utilisations. Field
 numbers are those of Perfetto's trace_packet.proto / track_event.proto /
 track_descriptor.proto / counter_descriptor.proto.
 """
 
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,6 +56,7 @@ TE_TRACK_UUID = 11
 TE_CATEGORIES = 22
 TE_NAME = 23
 TE_COUNTER_VALUE = 30
+TE_DOUBLE_COUNTER_VALUE = 44
 TE_FLOW_IDS = 47
 TE_TERMINATING_FLOW_IDS = 48
 SLICE_BEGIN = 1
@@ -99,6 +102,14 @@ def thread_uuid(pid: int, tid: int) -> int:
 
 def copied_uuid(pid: int) -> int:
     return 1 << 60 | pid
+
+
+# NVML's samples ("gpu.state"): per GPU a counter track of each, in percent.
+GPU_COUNTERS = (("sm_util", "SM utilisation %"), ("mem_bw_util", "memory-bandwidth utilisation %"))
+
+
+def gpu_counter_uuid(gpu: int, which: int) -> int:
+    return 1 << 58 | gpu << 4 | which
 
 
 MASK64 = (1 << 64) - 1
@@ -166,6 +177,16 @@ class Tracks:
     def stream(self, pid: int, stream: str, handle: int):
         yield from self.named(pid, stream_uuid(pid, handle), f"{stream} stream {handle:#x}")
 
+    def gpu(self, gpu: int, which: int):
+        """A GPU's counter track, global (its samples are not a process's)."""
+        uuid = gpu_counter_uuid(gpu, which)
+        if uuid not in self.others:
+            self.others.add(uuid)
+            desc = (field_varint(TD_UUID, uuid)
+                    + field_str(TD_NAME, f"gpu {gpu} {GPU_COUNTERS[which][1]}")
+                    + field_bytes(TD_COUNTER, b""))
+            yield _packet(field_bytes(TP_TRACK_DESCRIPTOR, desc))
+
     def copied(self, pid: int):
         yield from self.named(pid, copied_uuid(pid), "memcpy bytes",
                               field_varint(CD_UNIT, UNIT_SIZE_BYTES))
@@ -199,6 +220,21 @@ def _counter_packets(c: Counter):
     event = (field_varint(TE_TYPE, COUNTER) + field_varint(TE_TRACK_UUID, c.track)
              + field_varint(TE_COUNTER_VALUE, c.value))
     yield _packet(field_varint(TP_TIMESTAMP, c.ts_ns), field_bytes(TP_TRACK_EVENT, event))
+
+
+def gpu_state_packets(samples: np.ndarray, tracks: Tracks):
+    """Each NVML sample's utilisations on its GPU's counter tracks (one a
+    second per GPU: written one by one)."""
+    for row in samples.tolist():
+        sample = dict(zip(samples.dtype.names, row))
+        for which, (key, _) in enumerate(GPU_COUNTERS):
+            yield from tracks.gpu(sample["gpu"], which)
+            event = (field_varint(TE_TYPE, COUNTER)
+                     + field_varint(TE_TRACK_UUID, gpu_counter_uuid(sample["gpu"], which))
+                     + varint(TE_DOUBLE_COUNTER_VALUE << 3 | 1)
+                     + struct.pack("<d", sample[key] * 100.0))
+            yield _packet(field_varint(TP_TIMESTAMP, sample["ts_ns"]),
+                          field_bytes(TP_TRACK_EVENT, event))
 
 
 def item_packets(item) -> bytes:
@@ -427,6 +463,9 @@ class PerfettoWriter:
 
     def step(self, step):
         runq, device = step.part("cpu.runq"), step.device_rows()
+        gpus = step.part("gpu.state")
+        if gpus is not None:
+            self._write(gpu_state_packets(gpus, self.tracks))
         if runq is not None:
             start = wait_start_ns(runq)
             order = np.argsort(start, kind="stable")
