@@ -23,7 +23,6 @@ from mmtrace.bpf.sched import wait_start_ns
 
 from .protowire import field_bytes, field_fixed64, field_str, field_varint, varint
 from .rowtext import BATCH, Rows, split, varint_lengths, write_merged
-from .rowtext import codes as rowtext_codes
 
 # Trace
 TRACE_PACKET = 1
@@ -267,14 +266,16 @@ def _packet_rows(ts: np.ndarray, body: Rows) -> Rows:
 def _event_rows(n: int, ts: np.ndarray, track: np.ndarray, kind: bytes, labels=b"",
                 extra=None):
     """TracePackets for n events of one type: the track event is its type
-    field (`kind`), the track uuid, then `labels` and `extra`: fixed bytes,
-    or (codes, entries) for what differs by row."""
+    field (`kind`), the track uuid, then `labels` (fixed bytes, or (codes,
+    entries) for labels that differ by row), then what `extra` (a function
+    of the event body's Rows) adds."""
     body = Rows(n).const(kind).const(varint(TE_TRACK_UUID << 3)).varint(track)
-    for part in (labels, extra):
-        if part is None or isinstance(part, bytes):
-            body.const(part or b"")
-        else:
-            body.table(*part)
+    if isinstance(labels, bytes):
+        body.const(labels)
+    else:
+        body.table(*labels)
+    if extra is not None:
+        body = extra(body)
     return _packet_rows(ts, body)
 
 
@@ -305,54 +306,102 @@ def labels(category: str, name: str) -> bytes:
     return field_str(TE_CATEGORIES, category) + field_str(TE_NAME, name)
 
 
-MAX_PENDING_FLOWS = 1 << 16     # retirements awaited at once
-LONG_EXTRA = 512                # flow fields this long are encoded row by row
+MAX_PENDING_FLOWS = 1 << 16     # submissions awaiting their sync at once
+WIDE_BYTES = 1 << 22            # padded bytes of the rows a group of wide ones builds at once
+FLOW_TAG = varint(TE_FLOW_IDS << 3 | 1)
+END_FLOW_TAG = varint(TE_TERMINATING_FLOW_IDS << 3 | 1)
+
+
+def _mix_array(x: np.ndarray) -> np.ndarray:
+    """_mix over a uint64 array (wrapping arithmetic)."""
+    x = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def flow_ids(pid: np.ndarray, op_id: np.ndarray) -> np.ndarray:
+    """flow_id of each (pid, op_id)."""
+    ids = _mix_array(_mix_array(pid.astype(np.uint64) ^ np.uint64(1 << 40)) ^ op_id)
+    return np.where(ids == 0, np.uint64(1), ids)
+
+
+def stream_uuids(pid: np.ndarray, handle: np.ndarray) -> np.ndarray:
+    """stream_uuid of each (pid, handle)."""
+    return np.uint64(1 << 63) | _mix_array(_mix_array(pid) ^ handle) >> np.uint64(1)
+
+
+def _fixed64_rows(tag: bytes, values: np.ndarray) -> np.ndarray:
+    """tag + 8 little-endian bytes per value, as a byte matrix."""
+    return np.concatenate([np.broadcast_to(np.frombuffer(tag, np.uint8), (len(values), len(tag))),
+                           values.astype("<u8").view(np.uint8).reshape(-1, 8)], axis=1)
+
+
+def _by_width(lengths: np.ndarray):
+    """Groups of rows to encode together: a row's table column is as wide
+    as the widest in its group, so a sync that ends many flows goes with
+    others about as wide, and no group pads more than WIDE_BYTES."""
+    order = np.argsort(lengths, kind="stable")
+    lo = 0
+    while lo < len(order):
+        # Rows are ordered by width: the group [lo, hi) pads to its last row.
+        fits = (np.arange(lo + 1, len(order) + 1) - lo) * np.maximum(lengths[order[lo:]], 1)
+        hi = lo + max(1, int(np.searchsorted(fits > WIDE_BYTES, True)))
+        yield np.sort(order[lo:hi])
+        lo = hi
 
 
 class Flows:
-    """Flow ids started on submissions, awaiting the sync that retired them:
-    (pid, retired_ns) -> ids. A sync retires what it covered when it returns,
-    so its return time finds them; events come in time order, so what a sync
-    already passed is dropped, and the map is capped besides."""
+    """Flow ids started on submissions, awaiting the sync that retired them.
+    A sync retires what it covered when it returns, so the submissions of
+    its process whose retired_ns is its return time, made before it, are
+    its own. Events come in time order: what no later sync can end (retired
+    before the newest event) is dropped, and at most `limit` wait besides."""
 
     def __init__(self, limit: int = MAX_PENDING_FLOWS):
         self.limit = limit
-        self.pending: dict = {}
+        self.pid = np.zeros(0, np.uint64)
+        self.retired = np.zeros(0, np.uint64)
+        self.fid = np.zeros(0, np.uint64)
 
-    def start(self, pid: int, op_id: int, retired_ns: int) -> int:
-        fid = flow_id(pid, op_id)
-        self.pending.setdefault((pid, retired_ns), []).append(fid)
-        while len(self.pending) > self.limit:
-            del self.pending[next(iter(self.pending))]
-        return fid
+    def __len__(self):
+        return len(self.fid)
 
-    def end(self, pid: int, end_ns: int) -> list:
-        return self.pending.pop((pid, end_ns), [])
-
-    def forget_before(self, ts_ns: int):
-        stale = [k for k in self.pending if k[1] < ts_ns]
-        for k in stale:
-            del self.pending[k]
-
-
-def _flow_fields(rows, flows: Flows) -> list[bytes]:
-    """Per row: the flow fields of its call event. A flow starts on a
-    submission retired by a later sync (a blocking call, retired by its own
-    return, has none) and ends on that sync."""
-    ev = rows.events
-    extras = [b""] * len(ev)
-    if len(ev):
-        flows.forget_before(int(ev["ts_ns"][0]))
-    for i, (kind, pid, op, ts, dur, flags, retired) in enumerate(zip(
-            rows.kind.tolist(), ev["pid"].tolist(), ev["op_id"].tolist(), ev["ts_ns"].tolist(),
-            ev["duration_ns"].tolist(), ev["flags"].tolist(), ev["retired_ns"].tolist())):
-        if kind in SUBMISSION_KINDS:
-            if retired != NONE and not (flags & 1 and retired == ts + dur):
-                extras[i] = field_fixed64(TE_FLOW_IDS, flows.start(pid, op, retired))
-        elif kind == "sync" and flags & 1:
-            extras[i] = b"".join(field_fixed64(TE_TERMINATING_FLOW_IDS, f)
-                                 for f in flows.end(pid, ts + dur))
-    return extras
+    def step(self, pid, op_id, ts, end_ns, retired, starts, ends):
+        """One batch of calls in time order; `starts` marks the submissions
+        that start a flow, `ends` the syncs that may end some. Returns
+        (flow id per row, 0 where none; the rows of the syncs that end
+        flows and the ids they end, grouped by row in submission order)."""
+        fid = np.zeros(len(ts), np.uint64)
+        at = np.flatnonzero(starts)
+        fid[at] = flow_ids(pid[at], op_id[at])
+        c_pid = np.concatenate([self.pid, pid[at].astype(np.uint64)])
+        c_ret = np.concatenate([self.retired, retired[at].astype(np.uint64)])
+        c_fid = np.concatenate([self.fid, fid[at]])
+        c_pos = np.concatenate([np.full(len(self.fid), -1, np.int64), at])
+        syncs = np.flatnonzero(ends)
+        width = len(ts) + 2
+        keys = np.stack([np.concatenate([c_pid, pid[syncs].astype(np.uint64)]),
+                         np.concatenate([c_ret, end_ns[syncs].astype(np.uint64)])], axis=1)
+        rank = np.unique(keys, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int64) \
+            if len(keys) else np.zeros(0, np.int64)
+        sync_key = rank[len(c_fid):] * width + syncs + 1
+        order = np.argsort(sync_key)
+        sync_key = sync_key[order]
+        cand_rank = rank[:len(c_fid)]
+        # The first sync of the same process and time after each submission.
+        nxt = np.searchsorted(sync_key, cand_rank * width + c_pos + 1, side="right")
+        found = nxt < len(sync_key)
+        found[found] = sync_key[nxt[found]] // width == cand_rank[found]
+        end_rows = syncs[order[nxt[found]]]
+        by_row = np.argsort(end_rows, kind="stable")
+        ended = (end_rows[by_row], c_fid[found][by_row])
+        keep = ~found
+        if len(ts):
+            keep &= c_ret >= np.uint64(int(ts[-1]))
+        kept = np.flatnonzero(keep)[-self.limit:]
+        self.pid, self.retired, self.fid = c_pid[kept], c_ret[kept], c_fid[kept]
+        return fid, ended
 
 
 class DeviceEncoder:
@@ -369,57 +418,78 @@ class DeviceEncoder:
 
     def packets(self, rows) -> list[bytes]:
         ev = rows.events
+        n = len(ev)
         table: dict = {}
         codes = np.array([table.setdefault((f"{s}.{k}", op or api), len(table)) for s, k, op, api
                           in zip(rows.stream, rows.kind, rows.op_name, rows.api)], np.int64)
         entries = [labels(*key) for key in table]
-        extras = _flow_fields(rows, self.flows)
-        out = [b""] * len(ev)
-        long = {i for i, e in enumerate(extras) if len(e) > LONG_EXTRA}
-        for chunk in [np.array([i for i in range(len(ev)) if i not in long], np.int64)] + [
-                np.array([i]) for i in sorted(long)]:
-            self._calls(ev, chunk, (codes, entries), extras, out)
+        kinds = rows.kind.astype("U16")
+        submission = np.isin(kinds, SUBMISSION_KINDS)
+        returned = (ev["flags"] & 1) != 0       # FLAG_RETURNED
+        end_ns = ev["ts_ns"] + ev["duration_ns"]
         retired = ev["retired_ns"] != NONE
-        inflight = np.array([i for i, k in enumerate(rows.kind.tolist())
-                             if k in SUBMISSION_KINDS and retired[i]], np.int64)
+        starts = submission & retired & ~(returned & (ev["retired_ns"].astype(np.uint64) == end_ns))
+        fid, (end_rows, end_fids) = self.flows.step(
+            ev["pid"], ev["op_id"], ev["ts_ns"], end_ns, ev["retired_ns"], starts,
+            (kinds == "sync") & returned)
+        # The fields that end flows, per sync row (a table entry each).
+        end_codes = np.zeros(n, np.int64)
+        end_entries = [b""]
+        if len(end_rows):
+            blob = _fixed64_rows(END_FLOW_TAG, end_fids).tobytes()
+            size = len(END_FLOW_TAG) + 8
+            rows_with, first, count = np.unique(end_rows, return_index=True, return_counts=True)
+            end_entries += [blob[a * size:(a + c) * size]
+                            for a, c in zip(first.tolist(), count.tolist())]
+            end_codes[rows_with] = np.arange(1, len(rows_with) + 1)
+        lengths = np.array([len(e) for e in end_entries], np.int64)[end_codes]
+        out = [b""] * n
+        for at in _by_width(lengths):
+            self._calls(ev, at, (codes, entries), starts, fid, (end_codes, end_entries), out)
+        inflight = np.flatnonzero(submission & retired)
         if len(inflight):
             e = ev[inflight]
-            track = np.array([stream_uuid(p, h) for p, h in zip(
-                e["pid"].tolist(), e["stream_handle"].tolist())], np.uint64)
             made = slice_rows(e["ts_ns"], e["retired_ns"].astype(np.uint64) - e["ts_ns"],
-                              e["pid"], e["tid"], (codes[inflight], entries), track)
+                              e["pid"], e["tid"], (codes[inflight], entries),
+                              stream_uuids(e["pid"], e["stream_handle"]))
             for i, packets in zip(inflight.tolist(), split(made)):
                 out[i] += packets
-        copies = np.flatnonzero(rows.kind == "memcpy")
+        copies = np.flatnonzero(kinds == "memcpy")
         if len(copies):
             e = ev[copies]
-            totals = []
-            for pid, size in zip(e["pid"].tolist(), e["bytes"].tolist()):
-                self.copied[pid] = self.copied.get(pid, 0) + size
-                totals.append(self.copied[pid])
+            totals = np.zeros(len(e), np.uint64)
+            for pid in np.unique(e["pid"]).tolist():
+                mine = e["pid"] == pid
+                totals[mine] = np.uint64(self.copied.get(pid, 0)) + np.cumsum(e["bytes"][mine])
+                self.copied[pid] = int(totals[mine][-1])
             made = counter_rows(e["ts_ns"], np.uint64(1 << 60) | e["pid"].astype(np.uint64),
-                                np.array(totals, np.uint64))
+                                totals)
             for i, packets in zip(copies.tolist(), split(made)):
                 out[i] += packets
         return out
 
     @staticmethod
-    def _calls(ev, at: np.ndarray, labels, extras: list, out: list):
+    def _calls(ev, at: np.ndarray, labels, starts, fid, ends, out: list):
         if not len(at):
             return
         codes, entries = labels
+        end_codes, end_entries = ends
         returned = (ev["flags"][at] & 1) != 0       # FLAG_RETURNED
         for sub, kind in ((at[returned], SLICE_BEGIN), (at[~returned], INSTANT)):
             if not len(sub):
                 continue
             e = ev[sub]
-            extra = rowtext_codes([extras[i] for i in sub.tolist()])
+
+            def flows(body: Rows, sub=sub) -> Rows:
+                return (body.fixed(_fixed64_rows(FLOW_TAG, fid[sub]), starts[sub])
+                        .table(end_codes[sub], end_entries))
+
             if kind == SLICE_BEGIN:
                 made = slice_rows(e["ts_ns"], e["duration_ns"], e["pid"], e["tid"],
-                                  (codes[sub], entries), extra=extra)
+                                  (codes[sub], entries), extra=flows)
             else:
                 made = _event_rows(len(e), e["ts_ns"], _tracks_of(e["pid"], e["tid"]),
-                                   field_varint(TE_TYPE, INSTANT), (codes[sub], entries), extra)
+                                   field_varint(TE_TYPE, INSTANT), (codes[sub], entries), flows)
             for i, packets in zip(sub.tolist(), split(made)):
                 out[i] = packets
 

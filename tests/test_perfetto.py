@@ -180,14 +180,33 @@ def test_flow_ids_are_nonzero_and_tell_processes_apart():
         perfetto.stream_uuid(2, 5)
 
 
-def test_pending_flows_are_bounded():
+def test_array_hashes_are_the_per_value_ones():
+    rng = np.random.default_rng(3)
+    pid = rng.integers(0, 1 << 32, 500, dtype=np.uint64)
+    value = rng.integers(0, 1 << 63, 500, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    assert perfetto.flow_ids(pid, value).tolist() == [
+        perfetto.flow_id(p, v) for p, v in zip(pid.tolist(), value.tolist())]
+    assert perfetto.stream_uuids(pid, value).tolist() == [
+        perfetto.stream_uuid(p, v) for p, v in zip(pid.tolist(), value.tolist())]
+
+
+def test_pending_flows_are_bounded_and_end_on_a_later_batch():
     flows = perfetto.Flows(limit=4)
-    for op in range(10):
-        flows.start(1, op, 1000 + op)
-    assert len(flows.pending) == 4
-    assert flows.end(1, 1009) == [perfetto.flow_id(1, 9)]
-    flows.forget_before(1008)
-    assert list(flows.pending) == [(1, 1008)]
+    n = 10
+    ts = np.arange(n, dtype=np.uint64) + 100
+    retired = np.arange(n, dtype=np.int64) + 1000
+    pid = np.ones(n, np.uint32)
+    fid, (rows, ended) = flows.step(pid, np.arange(n, dtype=np.uint64), ts, ts, retired,
+                                    np.ones(n, bool), np.zeros(n, bool))
+    assert len(rows) == 0 and len(flows) == 4        # the newest four wait
+    # A later batch: a sync of process 1 returning at 1009, one of process 2 at 1008.
+    fid2, (rows, ended) = flows.step(np.array([1, 2], np.uint32), np.zeros(2, np.uint64),
+                                     np.array([900, 901], np.uint64),
+                                     np.array([1009, 1008], np.uint64),
+                                     np.full(2, -1, np.int64), np.zeros(2, bool),
+                                     np.ones(2, bool))
+    assert rows.tolist() == [0] and ended.tolist() == [perfetto.flow_id(1, 9)]
+    assert fid2.tolist() == [0, 0] and len(flows) == 3
 
 
 # ------------------------------------------------------------ anomalies
@@ -284,3 +303,14 @@ def test_a_recording_without_anomalies_has_no_anomaly_track(tmp_path):
         perfetto.write_recording(replay(rec), buf, source=rec)
     tracks, _ = decoded(buf.getvalue())
     assert tracks and ANOMALY_TRACK not in tracks
+
+
+def test_syncs_that_end_many_flows_are_encoded_in_groups_the_same(monkeypatch):
+    rows = device_workload()
+    whole = perfetto.device_packets(rows)
+    monkeypatch.setattr(perfetto, "WIDE_BYTES", 1)       # every row a group of its own
+    assert perfetto.device_packets(rows) == whole
+    assert [len(g) for g in perfetto._by_width(np.array([30, 0, 10, 10, 0]))] == [1] * 5
+    monkeypatch.setattr(perfetto, "WIDE_BYTES", 40)
+    groups = [g.tolist() for g in perfetto._by_width(np.array([30, 0, 10, 10, 0]))]
+    assert groups == [[1, 2, 3, 4], [0]]        # 4 rows padded to 10 bytes; then the 30
