@@ -23,6 +23,7 @@ from mmtrace.bpf.sched import wait_start_ns
 
 from .protowire import field_bytes, field_fixed64, field_str, field_varint, varint
 from .rowtext import BATCH, Rows, split, varint_lengths, write_merged
+from .rowtext import codes as rowtext_codes
 
 # Trace
 TRACE_PACKET = 1
@@ -307,7 +308,7 @@ def labels(category: str, name: str) -> bytes:
 
 
 MAX_PENDING_FLOWS = 1 << 16     # submissions awaiting their sync at once
-WIDE_BYTES = 1 << 22            # padded bytes of the rows a group of wide ones builds at once
+WIDE_FLOWS = 8                  # a sync that ends more is encoded on its own
 FLOW_TAG = varint(TE_FLOW_IDS << 3 | 1)
 END_FLOW_TAG = varint(TE_TERMINATING_FLOW_IDS << 3 | 1)
 
@@ -335,20 +336,6 @@ def _fixed64_rows(tag: bytes, values: np.ndarray) -> np.ndarray:
     """tag + 8 little-endian bytes per value, as a byte matrix."""
     return np.concatenate([np.broadcast_to(np.frombuffer(tag, np.uint8), (len(values), len(tag))),
                            values.astype("<u8").view(np.uint8).reshape(-1, 8)], axis=1)
-
-
-def _by_width(lengths: np.ndarray):
-    """Groups of rows to encode together: a row's table column is as wide
-    as the widest in its group, so a sync that ends many flows goes with
-    others about as wide, and no group pads more than WIDE_BYTES."""
-    order = np.argsort(lengths, kind="stable")
-    lo = 0
-    while lo < len(order):
-        # Rows are ordered by width: the group [lo, hi) pads to its last row.
-        fits = (np.arange(lo + 1, len(order) + 1) - lo) * np.maximum(lengths[order[lo:]], 1)
-        hi = lo + max(1, int(np.searchsorted(fits > WIDE_BYTES, True)))
-        yield np.sort(order[lo:hi])
-        lo = hi
 
 
 class Flows:
@@ -381,10 +368,11 @@ class Flows:
         c_pos = np.concatenate([np.full(len(self.fid), -1, np.int64), at])
         syncs = np.flatnonzero(ends)
         width = len(ts) + 2
-        keys = np.stack([np.concatenate([c_pid, pid[syncs].astype(np.uint64)]),
-                         np.concatenate([c_ret, end_ns[syncs].astype(np.uint64)])], axis=1)
-        rank = np.unique(keys, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int64) \
-            if len(keys) else np.zeros(0, np.int64)
+        # One integer per (pid, time): pid and the time's rank among the times.
+        times, time_rank = np.unique(np.concatenate([c_ret, end_ns[syncs].astype(np.uint64)]),
+                                     return_inverse=True)
+        rank = np.unique(np.concatenate([c_pid, pid[syncs].astype(np.uint64)]).astype(np.int64)
+                         * len(times) + time_rank.reshape(-1), return_inverse=True)[1].reshape(-1)
         sync_key = rank[len(c_fid):] * width + syncs + 1
         order = np.argsort(sync_key)
         sync_key = sync_key[order]
@@ -419,10 +407,8 @@ class DeviceEncoder:
     def packets(self, rows) -> list[bytes]:
         ev = rows.events
         n = len(ev)
-        table: dict = {}
-        codes = np.array([table.setdefault((f"{s}.{k}", op or api), len(table)) for s, k, op, api
-                          in zip(rows.stream, rows.kind, rows.op_name, rows.api)], np.int64)
-        entries = [labels(*key) for key in table]
+        codes, keys = rowtext_codes(list(zip(rows.stream, rows.kind, rows.op_name, rows.api)))
+        entries = [labels(f"{s}.{k}", op or api) for s, k, op, api in keys]
         kinds = rows.kind.astype("U16")
         submission = np.isin(kinds, SUBMISSION_KINDS)
         returned = (ev["flags"] & 1) != 0       # FLAG_RETURNED
@@ -444,8 +430,24 @@ class DeviceEncoder:
             end_codes[rows_with] = np.arange(1, len(rows_with) + 1)
         lengths = np.array([len(e) for e in end_entries], np.int64)[end_codes]
         out = [b""] * n
-        for at in _by_width(lengths):
-            self._calls(ev, at, (codes, entries), starts, fid, (end_codes, end_entries), out)
+        # A sync that ends many flows would widen the whole batch's matrix:
+        # such syncs are few (each ends more than WIDE_FLOWS flows that
+        # as many submissions started) and are written one by one.
+        limit = WIDE_FLOWS * (len(END_FLOW_TAG) + 8)
+        wide = lengths > limit
+        narrow = [e if len(e) <= limit else b"" for e in end_entries]   # the table's width
+        self._calls(ev, np.flatnonzero(~wide), (codes, entries), starts, fid,
+                    (end_codes, narrow), out)
+        for i in np.flatnonzero(wide).tolist():     # a returned sync: a slice
+            e = ev[i]
+            track = field_varint(TE_TRACK_UUID, thread_uuid(int(e["pid"]), int(e["tid"])))
+            begin = (field_varint(TE_TYPE, SLICE_BEGIN) + track + entries[codes[i]]
+                     + end_entries[end_codes[i]])
+            end = field_varint(TE_TYPE, SLICE_END) + track
+            out[i] = (_packet(field_varint(TP_TIMESTAMP, int(e["ts_ns"])),
+                              field_bytes(TP_TRACK_EVENT, begin))
+                      + _packet(field_varint(TP_TIMESTAMP, int(e["ts_ns"] + e["duration_ns"])),
+                                field_bytes(TP_TRACK_EVENT, end)))
         inflight = np.flatnonzero(submission & retired)
         if len(inflight):
             e = ev[inflight]

@@ -78,5 +78,6 @@ def anomaly_packets(anomalies: list[dict]):
     desc = field_varint(TD_UUID, ANOMALY_TRACK) + field_str(TD_NAME, TRACK_NAME)
     yield _packet(field_bytes(TP_TRACK_DESCRIPTOR, desc))
     for a in anomalies:
-        yield _packet(field_varint(TP_TIMESTAMP, max(0, int(a.get("ts_ns", 0)))),
+        ts = min(max(0, int(a.get("ts_ns", 0))), INT64 - 1)    # a crafted file's too
+        yield _packet(field_varint(TP_TIMESTAMP, ts),
                      field_bytes(TP_TRACK_EVENT, anomaly_event(a)))

@@ -305,12 +305,8 @@ def test_a_recording_without_anomalies_has_no_anomaly_track(tmp_path):
     assert tracks and ANOMALY_TRACK not in tracks
 
 
-def test_syncs_that_end_many_flows_are_encoded_in_groups_the_same(monkeypatch):
+def test_syncs_that_end_many_flows_are_encoded_on_their_own_the_same(monkeypatch):
     rows = device_workload()
     whole = perfetto.device_packets(rows)
-    monkeypatch.setattr(perfetto, "WIDE_BYTES", 1)       # every row a group of its own
+    monkeypatch.setattr(perfetto, "WIDE_FLOWS", 0)      # every sync that ends a flow
     assert perfetto.device_packets(rows) == whole
-    assert [len(g) for g in perfetto._by_width(np.array([30, 0, 10, 10, 0]))] == [1] * 5
-    monkeypatch.setattr(perfetto, "WIDE_BYTES", 40)
-    groups = [g.tolist() for g in perfetto._by_width(np.array([30, 0, 10, 10, 0]))]
-    assert groups == [[1, 2, 3, 4], [0]]        # 4 rows padded to 10 bytes; then the 30
