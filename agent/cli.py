@@ -177,8 +177,9 @@ def export(file, fmt, output):
     from .replay import replay
     if output == "-" and fmt != "jsonl":
         raise MmtraceError(f"-o - writes jsonl only; --format {fmt} needs a file")
-    write, unit = _writer(fmt), "slices" if fmt == "perfetto" else "events"
+    unit = "slices" if fmt == "perfetto" else "events"
     with _open(file) as rec:
+        write = _writer(fmt, rec)
         try:
             with ExportOutput(output, source=file) as out:
                 n = _streamed(rec, lambda r: write(replay(r), out.stream))
@@ -188,15 +189,17 @@ def export(file, fmt, output):
         click.echo(f"wrote {output}: {n:,} {unit}", err=True)
 
 
-def _writer(fmt):
+def _writer(fmt, rec):
     if fmt == "jsonl":
         from mmtrace.exporters.jsonl import write_jsonl
         return write_jsonl
     if fmt == "chrome":
         from mmtrace.exporters.chrome import write_chrome
         return write_chrome
+    from functools import partial
+
     from mmtrace.exporters.perfetto import write_recording
-    return write_recording
+    return partial(write_recording, source=rec)     # its anomalies too
 
 
 @cli.command()

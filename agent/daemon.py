@@ -25,6 +25,7 @@ from mmtrace.bpf import sched as sched_stream
 from mmtrace.detectors.entropy_drift import EntropyDriftDetector
 from mmtrace.detectors.p99_drift import P99Drift
 from mmtrace.exporters import npu_smi, nvml, prometheus
+from mmtrace.exporters.device_state import GPU_STATE, state_records
 from mmtrace.exporters import status as status_view
 from mmtrace.exporters.event_counts import EventCounts
 
@@ -52,7 +53,9 @@ ENTROPY_SAMPLE = np.dtype([("ts_ns", "<u8"), ("value", "<f8"), ("head", "<u4"),
 REQUEST_SAMPLE = np.dtype([("ts_ns", "<u8"), ("value_s", "<f8"), ("series", "<u4"),
                            ("reserved", "<u4")])
 SCHEMAS = {"cpu.runq": sched_stream.RUNQ_EVENT, "dev.event": device_stream.DEV_EVENT,
-           "model.entropy": ENTROPY_SAMPLE, "request.latency": REQUEST_SAMPLE}
+           "model.entropy": ENTROPY_SAMPLE, "request.latency": REQUEST_SAMPLE,
+           "gpu.state": GPU_STATE}
+GPU_SAMPLE_INTERVAL_NS = 10**9
 MAX_ENTROPY_HEADS = 8192   # (layer, head) pairs per modality
 MAX_MODALITIES = 8
 MAX_CLIENT_SERIES = 64     # request series from dispatchers (~25 KiB each in P99Drift)
@@ -104,6 +107,8 @@ class Daemon:
         self.runq_ring = EventRing(sched_stream.RUNQ_EVENT, config.ring_capacity, age)
         self.entropy_ring = EventRing(ENTROPY_SAMPLE, 1 << 16, age)
         self.request_ring = EventRing(REQUEST_SAMPLE, 1 << 16, age)
+        self.gpu_state_ring = EventRing(GPU_STATE, 1 << 12, age)   # NVML, once a second
+        self._next_gpu_sample = 0
         infos = self.infos = device_stream.default_infos()
         self.aligner = Aligner(ApiRoles.from_infos(infos),
                                capacity=config.device_ring_capacity, max_age_ns=age)
@@ -259,6 +264,7 @@ class Daemon:
             self._next_sweep = time.monotonic() + SWEEP_INTERVAL_S
             self.forget_exited()
         self._act(self.p99.advance(now_ns - int(self.config.p99.window_s * 1e9 / 4)))
+        self._sample_gpus(now_ns)
         self._steer(now_ns)
 
     def forget_exited(self):
@@ -445,7 +451,8 @@ class Daemon:
         windows = {"cpu.runq": self.runq_ring.window(),
                    "dev.event": _plain_device(self.aligner.window()),
                    "model.entropy": self.entropy_ring.window(),
-                   "request.latency": self.request_ring.window()}
+                   "request.latency": self.request_ring.window(),
+                   "gpu.state": self.gpu_state_ring.window()}
         meta = [{"apis": device_stream.default_table().to_json(),
                  "probes": self.probe_states,
                  "symbol_names": {str(k): v for k, v in
@@ -459,6 +466,15 @@ class Daemon:
                  "host": platform.node(), "daemon_pid": os.getpid(),
                  "config": _jsonable(asdict(self.config))}]
         return self.flight.dump(windows, SCHEMAS, anomaly, meta, time.monotonic_ns())
+
+    def _sample_gpus(self, now_ns: int):
+        """NVML's latest state into the flight recorder's ring, once a second."""
+        if self.nvml is None or now_ns < self._next_gpu_sample:
+            return
+        self._next_gpu_sample = now_ns + GPU_SAMPLE_INTERVAL_NS
+        states = self.nvml.devices()
+        if states:
+            self.gpu_state_ring.push(state_records(states, now_ns))
 
     def _steer(self, now_ns: int):
         """Send what the hint policy decides now (nothing in dry-run: the

@@ -60,7 +60,9 @@ class RecordingWriter:
     def __init__(self, path, schemas: dict[str, np.dtype], info: dict | None = None,
                  fsync_interval_s: float = 1.0):
         self.path = Path(path)
-        self.schemas = {name: np.dtype(dt) for name, dt in schemas.items()}
+        # The header lists the schemas sorted by name (sort_keys), and a
+        # reader numbers them in that order: so must the chunks.
+        self.schemas = {name: np.dtype(schemas[name]) for name in sorted(schemas)}
         self._schema_ids = {name: i for i, name in enumerate(self.schemas)}
         self._file = open(self.path, "wb")
         # fsync runs in a thread of its own: on a loaded host one took 2.6 s,

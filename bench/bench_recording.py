@@ -2,6 +2,7 @@
 
     python bench/bench_recording.py [--sizes-mib 128 2048] [--baseline-rev REV]
                                     [--runq-per-drain 2000] [--launches 16]
+                                    [--commands "export perfetto" ...]
 
 Writes a synthetic recording of each size through the real writer (the
 run-queue stream of a busy host and two GPU server processes launching,
@@ -63,6 +64,8 @@ def main():
                     help="run-queue events per 25 ms drain (default: a busy host)")
     ap.add_argument("--launches", type=int, default=16,
                     help="kernel launches per server process per drain")
+    ap.add_argument("--commands", nargs="+", choices=list(COMMANDS), default=list(COMMANDS),
+                    help="only these commands (default: all)")
     opts = ap.parse_args()
     opts.dir.mkdir(parents=True, exist_ok=True)
     envs = {"this": dict(os.environ)}
@@ -78,7 +81,8 @@ def main():
         size = path.stat().st_size
         print(f"{path.name}: {size / 2**20:.0f} MiB, {events:,} events "
               f"({counts['dev.event']:,} GPU)", flush=True)
-        for name, template in COMMANDS.items():
+        for name in opts.commands:
+            template = COMMANDS[name]
             for which, env in envs.items():
                 if which == "baseline" and mib > opts.baseline_max_mib:
                     continue

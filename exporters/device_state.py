@@ -23,11 +23,17 @@ import logging
 import threading
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 log = logging.getLogger("mmtrace.devices")
 
 TEMP_RANGE_C = (35.0, 100.0)
 # NVML's nvmlGpuTopologyLevel_t values -> links between two devices.
 ANCESTOR_HOPS = {0: 1, 10: 2, 20: 3, 30: 4, 40: 5, 50: 6}
+# One sample of a GPU's state, as flight recordings carry it ("gpu.state").
+GPU_STATE = np.dtype([("ts_ns", "<u8"), ("sm_util", "<f8"), ("mem_bw_util", "<f8"),
+                      ("mem_used_bytes", "<u8"), ("temperature_c", "<f8"), ("power_w", "<f8"),
+                      ("weight", "<f8"), ("gpu", "<u4"), ("reserved", "<u4")])
 
 
 def norm(value: float, low: float, high: float) -> float:
@@ -171,3 +177,16 @@ class DeviceMonitor:
             except Exception:   # noqa: BLE001 (shutting down: nothing left to do with it)
                 pass
             self._source = None
+
+
+def state_records(states: list[DeviceState], ts_ns: int) -> np.ndarray:
+    """The devices' state at `ts_ns` as GPU_STATE records."""
+    out = np.zeros(len(states), GPU_STATE)
+    out["ts_ns"] = ts_ns
+    for i, d in enumerate(states):
+        out[i]["gpu"] = d.index
+        out[i]["sm_util"], out[i]["mem_bw_util"] = d.sm_util, d.mem_bw_util
+        out[i]["mem_used_bytes"] = d.memory_used_bytes
+        out[i]["temperature_c"], out[i]["power_w"] = d.temperature_c, d.power_w
+        out[i]["weight"] = d.weight
+    return out

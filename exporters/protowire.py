@@ -61,3 +61,7 @@ def _read_varint(data: bytes, i: int):
         if not byte & 0x80:
             return value, i
         shift += 7
+
+
+def field_fixed64(number: int, value: int) -> bytes:
+    return varint(number << 3 | 1) + (value % (1 << 64)).to_bytes(8, "little")

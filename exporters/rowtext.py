@@ -89,6 +89,11 @@ class Rows:
         self._add(cols, lengths, right=False)
         return self
 
+    def fixed(self, cols: np.ndarray, present: np.ndarray):
+        """Row i gets cols[i] (a byte matrix) where present[i], else nothing."""
+        self._add(cols, np.where(present, cols.shape[1], 0), right=False)
+        return self
+
     def table(self, codes: np.ndarray, entries: list[bytes]):
         """Row i gets entries[codes[i]]."""
         width = max((len(e) for e in entries), default=0)

@@ -175,3 +175,62 @@ def test_daemon_state_and_gauges_carry_the_standins_gpus(loaded_standin, tmp_pat
         assert not any(line.startswith("mmtrace_npu_") for line in lines)
     finally:
         daemon.close()
+
+
+def test_flight_recordings_carry_the_gpu_samples_to_perfetto_counters(loaded_standin, tmp_path):
+    """The daemon samples NVML (through the stand-in) once a second into
+    the flight recorder's ring; the Perfetto export draws the samples as
+    counters per GPU."""
+    import io
+    import time
+
+    from mmtrace.agent.config import DaemonConfig
+    from mmtrace.agent.daemon import Daemon
+    from mmtrace.agent.recording import RecordingReader
+    from mmtrace.agent.replay import replay
+    from mmtrace.exporters import perfetto
+    from test_perfetto import decoded
+    write_state(loaded_standin, [FakeGpu("0000:17:00.0", sm_pct=30, membw_pct=50),
+                                 FakeGpu("0000:65:00.0", sm_pct=90, membw_pct=10)])
+    daemon = Daemon(DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "sock"))
+    daemon.nvml = nvml.monitor(interval_s=10)
+    assert daemon.nvml.start(), daemon.nvml.error
+    try:
+        t0 = time.monotonic_ns() - 3 * 10**9      # inside the flight recorder's window
+        daemon._sample_gpus(t0)
+        write_state(loaded_standin, [FakeGpu("0000:17:00.0", sm_pct=70, membw_pct=20),
+                                     FakeGpu("0000:65:00.0", sm_pct=90, membw_pct=10)])
+        daemon.nvml.poll()
+        daemon._sample_gpus(t0 + 10**8)        # within the second: not sampled
+        daemon._sample_gpus(t0 + 10**9)
+
+        path = daemon._flight_record({"detector": "p99_drift", "series": "x",
+                                      "state": "firing", "ts_ns": t0})
+    finally:
+        daemon.close()
+    buf = io.BytesIO()
+    with RecordingReader(path) as rec:
+        assert sum(len(p) for p in rec.pieces("gpu.state")) == 4
+        perfetto.write_recording(replay(rec), buf, source=rec)
+    tracks, events = decoded(buf.getvalue())
+    names = {d[perfetto.TD_NAME][0].decode(): uuid for uuid, d in tracks.items()
+             if uuid >> 58 == 1}
+    assert sorted(names) == ["gpu 0 SM utilisation %", "gpu 0 memory-bandwidth utilisation %",
+                             "gpu 1 SM utilisation %", "gpu 1 memory-bandwidth utilisation %"]
+    assert all(perfetto.TD_COUNTER in tracks[u] for u in names.values())
+    import struct
+    values = {}
+    for ts, e in events:
+        for name, uuid in names.items():
+            if e[perfetto.TE_TRACK_UUID] == [uuid]:
+                assert e[perfetto.TE_TYPE] == [perfetto.COUNTER]
+                raw = e[perfetto.TE_DOUBLE_COUNTER_VALUE][0]
+                values.setdefault(name, []).append(
+                    (ts, struct.unpack("<d", raw.to_bytes(8, "little"))[0]))
+    assert values == {
+        "gpu 0 SM utilisation %": [(t0, pytest.approx(30)), (t0 + 10**9, pytest.approx(70))],
+        "gpu 0 memory-bandwidth utilisation %": [(t0, pytest.approx(50)),
+                                                 (t0 + 10**9, pytest.approx(20))],
+        "gpu 1 SM utilisation %": [(t0, pytest.approx(90)), (t0 + 10**9, pytest.approx(90))],
+        "gpu 1 memory-bandwidth utilisation %": [(t0, pytest.approx(10)),
+                                                 (t0 + 10**9, pytest.approx(10))]}

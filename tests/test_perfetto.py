@@ -77,3 +77,236 @@ def test_cli_exports_perfetto(tmp_path):
     assert "40 slices" in result.stderr
     events = [p for p in packets(out.read_bytes()) if perfetto.TP_TRACK_EVENT in p]
     assert len(events) == 80
+
+
+# ------------------------------------------------ GPU/NPU streams, flows, counters
+
+def fields(message: bytes) -> dict:
+    """{field: [values]} of one message."""
+    out = {}
+    for n, _, v in read_fields(message):
+        out.setdefault(n, []).append(v)
+    return out
+
+
+def decoded(blob: bytes):
+    """(track descriptors by uuid, [(ts, track event fields)]) of a trace."""
+    tracks, events = {}, []
+    for p in packets(blob):
+        if perfetto.TP_TRACK_DESCRIPTOR in p:
+            desc = fields(p[perfetto.TP_TRACK_DESCRIPTOR][0])
+            tracks[desc[perfetto.TD_UUID][0]] = desc
+        if perfetto.TP_TRACK_EVENT in p:
+            events.append((p[perfetto.TP_TIMESTAMP][0], fields(p[perfetto.TP_TRACK_EVENT][0])))
+    return tracks, events
+
+
+def device_workload():
+    """Two streams of process 1 and a blocking copy, through the real alignment."""
+    from mmtrace.agent.device_view import DeviceContext, decode
+    from mmtrace.bpf import device
+    from test_align import events
+    ev = events((100, "cudaLaunchKernel", 1, 5), (110, "cudaLaunchKernel", 2, 6),
+                (120, "cudaMemcpyAsync", 3, 5), (130, "cudaStreamSynchronize", 0, 5, 40),
+                (140, "cudaLaunchKernel", 4, 5), (300, "cudaStreamSynchronize", 0, 6, 5),
+                (400, "cudaMemcpy", 5, 0, 25), (500, "cudaMemcpyAsync", 6, 0, None, 0, 2))
+    ev["bytes"] = [0, 0, 4096, 0, 0, 0, 1000, 77]
+    ev["tid"] = ev["pid"] + 10
+    ev["comm"] = b"python"
+    return decode(ev, DeviceContext(device.default_infos()))
+
+
+def test_submissions_get_stream_tracks_flows_to_their_sync_and_copy_counters():
+    from mmtrace.agent.align import NONE
+    from mmtrace.agent.replay import Step
+    rows = device_workload()
+    buf = io.BytesIO()
+    perfetto.write_recording([Step({}, rows)], buf)
+    tracks, events = decoded(buf.getvalue())
+    ev = rows.events
+    retired = {int(e["op_id"]): int(e["retired_ns"]) for e, k in zip(ev, rows.kind)
+               if k != "sync"}
+    assert retired == {1: 170, 2: 305, 3: 170, 4: NONE, 5: 425, 6: NONE}
+
+    # Stream tracks: one per (pid, stream) with a retired submission, under its process.
+    streams = {d[perfetto.TD_NAME][0]: uuid for uuid, d in tracks.items()
+               if perfetto.TD_NAME in d and perfetto.TD_COUNTER not in d}
+    assert sorted(streams) == [b"gpu stream 0x0", b"gpu stream 0x5", b"gpu stream 0x6"]
+    assert all(tracks[u][perfetto.TD_PARENT_UUID] == [perfetto.process_uuid(1)]
+               for u in streams.values())
+    # Their slices: from each submission to its retirement, as the host saw it.
+    on_stream = {}
+    for ts, e in events:
+        for name, uuid in streams.items():
+            if e[perfetto.TE_TRACK_UUID] == [uuid]:
+                on_stream.setdefault(name, []).append((ts, e[perfetto.TE_TYPE][0]))
+    B, E = perfetto.SLICE_BEGIN, perfetto.SLICE_END
+    assert on_stream == {b"gpu stream 0x5": [(100, B), (170, E), (120, B), (170, E)],
+                         b"gpu stream 0x6": [(110, B), (305, E)],
+                         b"gpu stream 0x0": [(400, B), (425, E)]}
+
+    # Flows: started on the calls of submissions a later sync retired, each
+    # ended on exactly that sync (the one whose return is its retired_ns).
+    started, ended = {}, {}
+    calls = [(ts, e) for ts, e in events if e[perfetto.TE_TRACK_UUID][0] >> 62 == 1]
+    for ts, e in calls:
+        for fid in e.get(perfetto.TE_FLOW_IDS, []):
+            started[fid] = ts
+        for fid in e.get(perfetto.TE_TERMINATING_FLOW_IDS, []):
+            assert fid not in ended
+            ended[fid] = ts
+    assert started == {perfetto.flow_id(1, 1): 100, perfetto.flow_id(1, 2): 110,
+                       perfetto.flow_id(1, 3): 120}
+    assert ended == {perfetto.flow_id(1, 1): 130, perfetto.flow_id(1, 3): 130,
+                     perfetto.flow_id(1, 2): 300}
+    assert 0 not in started and len(set(started)) == 3
+
+    # Counters: each process's running total of bytes copied, at each copy.
+    counters = {uuid: d for uuid, d in tracks.items() if perfetto.TD_COUNTER in d}
+    assert {u: d[perfetto.TD_NAME][0] for u, d in counters.items()} == {
+        perfetto.copied_uuid(1): b"memcpy bytes", perfetto.copied_uuid(2): b"memcpy bytes"}
+    assert all(fields(d[perfetto.TD_COUNTER][0]) == {perfetto.CD_UNIT: [perfetto.UNIT_SIZE_BYTES]}
+               for d in counters.values())
+    values = [(e[perfetto.TE_TRACK_UUID][0], ts, e[perfetto.TE_COUNTER_VALUE][0])
+              for ts, e in events if e[perfetto.TE_TYPE] == [perfetto.COUNTER]]
+    assert values == [(perfetto.copied_uuid(1), 120, 4096), (perfetto.copied_uuid(1), 400, 5096),
+                      (perfetto.copied_uuid(2), 500, 77)]
+
+
+def test_flow_ids_are_nonzero_and_tell_processes_apart():
+    ids = {perfetto.flow_id(pid, op) for pid in range(1, 50) for op in range(200)}
+    assert len(ids) == 49 * 200 and 0 not in ids
+    assert perfetto.stream_uuid(1, 5) >> 63 == 1 and perfetto.stream_uuid(1, 5) != \
+        perfetto.stream_uuid(2, 5)
+
+
+def test_array_hashes_are_the_per_value_ones():
+    rng = np.random.default_rng(3)
+    pid = rng.integers(0, 1 << 32, 500, dtype=np.uint64)
+    value = rng.integers(0, 1 << 63, 500, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    assert perfetto.flow_ids(pid, value).tolist() == [
+        perfetto.flow_id(p, v) for p, v in zip(pid.tolist(), value.tolist())]
+    assert perfetto.stream_uuids(pid, value).tolist() == [
+        perfetto.stream_uuid(p, v) for p, v in zip(pid.tolist(), value.tolist())]
+
+
+def test_pending_flows_are_bounded_and_end_on_a_later_batch():
+    flows = perfetto.Flows(limit=4)
+    n = 10
+    ts = np.arange(n, dtype=np.uint64) + 100
+    retired = np.arange(n, dtype=np.int64) + 1000
+    pid = np.ones(n, np.uint32)
+    fid, (rows, ended) = flows.step(pid, np.arange(n, dtype=np.uint64), ts, ts, retired,
+                                    np.ones(n, bool), np.zeros(n, bool))
+    assert len(rows) == 0 and len(flows) == 4        # the newest four wait
+    # A later batch: a sync of process 1 returning at 1009, one of process 2 at 1008.
+    fid2, (rows, ended) = flows.step(np.array([1, 2], np.uint32), np.zeros(2, np.uint64),
+                                     np.array([900, 901], np.uint64),
+                                     np.array([1009, 1008], np.uint64),
+                                     np.full(2, -1, np.int64), np.zeros(2, bool),
+                                     np.ones(2, bool))
+    assert rows.tolist() == [0] and ended.tolist() == [perfetto.flow_id(1, 9)]
+    assert fid2.tolist() == [0, 0] and len(flows) == 3
+
+
+# ------------------------------------------------------------ anomalies
+
+def annotations(event: dict) -> dict:
+    """The debug annotations of a track event, by name, decoded by type."""
+    import struct
+    from mmtrace.exporters.perfetto_anomalies import TE_DEBUG_ANNOTATIONS
+    out = {}
+    for raw in event.get(TE_DEBUG_ANNOTATIONS, []):
+        da = fields(raw)
+        name = da[10][0].decode()
+        assert name not in out
+        if 2 in da:
+            out[name] = bool(da[2][0])
+        elif 4 in da:
+            value = da[4][0]
+            out[name] = value - (1 << 64) if value >> 63 else value
+        elif 5 in da:
+            out[name] = struct.unpack("<d", da[5][0].to_bytes(8, "little"))[0]
+        else:
+            out[name] = da[6][0].decode()
+    return out
+
+
+def anomaly_instants(blob: bytes):
+    from mmtrace.exporters.perfetto_anomalies import ANOMALY_TRACK
+    tracks, events = decoded(blob)
+    assert tracks[ANOMALY_TRACK][perfetto.TD_NAME] == [b"mmtrace anomalies"]
+    assert perfetto.TD_PARENT_UUID not in tracks[ANOMALY_TRACK]
+    found = [(ts, e) for ts, e in events if e[perfetto.TE_TRACK_UUID] == [ANOMALY_TRACK]]
+    assert all(e[perfetto.TE_TYPE] == [perfetto.INSTANT] for _, e in found)
+    return [(ts, e[perfetto.TE_NAME][0].decode(), annotations(e)) for ts, e in found]
+
+
+def test_anomalies_the_detectors_find_are_instants_with_their_evidence(tmp_path):
+    import json
+    from click.testing import CliRunner
+    from mmtrace.agent import offline, recording
+    from mmtrace.agent.cli import cli
+    from test_daemon_parts import synthetic_recording
+    path = synthetic_recording(tmp_path / "s.mmtr")
+    expected = offline.detect(recording.read_recording(path))
+    assert [a["state"] for a in expected][:1] == ["firing"]
+    out = tmp_path / "s.pftrace"
+    result = CliRunner().invoke(cli, ["export", str(path), "--format", "perfetto", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    instants = anomaly_instants(out.read_bytes())
+    assert len(instants) == len(expected)
+    for (ts, name, notes), a in zip(instants, expected):
+        ev = a["evidence"]
+        assert ts == a["ts_ns"]
+        assert name == f"p99_drift {a['series']} {a['state']}"
+        assert (notes["detector"], notes["series"], notes["state"], notes["source"]) == (
+            "p99_drift", a["series"], a["state"], "replay")
+        assert notes["evidence.p99"] == ev["p99"] and notes["evidence.baseline"] == ev["baseline"]
+        assert notes["evidence.samples"] == ev["samples"]
+        assert json.loads(notes["evidence.top_contributors"]) == ev["top_contributors"]
+        assert json.loads(notes["evidence.windows"]) == ev["windows"]
+    assert instants[0][2]["evidence.p99"] > 3 * instants[0][2]["evidence.baseline"]
+
+
+def test_a_flight_recordings_anomaly_is_an_instant_at_its_end(tmp_path):
+    from mmtrace.agent.flight import FlightRecorder
+    from mmtrace.bpf.sched import RUNQ_EVENT
+    runq = np.zeros(3, RUNQ_EVENT)
+    runq["ts_ns"] = np.array([3, 4, 5]) * 1_000_000_000
+    runq["pid"] = runq["tid"] = 9
+    anomaly = {"detector": "p99_drift", "series": "runq_delay{pid=9}", "state": "firing",
+               "evidence": {"p99": 0.004, "baseline": 0.001, "samples": 812,
+                            "clamped": True, "note": "x"}}
+    path = FlightRecorder(tmp_path).dump({"cpu.runq": runq}, {"cpu.runq": RUNQ_EVENT}, anomaly,
+                                         [], now_ns=5_000_000_000)
+    buf = io.BytesIO()
+    from mmtrace.agent.recording import RecordingReader
+    from mmtrace.agent.replay import replay
+    with RecordingReader(path) as rec:
+        perfetto.write_recording(replay(rec), buf, source=rec)
+    [(ts, name, notes)] = anomaly_instants(buf.getvalue())
+    assert ts == 5_000_000_000 and name == "p99_drift runq_delay{pid=9} firing"
+    assert notes == {"detector": "p99_drift", "series": "runq_delay{pid=9}", "state": "firing",
+                     "source": "flight recording", "evidence.p99": 0.004,
+                     "evidence.baseline": 0.001, "evidence.samples": 812,
+                     "evidence.clamped": True, "evidence.note": "x"}
+
+
+def test_a_recording_without_anomalies_has_no_anomaly_track(tmp_path):
+    from mmtrace.exporters.perfetto_anomalies import ANOMALY_TRACK
+    from test_recording import write_sample
+    from mmtrace.agent.recording import RecordingReader
+    from mmtrace.agent.replay import replay
+    buf = io.BytesIO()
+    with RecordingReader(write_sample(tmp_path / "a.mmtr")) as rec:
+        perfetto.write_recording(replay(rec), buf, source=rec)
+    tracks, _ = decoded(buf.getvalue())
+    assert tracks and ANOMALY_TRACK not in tracks
+
+
+def test_syncs_that_end_many_flows_are_encoded_on_their_own_the_same(monkeypatch):
+    rows = device_workload()
+    whole = perfetto.device_packets(rows)
+    monkeypatch.setattr(perfetto, "WIDE_FLOWS", 0)      # every sync that ends a flow
+    assert perfetto.device_packets(rows) == whole

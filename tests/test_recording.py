@@ -223,3 +223,17 @@ def test_every_command_has_help_with_an_example(command):
         pytest.skip("mmtrace run is not built yet")
     assert result.exit_code == 0
     assert "Example" in result.output
+
+
+def test_schemas_given_out_of_name_order_read_back_as_written(tmp_path):
+    """The header lists schemas by name; the chunks must number them so."""
+    late = np.zeros(2, [("ts_ns", "<u8"), ("late", "<u4")])
+    early = np.zeros(3, [("ts_ns", "<u8"), ("early", "<f8")])
+    w = recording.RecordingWriter(tmp_path / "o.mmtr", {"zz.late": late.dtype,
+                                                        "aa.early": early.dtype})
+    w.write_events("zz.late", late)
+    w.write_events("aa.early", early)
+    w.close({})
+    rec = recording.read_recording(tmp_path / "o.mmtr")
+    assert rec.counts == {"aa.early": 3, "zz.late": 2}
+    assert rec.events["zz.late"].dtype == late.dtype
