@@ -569,20 +569,27 @@ def write_recording(steps, out, source=None) -> int:
     """Write the slices of `steps` (agent.replay.replay) to the binary
     stream `out`; returns their number. With the recording (`source`),
     its anomalies follow: the one that made a flight recording and those
-    the detectors find over the same steps, as `report` lists them."""
+    the detectors find over the same steps, as `report` lists them; then
+    its hint audit log. Request latencies and entropy that dispatchers
+    reported are counter tracks."""
     from .perfetto_anomalies import anomaly_packets, recorded_anomalies
+    from .perfetto_telemetry import Telemetry, hint_packets
     writer = PerfettoWriter(out)
+    telemetry = Telemetry(source)
     detectors = None
     if source is not None:
         from mmtrace.agent.offline import Detectors
         detectors = Detectors(source)
     for step in steps:
         writer.step(step)
+        writer._write(telemetry.step(step))
         if detectors is not None:
             detectors.feed(step)
     if detectors is not None:
         found = [{**a, "source": "replay"} for a in detectors.finish()]
         for packet in anomaly_packets(recorded_anomalies(source) + found):
+            out.write(packet)
+        for packet in hint_packets(source):
             out.write(packet)
     return writer.slices
 

@@ -310,3 +310,58 @@ def test_syncs_that_end_many_flows_are_encoded_on_their_own_the_same(monkeypatch
     whole = perfetto.device_packets(rows)
     monkeypatch.setattr(perfetto, "WIDE_FLOWS", 0)      # every sync that ends a flow
     assert perfetto.device_packets(rows) == whole
+
+
+# ------------------------------------- what dispatchers reported, and the hints
+
+def test_request_latency_entropy_and_hints_are_in_the_trace(tmp_path):
+    import struct
+    from click.testing import CliRunner
+    from mmtrace.agent import recording
+    from mmtrace.agent.cli import cli
+    from mmtrace.agent.daemon import ENTROPY_SAMPLE, REQUEST_SAMPLE
+    requests = np.zeros(4, REQUEST_SAMPLE)
+    requests["ts_ns"] = [10**9, 2 * 10**9, 3 * 10**9, 4 * 10**9]
+    requests["value_s"] = [0.010, 0.020, 0.250, 0.030]
+    requests["series"] = [0, 1, 0, 1]
+    entropy = np.zeros(4, ENTROPY_SAMPLE)
+    entropy["ts_ns"] = [10**9, 10**9, 2 * 10**9, 2 * 10**9]
+    entropy["value"] = [0.2, 0.4, 0.9, 0.7]
+    entropy["head"] = [0, 1, 0, 1]
+    audit = [{"ts_ns": 3 * 10**9, "kind": "modality_batch", "target": "vision", "value": 4,
+              "reason": "text p99 drifted", "evidence": {"p99": 0.25}, "step": "escalate",
+              "outcome": "sent", "id": "7-1"}]
+    path = tmp_path / "t.mmtr"
+    w = recording.RecordingWriter(path, {"model.entropy": ENTROPY_SAMPLE,
+                                         "request.latency": REQUEST_SAMPLE})
+    w.write_meta({"request_series": ["request_latency{series=e2e,modality=text}",
+                                     "request_latency{series=e2e,modality=vision}"],
+                  "modalities": ["vision"], "hint_audit": audit})
+    w.write_events("request.latency", requests)
+    w.write_events("model.entropy", entropy)
+    w.close({})
+    out = tmp_path / "t.pftrace"
+    result = CliRunner().invoke(cli, ["export", str(path), "--format", "perfetto", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    tracks, events = decoded(out.read_bytes())
+    names = {uuid: d[perfetto.TD_NAME][0].decode() for uuid, d in tracks.items()}
+
+    def counter(track_name):
+        uuid = next(u for u, n in names.items() if n == track_name)
+        assert perfetto.TD_COUNTER in tracks[uuid]
+        return [(ts, struct.unpack("<d", struct.pack("<Q", e[perfetto.TE_DOUBLE_COUNTER_VALUE][0]))[0])
+                for ts, e in events if e.get(perfetto.TE_TRACK_UUID) == [uuid]]
+
+    text = counter("request latency ms request_latency{series=e2e,modality=text}")
+    assert [(ts, round(v, 6)) for ts, v in text] == [(10**9, 10.0), (3 * 10**9, 250.0)]
+    vision = counter("request latency ms request_latency{series=e2e,modality=vision}")
+    assert [ts for ts, _ in vision] == [2 * 10**9, 4 * 10**9]
+    means = counter("attention entropy vision")
+    assert [(ts, round(v, 6)) for ts, v in means] == [(10**9, 0.3), (2 * 10**9, 0.8)]
+    [(ts, hint)] = [(ts, e) for ts, e in events
+                    if e.get(perfetto.TE_TRACK_UUID) and names.get(e[perfetto.TE_TRACK_UUID][0])
+                    == "mmtrace hints"]
+    assert ts == 3 * 10**9 and hint[perfetto.TE_NAME] == [b"modality_batch vision -> 4"]
+    notes = annotations(hint)
+    assert (notes["kind"], notes["target"], notes["value"], notes["outcome"]) == (
+        "modality_batch", "vision", 4, "sent")
