@@ -90,7 +90,7 @@ class EventCounts:
                                  for i in range(size)], dtype=object)
         self._lock = threading.Lock()
         self._submissions = np.zeros(size, np.int64)
-        self._memcpy = np.zeros((size, 256), np.int64)
+        self._memcpy = np.zeros((size, 256), np.float64)
         self._sync_wait = {s: Histogram(DEVICE_BOUNDS) for s in ("gpu", "npu")}
         self._retire = {s: Histogram(DEVICE_BOUNDS) for s in ("gpu", "npu")}
         self._processes: dict[int, ProcessRunq] = {}
@@ -123,8 +123,10 @@ class EventCounts:
         with self._lock:
             self._submissions += np.bincount(api[submitted], minlength=len(self._submissions))
             if memcpy.any():
+                # float64 (as Prometheus counts): a garbled length beyond 2^63
+                # cannot turn the total negative
                 np.add.at(self._memcpy, (api[memcpy], aligned["direction"][memcpy]),
-                          aligned["bytes"][memcpy].astype(np.int64))
+                          aligned["bytes"][memcpy].astype(np.float64))
             for stream, hist in self._sync_wait.items():
                 mask = syncs & (self._stream[api] == stream)
                 hist.add(aligned["duration_ns"][mask] / 1e9)

@@ -109,6 +109,16 @@ def test_device_families_carry_the_batches_counts(daemon):
     assert got == pytest.approx(total)
 
 
+def test_a_garbled_copy_length_cannot_turn_the_bytes_counter_negative(daemon):
+    """A length past 2^63 (a probe reading garbage) used to wrap an int64
+    total negative: a counter must only grow."""
+    h2d = 1   # cudaMemcpyKind cudaMemcpyHostToDevice
+    daemon._on_device(dev_events([memcpy(100, 101, 1000, 1, (1 << 64) - 5, h2d),
+                                  memcpy(100, 101, 2000, 2, 4096, h2d)]))
+    [line] = family(scrape(daemon), "mmtrace_device_memcpy_bytes_total")
+    assert float(line.split()[-1]) >= float(1 << 63)
+
+
 def test_submitter_runq_is_per_process_name_capped_at_top_k(daemon):
     feed_gpu_work(daemon)
     daemon._on_runq(runq_events(
