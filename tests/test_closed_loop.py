@@ -28,7 +28,7 @@ def closed_loop(monkeypatch):
 
 def test_hints_cut_the_text_tail_under_contention_and_lapse_when_the_agent_dies(closed_loop, tmp_path):
     cl = closed_loop
-    plan = cl.Plan(baseline_s=12.0, phase_s=7.0, rounds=2, detect_timeout_s=60.0)
+    plan = cl.Plan(baseline_s=12.0, phase_s=7.0, rounds=3, detect_timeout_s=60.0)
     out = io.StringIO()
     result = cl.run(plan, tmp_path, out=out)
     sys.stdout.write(out.getvalue() + "\n".join(cl.table_lines(result)) + "\n")
