@@ -257,11 +257,16 @@ def test_prometheus_scrapes_what_the_streams_produced(natives, tmp_path):  # noq
             == prom.value('sum(mmtrace_events_lost_total{reason=~"call_abandoned|switch_in_unseen"})')
 
         # the forced delay: each round's wait (about HOG_MS) above 4 ms
+        # (a switch-in the kernel never reports loses its wait; each is
+        # counted as switch_in_unseen, so a missing round must be counted)
         forced_delays = prom.value(slow, after_forced) - prom.value(slow, before_forced)
-        assert measured <= forced_delays <= measured + 5, (measured, forced_delays, waits)
+        unseen = 'sum(mmtrace_events_lost_total{reason="switch_in_unseen"})'
+        missed = min(measured, prom.value(unseen, after_forced) - prom.value(unseen, before_forced))
+        assert measured - missed <= forced_delays <= measured + 5, \
+            (measured, forced_delays, missed, waits)
         assert prom.value('sum(mmtrace_runq_delay_seconds_bucket{le="0.008192"}) - '
                           'sum(mmtrace_runq_delay_seconds_bucket{le="0.004096"})',
-                          after_forced) >= measured
+                          after_forced) >= measured - missed
         submitters = {r["metric"]["process"]
                       for r in prom.query('mmtrace_submitter_runq_delay_seconds_count')}
         assert "launch_loop" in submitters, submitters
