@@ -176,7 +176,8 @@ def test_the_socket_is_closed_to_users_outside_its_group(daemon, users):
 
 def test_check_without_privileges_fails_with_one_line(users):
     result = users.run_as(users.outsider, MMTRACE, "run", "--check",
-                          "--metrics-address", "off", "--socket", "/tmp/mmtrace-nowhere/s.sock")
+                          "--metrics-address", "off", "--socket", "/nonexistent/s.sock",
+                          "--state-dir", "/nonexistent/state")
     assert result.returncode == 1, result
     assert result.stderr.strip().splitlines() == [
         "mmtrace: error: the daemon cannot start: cpu stream: loading eBPF needs root, or "
