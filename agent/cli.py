@@ -261,7 +261,7 @@ def run(config_path, pids, libs, state_dir, socket_path, trace_launches, metrics
       sudo mmtrace run
       sudo mmtrace run --config /etc/mmtrace/mmtrace.toml
       sudo mmtrace run --check --config /etc/mmtrace/mmtrace.toml
-      sudo MMTRACE_TICK_S=0.05 MMTRACE_POLICY_DRY_RUN=true mmtrace run
+      sudo env MMTRACE_TICK_S=0.05 MMTRACE_POLICY_DRY_RUN=true mmtrace run
       sudo mmtrace run --pid 4242 --state-dir /tmp/mmtrace --trace-launches
       sudo mmtrace run --metrics-address 127.0.0.1:9464
     """
