@@ -356,7 +356,7 @@ def dump(socket_path, timeout):
 
     The same recording an anomaly writes (the last 30 s of every stream,
     with the probes, names and hint audit), at once and past the flight
-    recorder's minimum interval; requests within a second share one file.
+    recorder's minimum interval; requests within 5 s share one file.
     The file lies in the daemon's state directory, readable by root and
     the daemon's user. Needs access to the socket (root or its group).
     SIGUSR2 to the daemon (`systemctl kill -s USR2 mmtrace`) does the same,

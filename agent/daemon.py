@@ -63,7 +63,7 @@ MAX_CLIENT_SERIES = 64     # request series from dispatchers (~25 KiB each in P9
 MAX_FUTURE_NS = 10**9       # how far a client's ts_ns may run ahead of the agent's clock
 SWEEP_INTERVAL_S = 10.0
 STATUS_MIN_INTERVAL_S = 0.5
-DUMP_REUSE_S = 1.0          # dump requests this close share one file
+DUMP_REUSE_S = 5.0          # socket dump requests this close share one file
 PID_IN_SERIES = re.compile(r"\bpid=(\d+)")
 
 

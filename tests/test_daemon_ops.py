@@ -150,7 +150,7 @@ def test_mmtrace_dump_prints_the_file(daemon):
     path = Path(result.stdout.strip())
     with RecordingReader(path) as rec:
         assert rec.footer["trigger"] == {"kind": "dump", "reason": "dump"}
-    # Requests within a second share one file: no client can fill the disk.
+    # Requests within DUMP_REUSE_S share one file: no client can keep the disk busy.
     time.sleep(DUMP_REUSE_S)
     first, second = ask(daemon.sock, "dump", 60), ask(daemon.sock, "dump", 60)
     assert first["path"] == second["path"] != str(path)
