@@ -158,7 +158,7 @@ def test_mmtrace_dump_prints_the_file(daemon):
 
 
 def test_the_socket_is_closed_to_users_outside_its_group(daemon, users):
-    assert daemon.sock.stat().st_gid == shutil.os.stat(daemon.sock.parent).st_gid
+    assert daemon.sock.stat().st_gid == os.stat(daemon.sock.parent).st_gid
     assert oct(daemon.sock.stat().st_mode & 0o777) == "0o660"
     connect = ("import socket, sys; s = socket.socket(socket.AF_UNIX); "
                "s.connect(sys.argv[1]); print('connected')")
