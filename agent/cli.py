@@ -204,7 +204,8 @@ def _writer(fmt, rec):
 
 @cli.command()
 @click.option("-c", "--config", "config_path", type=click.Path(dir_okay=False),
-              help="TOML configuration (see systemd/mmtrace.toml); flags override it.")
+              help="TOML configuration (see systemd/mmtrace.toml); MMTRACE_* variables "
+                   "and flags override it.")
 @click.option("--pid", "pids", type=click.IntRange(min=1), multiple=True,
               help="Only these processes (all their threads); repeatable.")
 @click.option("--lib", "libs", type=click.Path(exists=True, dir_okay=False), multiple=True,
@@ -219,37 +220,64 @@ def _writer(fmt, rec):
               help="Prometheus endpoint (default :9464; off: none).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
+@click.option("--check", is_flag=True,
+              help="Load the configuration, attach everything, report what attached and "
+                   "what did not, and exit: 0 when the daemon can start, 1 when it cannot "
+                   "(one line says why), 2 for a bad configuration. A running daemon's "
+                   "socket and port are left alone.")
 def run(config_path, pids, libs, state_dir, socket_path, trace_launches, metrics_address,
-        log_level):
+        log_level, check):
     """Run the per-node daemon in the foreground (systemd runs this).
 
     Traces the CPU, GPU and NPU streams, watches P99 drift of run-queue
     delay, sync waits, submit-to-retire latency and the request latencies
     and attention entropy that dispatchers report on the hint socket. When
     an anomaly fires it writes the last 30 s to a flight recording in the
-    state directory, and turns per-launch probes on for a while. Logs go to
-    stderr; SIGTERM or Ctrl-C stops it cleanly; SIGHUP reads the configuration
-    again (what can change live does, a broken file changes nothing). Needs root. Metrics for
-    Prometheus are served on :9464/metrics (see dashboards/ for Grafana
-    and alert rules).
+    state directory, and turns per-launch probes on for a while. Needs root
+    (or the capabilities in systemd/mmtrace.service). Metrics for Prometheus
+    are served on :9464/metrics (see dashboards/ for Grafana and alert rules).
+
+    \b
+    Settings, each layer over the one before:
+      built-in defaults < --config FILE < MMTRACE_* variables < flags
+    MMTRACE_<KEY> sets a top-level key of the file, MMTRACE_<SECTION>_<KEY>
+    a key of [p99], [entropy], [otlp] or [policy] (names upper-cased).
+    Values are read by the key's type: numbers, true/false (1/0, yes/no,
+    on/off), strings and paths as they are, lists comma-separated. A bad
+    value names its variable; a MMTRACE_* variable that names no key is
+    logged as a warning.
+
+    \b
+    Signals:
+      SIGTERM, SIGINT  stop: detach, flush, exit 0 (forced exit 1 after 10 s)
+      SIGHUP           read the settings again (what can change live does;
+                       a broken file or variable changes nothing)
+      SIGUSR2          write the flight recorder's ring now (mmtrace dump)
+    Logs go to stderr; under systemd each line carries its syslog priority
+    (<N>), so journalctl -p filters them.
 
     \b
     Examples:
       sudo mmtrace run
       sudo mmtrace run --config /etc/mmtrace/mmtrace.toml
+      sudo mmtrace run --check --config /etc/mmtrace/mmtrace.toml
+      sudo env MMTRACE_TICK_S=0.05 MMTRACE_POLICY_DRY_RUN=true mmtrace run
       sudo mmtrace run --pid 4242 --state-dir /tmp/mmtrace --trace-launches
       sudo mmtrace run --metrics-address 127.0.0.1:9464
     """
     import logging
+    import os
     from pathlib import Path
-    from .config import check, load_config
-    from .daemon import Daemon
-    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from . import log_format
+    from .config import check as check_config
+    from .config import load_layers
+    log_format.configure(log_level)
+    log = logging.getLogger("mmtrace.daemon")
+    path = Path(config_path) if config_path else None
 
-    def configuration():
-        """The file, then the flags over it (again at each SIGHUP)."""
-        cfg = load_config(Path(config_path) if config_path else None)
+    def layers():
+        """The file, the environment, then the flags over them (again at each SIGHUP)."""
+        cfg, warnings = load_layers(path, os.environ)
         if pids:
             cfg.pids = tuple(pids)
         if libs:
@@ -262,26 +290,97 @@ def run(config_path, pids, libs, state_dir, socket_path, trace_launches, metrics
             cfg.adaptive_launches = not trace_launches
         if metrics_address is not None:
             cfg.metrics_address = metrics_address
-        return check(cfg)
+        return check_config(cfg), warnings
 
+    def configuration():
+        cfg, warnings = layers()
+        for warning in warnings:
+            log.warning(warning)
+        return cfg
+
+    if check:
+        _check(*layers(), path)
+        return
     cfg = configuration()
     why_not = set_niceness(cfg.nice)
     if why_not:
-        logging.getLogger("mmtrace.daemon").warning(why_not)
+        log.warning(why_not)
     from mmtrace.exporters.prometheus import MetricsAddressError
+    from .daemon import Daemon
+    from .signals import StopDeadline
     daemon = Daemon(cfg)
     daemon.stop.install()
+    deadline = StopDeadline()
+    deadline.install()
     try:
         daemon.run(load_config=configuration)
     except MetricsAddressError as exc:
         daemon.close()
         raise MmtraceError(str(exc)) from None
+    finally:
+        deadline.cancel()
+
+
+# The running daemon's socket (its own permission errors say more than click's).
+_daemon_socket = click.option(
+    "--socket", "socket_path", type=click.Path(dir_okay=False, readable=False),
+    default="/run/mmtrace/mmtrace.sock", show_default=True, help="The daemon's hint socket.")
+
+
+def _check(cfg, warnings, path):
+    """`run --check`: the report on stdout, a failure as one line and exit 1."""
+    import os
+    from . import preflight
+    from .config_env import variables
+    named = [name for name in sorted(os.environ) if name in variables()]
+    sources = f"config {path}" if path else "built-in defaults"
+    if named:
+        sources += " with " + ", ".join(named)
+    report = preflight.run_check(cfg, sources, warnings)
+    click.echo("mmtrace run --check:")
+    click.echo("\n".join(report.lines()))
+    if report.failures:
+        first = report.failures[0]
+        click.echo(f"mmtrace: error: the daemon cannot start: {first.name}: {first.detail}",
+                   err=True)
+        sys.exit(1)
+    click.echo("the daemon can start")
 
 
 @cli.command()
-@click.option("--socket", "socket_path", type=click.Path(dir_okay=False),
-              default="/run/mmtrace/mmtrace.sock", show_default=True,
-              help="The daemon's hint socket.")
+@_daemon_socket
+@click.option("--timeout", type=click.FloatRange(min=1, max=600), default=60.0,
+              show_default=True, help="Seconds to wait for the file to be written.")
+def dump(socket_path, timeout):
+    """Have the running daemon write its flight-recorder ring now; print the file.
+
+    The same recording an anomaly writes (the last 30 s of every stream,
+    with the probes, names and hint audit), at once and past the flight
+    recorder's minimum interval; requests within 5 s share one file.
+    The file lies in the daemon's state directory, readable by root and
+    the daemon's user. Needs access to the socket (root or its group).
+    SIGUSR2 to the daemon (`systemctl kill -s USR2 mmtrace`) does the same,
+    with the file named in its log.
+
+    \b
+    Examples:
+      sudo mmtrace dump
+      sudo mmtrace report "$(sudo mmtrace dump)"
+    """
+    from pathlib import Path
+    from mmtrace.exporters.daemon_client import NoDaemon, ask
+    try:
+        reply = ask(Path(socket_path), "dump", timeout)
+    except (NoDaemon, ValueError) as exc:
+        raise MmtraceError(str(exc)) from None
+    if not isinstance(reply.get("path"), str):
+        raise MmtraceError(f"expected the file's path in the daemon's dump reply, got "
+                           f"{reply.get('path')!r}")
+    click.echo(reply["path"])
+
+
+@cli.command()
+@_daemon_socket
 @click.option("--interval", type=click.FloatRange(min=0.1, max=3600), default=1.0,
               show_default=True, help="Seconds between refreshes.")
 @click.option("--once", is_flag=True, help="Print one screen and exit (for scripts).")

@@ -1,9 +1,11 @@
-"""Daemon configuration: defaults, a TOML file, then command-line flags.
+"""Daemon configuration: defaults, a TOML file, MMTRACE_* environment
+variables, then command-line flags, each layer over the one before.
 
 Every setting carries its rule (type and range) beside its default. A file
 is checked whole before anything is built from it: every bad key is named,
 with its value and what was expected, in one error. The upper bounds keep
 the memory sized from these values (rings, baselines) within reason.
+The environment's variables follow the same rules (agent/config_env.py).
 """
 
 import os
@@ -39,8 +41,13 @@ class Number:
     @property
     def expected(self) -> str:
         kind = "an integer" if self.integer else "a number"
-        low = f"more than {self.low:g}" if self.low_open else f"{self.low:g}"
-        return f"{kind} in {low}..{self.high:g}"
+        low = f"more than {_bound(self.low)}" if self.low_open else _bound(self.low)
+        return f"{kind} in {low}..{_bound(self.high)}"
+
+
+def _bound(value: float) -> str:
+    """A range's end as written: whole numbers in full (16777216, not 1.67772e+07)."""
+    return str(int(value)) if float(value).is_integer() and abs(value) < 1e15 else f"{value:g}"
 
 
 @dataclass(frozen=True)
@@ -299,19 +306,52 @@ def _read_at_most(fd: int, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def load_config(path: Path | None) -> DaemonConfig:
-    """The defaults, overridden by the file's keys; a bad file is one clear error."""
-    if path is None:
-        return DaemonConfig()
+def read_document(path: Path) -> dict:
+    """The file's TOML document, parsed (not yet checked)."""
     text = read_config_text(Path(path))
     try:
-        doc = tomllib.loads(text)
+        return tomllib.loads(text)
     except RecursionError:
         raise MmtraceError(f"config {path}: not valid TOML: nested too deeply") from None
     except ValueError as exc:       # TOMLDecodeError, or an integer of too many digits
         raise MmtraceError(f"config {path}: not valid TOML: {exc}") from None
+
+
+def load_config(path: Path | None) -> DaemonConfig:
+    """The defaults, overridden by the file's keys; a bad file is one clear error."""
+    if path is None:
+        return DaemonConfig()
+    return _build_file(path, read_document(path))
+
+
+def _build_file(path, doc: dict) -> DaemonConfig:
     try:
         return build(doc)
     except MmtraceError as exc:
         raise MmtraceError(f"config {path}: {exc.message}") from None
+
+
+def load_layers(path: Path | None, environ) -> tuple[DaemonConfig, list[str]]:
+    """The defaults, the file's keys over them, the MMTRACE_* variables of
+    `environ` over those: (the config, warnings about unknown MMTRACE_*
+    variables). Each layer's errors name where they are: the file, or the
+    variable."""
+    from .config_env import environment_document
+    doc = read_document(path) if path is not None else {}
+    cfg = _build_file(path, doc)        # the file's own errors, named as the file's
+    env_doc, warnings = environment_document(environ)
+    if not env_doc:
+        return cfg, warnings
+    merged = {**doc}
+    for key, value in env_doc.items():
+        if isinstance(value, dict):
+            section = merged.get(key)
+            merged[key] = {**(section if isinstance(section, dict) else {}), **value}
+        else:
+            merged[key] = value
+    try:
+        return build(merged), warnings
+    except MmtraceError as exc:         # only what the layers break together is left
+        where = f"config {path} with" if path is not None else "the"
+        raise MmtraceError(f"{where} MMTRACE_* variables: {exc.message}") from None
 

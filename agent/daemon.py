@@ -43,6 +43,7 @@ from .log_limit import RateLimitedLog
 from .record import CPU_PROBE_STATE, DeviceSources, StopFlag, exited_process_resolver
 from .reload import ReloadRequest, reload
 from .sd_notify import Notifier
+from .signals import DumpRequest
 from .steering import Steering
 from .threads import ThreadProcesses
 
@@ -62,6 +63,7 @@ MAX_CLIENT_SERIES = 64     # request series from dispatchers (~25 KiB each in P9
 MAX_FUTURE_NS = 10**9       # how far a client's ts_ns may run ahead of the agent's clock
 SWEEP_INTERVAL_S = 10.0
 STATUS_MIN_INTERVAL_S = 0.5
+DUMP_REUSE_S = 5.0          # socket dump requests this close share one file
 PID_IN_SERIES = re.compile(r"\bpid=(\d+)")
 
 
@@ -148,6 +150,7 @@ class Daemon:
         self._log_failure = RateLimitedLog(log)
         self._ts_past_ns = int(config.ring_seconds * 1e9)
         self._status_cache: tuple[int, dict] | None = None
+        self._last_dump: tuple[float, Path] | None = None
         # The hint policy; steering.inputs.device_weights is where device weights go.
         self.steering = Steering(config.policy, hint_id=lambda seq: f"{os.getpid()}-{seq}")
 
@@ -220,6 +223,8 @@ class Daemon:
         hup = ReloadRequest()
         if load_config is not None:
             hup.install()
+        usr2 = DumpRequest()
+        usr2.install()
         self.start()
         systemd.ready(f"tracing; metrics {self.metrics.address if self.metrics else 'off'}")
         try:
@@ -229,6 +234,9 @@ class Daemon:
                     with self.lock:
                         reload(self, load_config)
                     systemd.status("tracing")
+                if usr2.take():
+                    with self.lock:
+                        self.dump_logged("SIGUSR2")
                 with self.lock:
                     self.tick()
                 systemd.watchdog()          # the loop itself proves it is alive
@@ -341,6 +349,8 @@ class Daemon:
             return
         if msg["type"] == "status":
             self.server.reply(client, self.status())
+        elif msg["type"] == "dump":
+            self._dump_reply(client)
         elif msg["type"] == "entropy":
             self._keep_entropy(msg["values"], ts)
             modality = msg["modality"]
@@ -447,7 +457,40 @@ class Daemon:
         if anomalies and self.otlp is not None:
             self.otlp.anomalies(anomalies)
 
+    def dump(self, reason: str) -> Path:
+        """The flight recorder's ring written now (`mmtrace dump`, SIGUSR2),
+        past its interval; OSError when it cannot be written."""
+        path = self.flight.dump_now(*self._flight_contents(), reason=reason,
+                                    now_ns=time.monotonic_ns())
+        log.warning("flight recording (%s): %s", reason, path)
+        return path
+
+    def dump_logged(self, reason: str) -> Path | None:
+        try:
+            return self.dump(reason)
+        except OSError:
+            return None                 # the flight recorder has logged why
+
+    def _dump_reply(self, client):
+        """Answer a socket's dump request with the file, or why not. Requests
+        within DUMP_REUSE_S of the last get its file: a client in a loop
+        cannot fill the disk."""
+        now = time.monotonic()
+        if self._last_dump is None or now - self._last_dump[0] >= DUMP_REUSE_S:
+            try:
+                self._last_dump = (now, self.dump("dump"))
+            except OSError as exc:
+                self.server.error(client, f"dump: {exc}")
+                return
+        self.server.reply(client, {"v": 1, "type": "dump", "path": str(self._last_dump[1]),
+                                   "daemon_pid": os.getpid()})
+
     def _flight_record(self, anomaly):
+        windows, schemas, meta = self._flight_contents()
+        return self.flight.dump(windows, schemas, anomaly, meta, time.monotonic_ns())
+
+    def _flight_contents(self) -> tuple[dict, dict, list[dict]]:
+        """(the rings' windows, their schemas, the meta) of a flight recording."""
         windows = {"cpu.runq": self.runq_ring.window(),
                    "dev.event": _plain_device(self.aligner.window()),
                    "model.entropy": self.entropy_ring.window(),
@@ -465,7 +508,7 @@ class Daemon:
                  "hint_audit": self.steering.audit(),
                  "host": platform.node(), "daemon_pid": os.getpid(),
                  "config": _jsonable(asdict(self.config))}]
-        return self.flight.dump(windows, SCHEMAS, anomaly, meta, time.monotonic_ns())
+        return windows, SCHEMAS, meta
 
     def _sample_gpus(self, now_ns: int):
         """NVML's latest state into the flight recorder's ring, once a second."""

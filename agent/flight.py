@@ -1,5 +1,6 @@
 """Flight recorder: when an anomaly fires, the recent past (the rings) goes
-to a recording file in the state directory, at most once per interval."""
+to a recording file in the state directory, at most once per interval; on
+request (`mmtrace dump`, SIGUSR2) it goes there at once."""
 
 import logging
 import re
@@ -23,24 +24,41 @@ class FlightRecorder:
         self.written = 0
         self.suppressed = 0
         self.failed = 0
+        self.last_error = ""
 
     def dump(self, windows: dict, schemas: dict, anomaly: dict, meta: list[dict],
              now_ns: int) -> Path | None:
-        """Write `windows` ({schema: records}) trimmed to the last `seconds`;
-        returns the file, or None when rate-limited or the write failed."""
+        """Write `windows` ({schema: records}) trimmed to the last `seconds`
+        for a firing anomaly; returns the file, or None when rate-limited or
+        the write failed."""
         now = self.clock()
         if self._last is not None and now - self._last < self.min_interval_s:
             self.suppressed += 1
             return None
         self._last = now
+        label = str(anomaly.get("series", anomaly.get("kind", "anomaly")))
+        return self._write(windows, schemas, {"anomaly": anomaly}, label, meta, now_ns)
+
+    def dump_now(self, windows: dict, schemas: dict, meta: list[dict], *, reason: str,
+                 now_ns: int) -> Path:
+        """The same write on request (`mmtrace dump`, SIGUSR2), past the
+        interval; the file's header and footer say `trigger`
+        {"kind": "dump", "reason": reason} instead of an anomaly. OSError
+        when it cannot be written."""
+        trigger = {"trigger": {"kind": "dump", "reason": reason}}
+        path = self._write(windows, schemas, trigger, f"dump-{reason}", meta, now_ns)
+        if path is None:
+            raise OSError(self.last_error)
+        return path
+
+    def _write(self, windows: dict, schemas: dict, why: dict, label: str, meta: list[dict],
+               now_ns: int) -> Path | None:
         since = now_ns - int(self.seconds * 1e9)
-        label = re.sub(r"[^A-Za-z0-9_.=-]+", "_", str(anomaly.get("series", anomaly.get("kind",
-                                                                                       "anomaly"))))
-        path = self.state_dir / f"flight-{time.strftime('%Y%m%dT%H%M%S')}-{label[:60]}.mmtr"
+        label = re.sub(r"[^A-Za-z0-9_.=-]+", "_", label)
+        path = self._free_path(f"flight-{time.strftime('%Y%m%dT%H%M%S')}-{label[:60]}")
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True)
-            writer = RecordingWriter(path, schemas, info={"flight_recorder": True,
-                                                          "anomaly": anomaly})
+            writer = RecordingWriter(path, schemas, info={"flight_recorder": True, **why})
             try:
                 for m in meta:
                     writer.write_meta(m)
@@ -48,14 +66,23 @@ class FlightRecorder:
                     recent = records[records["ts_ns"].astype("int64") >= since]
                     writer.write_events(schema, recent)
             finally:
-                writer.close({"anomaly": anomaly, "window_s": self.seconds,
-                              "end_monotonic_ns": now_ns})
+                writer.close({**why, "window_s": self.seconds, "end_monotonic_ns": now_ns})
         except OSError as exc:
             self.failed += 1
-            log.error("flight recorder: cannot write %s: %s", path, exc)
+            self.last_error = f"cannot write {path}: {exc.strerror or exc}"
+            log.error("flight recorder: %s", self.last_error)
             return None
         self.written += 1
         self._prune()
+        return path
+
+    def _free_path(self, stem: str) -> Path:
+        """A file name not taken yet: two writes within a second keep both."""
+        path = self.state_dir / f"{stem}.mmtr"
+        n = 1
+        while path.exists():
+            n += 1
+            path = self.state_dir / f"{stem}-{n}.mmtr"
         return path
 
     def _prune(self):

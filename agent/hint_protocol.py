@@ -13,7 +13,8 @@ as the agent enforces it, so that a client can follow it line by line:
 - `entropy`: `modality` and either `layer`, `head`, `value` or `values`, a
   list of 1..MAX_VALUES objects with `layer`, `head`, `value` and an
   optional `modality` of their own; optional `ts_ns`;
-- `subscribe`: nothing more.
+- `subscribe`, `status`, `dump`: nothing more (`dump` writes the flight
+  recorder's ring now and is answered with the file's path).
 Names are non-empty strings of at most MAX_NAME characters without control
 characters; `head` is an int in 0..MAX_HEAD; entropy values are finite
 numbers in 0..1 (within VALUE_NOISE, then clipped); `ts_ns` is an int in
@@ -42,7 +43,7 @@ MAX_VALUE_MS = 3_600_000.0  # one hour: the P99 detector's largest value
 PID_MAX = 4_194_304         # the kernel's PID_MAX_LIMIT
 TS_LIMIT = 2 ** 63
 VALUE_NOISE = 1e-6          # an entropy this far outside 0..1 is float noise
-CLIENT_TYPES = ("hello", "sample", "entropy", "subscribe", "status")
+CLIENT_TYPES = ("hello", "sample", "entropy", "subscribe", "status", "dump")
 
 
 class ProtocolError(ValueError):

@@ -10,6 +10,7 @@ from dataclasses import fields
 
 from .config import DaemonConfig
 from .errors import MmtraceError
+from .signals import SignalFlag
 
 log = logging.getLogger("mmtrace.daemon")
 
@@ -19,22 +20,9 @@ LIVE_KEYS = {"tick_s", "flight_min_interval_s", "launch_burst_s"}
 LIVE_SECTIONS = {"policy"}
 
 
-class ReloadRequest:
+class ReloadRequest(SignalFlag):
     """Set by SIGHUP; the loop takes it (signal handlers only set flags)."""
-
-    def __init__(self):
-        self.pending = False
-        self._previous = None
-
-    def install(self):
-        self._previous = signal.signal(signal.SIGHUP, self._on_signal)
-
-    def _on_signal(self, signum, frame):
-        self.pending = True
-
-    def take(self) -> bool:
-        pending, self.pending = self.pending, False
-        return pending
+    signum = signal.SIGHUP
 
 
 def changes(old: DaemonConfig, new: DaemonConfig) -> tuple[list[str], list[str]]:

@@ -5,56 +5,23 @@ redraws once a second with plain ANSI (clear, home), and reads single keys
 in cbreak mode, so it works over ssh in any terminal; `q` quits. Imports
 nothing of the agent's: it is a client like a dispatcher."""
 
-import json
 import os
 import select
-import socket
 import sys
 import termios
 import time
 import tty
 from pathlib import Path
 
+from .daemon_client import NoDaemon, ask  # noqa: F401  (NoDaemon: callers catch it here)
+
 CLEAR = "\x1b[H\x1b[2J"
-MAX_REPLY = 4 << 20
-
-
-class NoDaemon(Exception):
-    """Nothing answers on the socket."""
 
 
 def fetch_status(path: Path, timeout_s: float = 2.0) -> dict:
     """One status snapshot; NoDaemon when nobody listens, ValueError when
     what answers does not speak the protocol."""
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(timeout_s)
-            sock.connect(str(path))
-            sock.sendall(b'{"v": 1, "type": "status"}\n')
-            buf = bytearray()
-            while not buf.endswith(b"\n"):
-                chunk = sock.recv(65536)
-                if not chunk:
-                    break
-                buf += chunk
-                if len(buf) > MAX_REPLY:
-                    raise ValueError(f"status reply from {path} is over {MAX_REPLY} bytes")
-    except (FileNotFoundError, ConnectionRefusedError) as exc:
-        raise NoDaemon(f"no mmtrace daemon is running: nothing listens on {path} "
-                       f"({exc.strerror.lower()})") from None
-    except PermissionError:
-        raise NoDaemon(f"cannot connect to {path}: permission denied "
-                       "(run as root or as a member of the socket's group)") from None
-    except socket.timeout:
-        raise NoDaemon(f"the daemon on {path} did not answer within {timeout_s:g} s") from None
-    for line in bytes(buf).splitlines():
-        msg = json.loads(line)
-        if isinstance(msg, dict) and msg.get("type") == "status":
-            return msg
-        if isinstance(msg, dict) and msg.get("type") == "error":
-            raise ValueError(f"the daemon on {path} refused the status request: "
-                             f"{msg.get('message')}")
-    raise ValueError(f"expected a status reply from {path}, got {bytes(buf[:200])!r}")
+    return ask(path, "status", timeout_s)
 
 
 def render(status: dict, width: int = 100) -> list[str]:

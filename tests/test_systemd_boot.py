@@ -4,10 +4,12 @@ tmpfs, booted only to basic.target, nothing of the host changed), with the unit,
 sample configuration installed there and this checkout's mmtrace as
 ExecStart. The daemon must come up under the unit's user, capabilities,
 no_new_privs and system call filter, serve its socket with the unit's
-permissions, and stop cleanly on SIGTERM.
+permissions, log each line at its priority in the journal, and stop cleanly
+on SIGTERM.
 
 Needs root, systemd-nspawn (package systemd-container) and eBPF."""
 
+import json
 import os
 import re
 import shutil
@@ -92,6 +94,8 @@ def booted(tmp_path_factory):
               if d.is_relative_to("/tmp") or d.is_relative_to("/var/tmp")]
     text = text.replace("[Service]\n", "[Service]\n" + "".join(
         f"BindReadOnlyPaths={d}\n" for d in in_tmp), 1)
+    # A variable that names no setting: a warning at start, for the journal test.
+    text = text.replace("[Service]\n", "[Service]\nEnvironment=MMTRACE_NO_SUCH_KEY=1\n", 1)
     unit.write_text(text)
     binds = {unit: "/etc/systemd/system/mmtrace.service",
              SYSUSERS: "/etc/sysusers.d/mmtrace.conf",
@@ -160,3 +164,16 @@ def test_unit_starts_the_daemon_sandboxed_and_stops_it_cleanly(booted):
     after = booted.show("Result", "ExecMainCode", "ExecMainStatus")
     assert after == {"Result": "success", "ExecMainCode": "1", "ExecMainStatus": "0"}, after
     assert "stopped by SIGTERM" in booted.run("journalctl", "-u", "mmtrace", "--no-pager")
+    # The journal took each line's <N> as its priority: -p filters on it.
+    entries = [json.loads(line) for line in booted.run(
+        "journalctl", "-u", "mmtrace", "-o", "json", "--no-pager").splitlines()]
+    daemon_lines = {e["MESSAGE"]: e["PRIORITY"] for e in entries
+                    if e.get("_PID") == str(pid) and isinstance(e.get("MESSAGE"), str)}
+    warning = [p for m, p in daemon_lines.items()
+               if m.startswith("WARNING mmtrace.daemon: MMTRACE_NO_SUCH_KEY names no setting")]
+    tracing = [p for m, p in daemon_lines.items() if m.startswith("INFO mmtrace.daemon: tracing:")]
+    assert warning == ["4"] and tracing == ["6"], daemon_lines
+    assert not any(m.startswith("<") for m in daemon_lines), daemon_lines
+    filtered = booted.run("journalctl", "-u", "mmtrace", "-p", "warning", "--no-pager",
+                          "-o", "cat")
+    assert "MMTRACE_NO_SUCH_KEY" in filtered and "tracing:" not in filtered, filtered

@@ -30,6 +30,11 @@ def test_one_input(path: str, data: bytes):
         if "\n" in exc.message or not exc.message.startswith(f"config {path}: "):
             raise RuntimeError(f"not one line naming the file: {exc.message!r}") from None
         return
+    check_loaded(cfg)
+
+
+def check_loaded(cfg):
+    """What every loaded config must be, whichever layers it came from."""
     p99_detector(cfg.p99)               # the detectors check their settings too
     entropy_detector(cfg.entropy)
     if cfg.ring_capacity * 48 + cfg.device_ring_capacity * 224 > MAX_RING_BYTES:

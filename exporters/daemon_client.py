@@ -1,0 +1,56 @@
+"""Requests to the running daemon over its hint socket (`status` for
+`mmtrace top`, `dump` for `mmtrace dump`): one line out, one reply of the
+asked type back. Imports nothing of the agent's: it is a client like a
+dispatcher."""
+
+import json
+import socket
+from pathlib import Path
+
+MAX_REPLY = 4 << 20
+
+
+class NoDaemon(Exception):
+    """Nothing answers on the socket, or it cannot be reached."""
+
+    def __init__(self, message: str, nobody_listens: bool = False):
+        super().__init__(message)
+        self.nobody_listens = nobody_listens    # no socket there, or nobody accepts
+
+
+def ask(path: Path, kind: str, timeout_s: float = 2.0) -> dict:
+    """The daemon's `kind` reply to a `kind` request; NoDaemon when nobody
+    listens or the socket is out of reach, ValueError when what answers
+    does not speak the protocol or refuses."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout_s)
+            sock.connect(str(path))
+            sock.sendall(json.dumps({"v": 1, "type": kind}).encode() + b"\n")
+            buf = bytearray()
+            while not buf.endswith(b"\n"):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                buf += chunk
+                if len(buf) > MAX_REPLY:
+                    raise ValueError(f"{kind} reply from {path} is over {MAX_REPLY} bytes")
+    except (FileNotFoundError, ConnectionRefusedError) as exc:
+        raise NoDaemon(f"no mmtrace daemon is running: nothing listens on {path} "
+                       f"({exc.strerror.lower()})", nobody_listens=True) from None
+    except PermissionError:
+        raise NoDaemon(f"cannot connect to {path}: permission denied "
+                       "(run as root or as a member of the socket's group)") from None
+    except socket.timeout:
+        raise NoDaemon(f"the daemon on {path} did not answer within {timeout_s:g} s") from None
+    for line in bytes(buf).splitlines():
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            break
+        if isinstance(msg, dict) and msg.get("type") == kind:
+            return msg
+        if isinstance(msg, dict) and msg.get("type") == "error":
+            raise ValueError(f"the daemon on {path} refused the {kind} request: "
+                             f"{msg.get('message')}")
+    raise ValueError(f"expected a {kind} reply from {path}, got {bytes(buf[:200])!r}")
