@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import heap
+
 log = logging.getLogger(__name__)
 
 MADV_DONTNEED = 4
@@ -58,15 +60,13 @@ def release(proc_self: Path = Path("/proc/self")) -> int:
     """Trim malloc's free memory and unmap the compiler libraries' resident
     pages; returns the kB the libraries held. Best effort: a libc without
     malloc_trim, or a kernel that refuses, leaves things as they were."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    trim = getattr(libc, "malloc_trim", None)
-    if trim is not None:
-        trim(0)
+    heap.trim()
     try:
         found = [m for m in mappings((proc_self / "smaps").read_text()) if droppable(m)]
     except OSError as exc:
         log.debug("compiler memory: %s unreadable (%s)", proc_self / "smaps", exc)
         return 0
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     madvise = libc.madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     dropped = 0
