@@ -169,7 +169,8 @@ class Daemon:
         self._start_exporters()
         options = probe_loader.ProbeOptions(pids=tuple(cfg.pids),
                                             trace_launches=not cfg.adaptive_launches)
-        self.sources = DeviceSources(cfg.libs, cfg.pids, discover=True, warn=log.warning)
+        self.sources = DeviceSources(cfg.libs, cfg.pids, discover=True, warn=log.warning,
+                                     interval_s=cfg.discover_interval_s)
         self.loaded = probe_loader.load_cpu(options)
         self._counters_at_start = self.loaded.counters()
         log.info("cpu stream live (%.2f s)", time.monotonic() - began)

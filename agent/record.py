@@ -96,7 +96,8 @@ class DeviceSources:
     discovery finds while recording (new processes, new files). The first
     scan runs in a thread from creation on, beside the eBPF compilation."""
 
-    def __init__(self, libs=(), pids=(), discover: bool = True, warn=None):
+    def __init__(self, libs=(), pids=(), discover: bool = True, warn=None,
+                 interval_s: float = 2.0):
         from .device_probes import wanted
         self.discoverer = None
         self.warn = warn
@@ -109,7 +110,8 @@ class DeviceSources:
         if discover and discovery is not None:
             try:
                 self.discoverer = discovery.Discoverer(wanted, pids=pids or None,
-                                                       extra_paths=self.libs)
+                                                       extra_paths=self.libs,
+                                                       interval_s=interval_s)
             except ValueError as exc:
                 raise MmtraceError(str(exc)) from None
         self._first: list = []
