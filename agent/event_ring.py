@@ -68,9 +68,10 @@ class EventRing:
             self.evicted += len(self) + skipped
             self.start = self.end = self.end + skipped
             batch = batch[skipped:]
-        # What the age limit drops anyway needs no room.
-        self._drop_older_than(int(batch["ts_ns"].max()) - self.max_age_ns)
-        self._grow_for(len(self) + len(batch))
+        if len(self) + len(batch) > len(self._ring):
+            # What the age limit drops anyway needs no room.
+            self._drop_older_than(int(batch["ts_ns"].max()) - self.max_age_ns)
+            self._grow_for(len(self) + len(batch))
         size = len(self._ring)
         overflow = len(self) + len(batch) - size
         if overflow > 0:
