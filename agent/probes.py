@@ -117,10 +117,11 @@ class Programs:
         self.device = None
 
 
-# Loads whose scheduler program exports the shared maps: bcc keeps exported
-# maps by name, one per process, so a second load alive at the same time
-# compiles its programs as one unit instead.
-_exporting = 0
+# bcc keeps exported maps by name, once per process, and keeps a name after
+# its program is gone (the descriptor it holds may then name another map):
+# only the first load of a process exports them; any later one compiles its
+# programs as one unit.
+_exported = False
 
 
 @dataclass
@@ -185,7 +186,6 @@ class LoadedProbes:
             raise MmtraceError(str(exc)) from None
 
     def close(self):
-        global _exporting
         if self.device is not None:
             self.device.close()
             self.device = None
@@ -198,8 +198,6 @@ class LoadedProbes:
         if self.bpf is not None:
             self.bpf.cleanup()
             self.bpf = None
-            if self.split:
-                _exporting -= 1
 
 
 def program_text(options: ProbeOptions) -> str:
@@ -300,9 +298,8 @@ def load_cpu(options: ProbeOptions = ProbeOptions()) -> LoadedProbes:
     """The CPU stream live: the scheduler program compiled, loaded and
     attached, its ring read. The GPU/NPU programs follow through
     load_device (compile_device may run in another thread meanwhile);
-    where another load is alive in this process, everything compiles now
-    as one unit. Raises MmtraceError with the reason when this host cannot."""
-    global _exporting
+    after the first load of a process, everything compiles now as one unit. Raises MmtraceError with the reason when this host cannot."""
+    global _exported
     require_privileges()
     require_tracefs()
     import_bcc()
@@ -311,10 +308,10 @@ def load_cpu(options: ProbeOptions = ProbeOptions()) -> LoadedProbes:
                         ("device ring buffer pages", options.dev_ringbuf_pages)):
         if value <= 0 or value & (value - 1):
             raise MmtraceError(f"{what} must be a power of two, got {value}")
-    split = options.device and _exporting == 0
+    split = options.device and not _exported
     if split:
         program = _compile(sched_text(), cflags(options) + ["-DMMTRACE_SHARED_PUBLIC"])
-        _exporting += 1
+        _exported = True
     else:
         program = _compile(program_text(options), cflags(options) + ["-DMMTRACE_DEVICE_IN_UNIT"])
     if not split:
