@@ -209,7 +209,7 @@ def test_daemon_cpu_stream_live_soon_idle_wakeups_few_no_sdk_imported(tmp_path):
         daemon.send_signal(signal.SIGTERM)
         _, rest = daemon.communicate(timeout=60)
     assert daemon.returncode == 0, "".join(lines) + rest
-    assert cpu_live < 4.0, "".join(lines)     # imports and the scheduler program; ~1 s idle
+    assert cpu_live < 3.0, "".join(lines)     # imports and the scheduler program: ~1 s idle, 3.5 s before
     assert (after - before) / 3.0 < 20, (before, after)
     assert rss_kb < 220 * 1024, rss_kb      # 365 MB when the rings were sized for the worst case
     modules = set(re.search(r"^modules: (.*)$", rest, re.M).group(1).split())
