@@ -29,6 +29,7 @@ from mmtrace.exporters.device_state import GPU_STATE, state_records
 from mmtrace.exporters import status as status_view
 from mmtrace.exporters.event_counts import EventCounts
 
+from . import compiler_memory, heap
 from . import latency_series as ls
 from . import probes as probe_loader
 from .align import ApiRoles, Aligner
@@ -40,12 +41,14 @@ from .event_ring import EventRing
 from .flight import FlightRecorder
 from .hint_socket import HintServer
 from .log_limit import RateLimitedLog
-from .record import CPU_PROBE_STATE, DeviceSources, StopFlag, exited_process_resolver
+from .record import (CPU_PROBE_STATE, DeviceCompile, DeviceSources, StopFlag,
+                     exited_process_resolver)
 from .reload import ReloadRequest, reload
 from .sd_notify import Notifier
 from .signals import DumpRequest
 from .steering import Steering
 from .threads import ThreadProcesses
+from .wakeups import Waiter
 
 log = logging.getLogger("mmtrace.daemon")
 
@@ -64,6 +67,7 @@ MAX_FUTURE_NS = 10**9       # how far a client's ts_ns may run ahead of the agen
 SWEEP_INTERVAL_S = 10.0
 STATUS_MIN_INTERVAL_S = 0.5
 DUMP_REUSE_S = 5.0          # socket dump requests this close share one file
+MAX_IDLE_WAIT_S = 0.25      # the longest sleep without data (see Daemon.idle_wait_s)
 PID_IN_SERIES = re.compile(r"\bpid=(\d+)")
 
 
@@ -134,6 +138,9 @@ class Daemon:
         self.server = None
         self.probe_states: list[dict] = [CPU_PROBE_STATE]
         self.proc_root = Path("/proc")
+        self.waiter = Waiter()
+        self._devices = None                # DeviceCompile while the GPU/NPU programs compile
+        self._began = 0.0
         self._next_sweep = 0.0
         self.forgotten_series = 0
         self.otlp = _otlp_traces(config, lambda rows: describe(rows, self.infos, self.op_name_of))
@@ -156,21 +163,46 @@ class Daemon:
 
     # ------------------------------------------------------------ lifecycle
 
-    def start(self):
+    def start(self, devices_in_background: bool = True):
+        """The CPU stream live first; the GPU/NPU programs compile after it,
+        in a thread while the loop drains (devices_in_background), or here."""
         cfg = self.config
+        began = time.monotonic()
+        heap.keep_large_blocks_mapped()
         self._start_exporters()
         options = probe_loader.ProbeOptions(pids=tuple(cfg.pids),
                                             trace_launches=not cfg.adaptive_launches)
-        self.sources = DeviceSources(cfg.libs, cfg.pids, discover=True, warn=log.warning)
-        self.loaded = probe_loader.load(options)
+        self.sources = DeviceSources(cfg.libs, cfg.pids, discover=True, warn=log.warning,
+                                     interval_s=cfg.discover_interval_s)
+        self.loaded = probe_loader.load_cpu(options)
         self._counters_at_start = self.loaded.counters()
-        self.names = DeviceNames(device_stream.default_infos(), resolver=exited_process_resolver(
-            self.loaded, self.sources.known_files))
+        log.info("cpu stream live (%.2f s)", time.monotonic() - began)
         try:
             self.server = HintServer(cfg.socket, idle_timeout_s=cfg.socket_idle_timeout_s)
         except OSError as exc:
             log.error("hint socket %s unavailable (%s); running without it", cfg.socket, exc)
-        self._attach_new()
+        self._devices = DeviceCompile(self.loaded)
+        self._began = began
+        while not devices_in_background and self._devices is not None:
+            self._wire_devices()
+            time.sleep(0.01)
+
+    def _wire_devices(self):
+        """Once the GPU/NPU programs are compiled: wire and attach them."""
+        devices = self._devices
+        if devices is None or not devices.done() or not self.sources.ready():
+            return
+        self._devices = None
+        cfg = self.config
+        error = devices.finish()
+        if error is not None:
+            log.error("GPU/NPU probes unavailable (%s); the CPU stream goes on", error)
+        else:
+            self.names = DeviceNames(device_stream.default_infos(), resolver=exited_process_resolver(
+                self.loaded, self.sources.known_files))
+            self._attach_new()
+            compiler_memory.release()       # what the first discovery scan left, too
+            log.info("gpu/npu probes live (%.2f s)", time.monotonic() - self._began)
         log.info("tracing: pids=%s, per-launch probes %s, flight recordings in %s",
                  list(cfg.pids) or "all", "on alarm" if cfg.adaptive_launches else "on",
                  cfg.state_dir)
@@ -209,10 +241,16 @@ class Daemon:
             if monitor is not None:
                 monitor.close()
         self.nvml = self.npu = None
+        if self._devices is not None:
+            self._devices.thread.join()     # compiling on the scheduler's maps: let it end
+            self._devices = None
         if self.server is not None:
+            self.waiter.forget(self.server.fileno())
             self.server.close()
             self.server = None
         if self.loaded is not None:
+            for ring in self.loaded.rings:
+                self.waiter.forget(ring.reader.fileno())
             self.loaded.close()
             self.loaded = None
 
@@ -240,15 +278,42 @@ class Daemon:
                 with self.lock:
                     self.tick()
                 systemd.watchdog()          # the loop itself proves it is alive
-                time.sleep(self.config.tick_s)
+                self._sleep(systemd.watchdog_s)
         finally:
             systemd.stopping()
             self.close()
         log.info("stopped by %s", self.stop.reason or "request")
 
+    def idle_wait_s(self, watchdog_s: float | None = None) -> float:
+        """The longest the loop sleeps without data. P99 windows close a
+        quarter window after they end (tick), so what the rings hold must
+        be drained well within that; the watchdog wants a ping every half
+        of its interval."""
+        wait = min(MAX_IDLE_WAIT_S, self.config.p99.window_s / 8)
+        return min(wait, watchdog_s / 4) if watchdog_s else wait
+
+    def _sleep(self, watchdog_s: float | None):
+        """Until a ring signals a batch, a dispatcher writes, or the idle
+        wait is up; ticks stay tick_s apart however fast batches come."""
+        ticked = time.monotonic()
+        self._watch_descriptors()
+        if self.waiter.wait(self.idle_wait_s(watchdog_s)):
+            rest = self.config.tick_s - (time.monotonic() - ticked)
+            if rest > 0:
+                time.sleep(rest)
+
+    def _watch_descriptors(self):
+        if self.loaded is not None:
+            for ring in self.loaded.rings:
+                self.waiter.watch(ring.reader.fileno(), edge=True)
+        if self.server is not None:
+            self.waiter.watch(self.server.fileno())
+
     # ----------------------------------------------------------------- tick
 
     def tick(self, now_ns: int | None = None):
+        if self._devices is not None:
+            self._wire_devices()
         if self.sources is not None and self._device() is not None:
             self._attach_new()
         batches = self.loaded.read() if self.loaded is not None else {}
@@ -271,6 +336,7 @@ class Daemon:
         if time.monotonic() >= self._next_sweep:
             self._next_sweep = time.monotonic() + SWEEP_INTERVAL_S
             self.forget_exited()
+            heap.trim()                     # what bursts of batches left in the heap
         self._act(self.p99.advance(now_ns - int(self.config.p99.window_s * 1e9 / 4)))
         self._sample_gpus(now_ns)
         self._steer(now_ns)
@@ -540,15 +606,17 @@ class Daemon:
 
 
 def _otlp_traces(config: DaemonConfig, describe_rows):
-    """The OTLP sink when an endpoint is configured (config or OTEL_*), else None."""
-    from mmtrace.exporters import otlp
+    """The OTLP sink when an endpoint is configured (config or OTEL_*), else
+    None (and the SDK is never imported)."""
+    from mmtrace.exporters.otlp_options import options_from
     o = config.otlp
     try:
-        options = otlp.options_from(o.endpoint, o.headers, o.sample_ratio, o.max_spans_per_s)
+        options = options_from(o.endpoint, o.headers, o.sample_ratio, o.max_spans_per_s)
     except ValueError as exc:
         raise MmtraceError(f"OTLP: {exc}") from None
     if not options.enabled:
         return None
+    from mmtrace.exporters import otlp
     log.info("OTLP traces to %s (submissions sampled at %g)",
              options.endpoint or "the OTEL_* endpoint", options.sample_ratio)
     return otlp.OtlpTraces(options, describe=describe_rows)

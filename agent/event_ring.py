@@ -1,6 +1,9 @@
 """A bounded ring of the recent past for one kind of record: at most
 `capacity` records, none older than `max_age_ns` behind the newest. Memory
-is fixed at creation whatever the event rate; evicted records are counted.
+follows the rate: the ring starts at `initial` records and grows while
+what `max_age_ns` holds at the rate seen needs more, up to `capacity`; it
+never shrinks, so a steady rate holds steady memory. Evicted records are
+counted.
 Records are numbered from 0 as they arrive, so a caller can still reach a
 record it pushed (update) while the ring holds it."""
 
@@ -10,17 +13,14 @@ from .records import rows_of, take
 
 
 class EventRing:
-    def __init__(self, dtype: np.dtype, capacity: int, max_age_ns: int):
+    def __init__(self, dtype: np.dtype, capacity: int, max_age_ns: int,
+                 initial: int = 1 << 12):
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.dtype = np.dtype(dtype)
         self.capacity = capacity
         self.max_age_ns = max_age_ns
-        self._ring = np.zeros(capacity, self.dtype)
-        # Touch every page now: the memory is the ring's for good, and its
-        # first fill should not pay the page faults batch by batch.
-        self._ring.view(np.uint8)[::4096] = 0
-        self._bytes = self._ring.view(np.uint8).reshape(capacity, self.dtype.itemsize)
+        self._allocate(min(capacity, max(1, initial)))
         self.start = 0      # number of the oldest record held
         self.end = 0        # number the next record gets
         self.evicted = 0
@@ -30,8 +30,33 @@ class EventRing:
 
     @property
     def nbytes(self) -> int:
-        """Memory the ring holds, fixed at creation."""
+        """Memory the ring holds now (at most capacity records)."""
         return self._ring.nbytes
+
+    @property
+    def allocated(self) -> int:
+        """Records the ring has room for now."""
+        return len(self._ring)
+
+    def _allocate(self, size: int, held: np.ndarray | None = None):
+        ring = np.zeros(size, self.dtype)
+        # Touch every page now: the memory is the ring's for good, and its
+        # first fill should not pay the page faults batch by batch.
+        ring.view(np.uint8)[::4096] = 0
+        if held is not None:
+            ring[held % size] = self._ring[held % len(self._ring)]
+        self._ring = ring
+        self._bytes = ring.view(np.uint8).reshape(size, self.dtype.itemsize)
+
+    def _grow_for(self, n: int):
+        """Room for `n` records and a quarter more, at least a quarter more
+        than now: a steady rate settles within 25 % of what it needs, and a
+        rising one costs a copy per step (records keep their numbers)."""
+        size = len(self._ring)
+        if n <= size or size >= self.capacity:
+            return
+        size = max(n + n // 4, size + size // 4)
+        self._allocate(min(size, self.capacity), np.arange(self.start, self.end))
 
     def push(self, batch: np.ndarray) -> int:
         """Append `batch` (about in time order); returns the number of its first record."""
@@ -43,11 +68,16 @@ class EventRing:
             self.evicted += len(self) + skipped
             self.start = self.end = self.end + skipped
             batch = batch[skipped:]
-        overflow = len(self) + len(batch) - self.capacity
+        if len(self) + len(batch) > len(self._ring):
+            # What the age limit drops anyway needs no room.
+            self._drop_older_than(int(batch["ts_ns"].max()) - self.max_age_ns)
+            self._grow_for(len(self) + len(batch))
+        size = len(self._ring)
+        overflow = len(self) + len(batch) - size
         if overflow > 0:
             self._drop(overflow)
-        at = self.end % self.capacity
-        first = min(len(batch), self.capacity - at)
+        at = self.end % size
+        first = min(len(batch), size - at)
         data = rows_of(batch)
         self._bytes[at:at + first] = data[:first]
         self._bytes[:len(batch) - first] = data[first:]
@@ -60,7 +90,7 @@ class EventRing:
         on: then only the recent tail is copied, found a chunk at a time
         from the newest end)."""
         first = self.start if since_ns is None else self._first_recent(since_ns)
-        events = take(self._ring, np.arange(first, self.end) % self.capacity)
+        events = take(self._ring, np.arange(first, self.end) % len(self._ring))
         if since_ns is not None:
             events = events[events["ts_ns"].astype(np.int64) >= since_ns]
         return events
@@ -71,7 +101,7 @@ class EventRing:
         first = self.end
         while first > self.start:
             lo = max(self.start, first - chunk)
-            ts = self._ring["ts_ns"][np.arange(lo, first) % self.capacity].astype(np.int64)
+            ts = self._ring["ts_ns"][np.arange(lo, first) % len(self._ring)].astype(np.int64)
             first = lo
             if ts.max(initial=since_ns) < since_ns:
                 break
@@ -80,7 +110,7 @@ class EventRing:
     def update(self, seq: np.ndarray, field: str, values: np.ndarray):
         """Set `field` of the records numbered `seq` that the ring still holds."""
         held = seq >= self.start
-        self._ring[field][seq[held] % self.capacity] = values[held]
+        self._ring[field][seq[held] % len(self._ring)] = values[held]
 
     def _drop_older_than(self, limit_ns: int, chunk: int = 4096):
         """Records arrive about in time order: drop the leading run older
@@ -88,7 +118,7 @@ class EventRing:
         while len(self):
             n = min(chunk, len(self))
             ts = self._ring["ts_ns"][np.arange(self.start, self.start + n)
-                                     % self.capacity].astype(np.int64)
+                                     % len(self._ring)].astype(np.int64)
             fresh = np.flatnonzero(ts >= limit_ns)
             lead = int(fresh[0]) if len(fresh) else n
             self._drop(lead)

@@ -120,6 +120,11 @@ class HintServer:
             self._sweep(now)
         return out
 
+    def fileno(self) -> int:
+        """Readable while poll() has something to do: a descriptor that a
+        caller's own loop can sleep on beside others."""
+        return self._sel.fileno()
+
     def broadcast(self, message: dict) -> int:
         """Send to every subscriber; returns how many got it queued."""
         line = _line(message)

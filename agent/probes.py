@@ -16,6 +16,7 @@ from mmtrace.bpf import cuda as cuda_stream
 from mmtrace.bpf import device as device_stream
 from mmtrace.bpf import sched as sched_stream
 
+from . import compiler_memory
 from .errors import MmtraceError
 from .layout import LayoutMismatch, check_layout
 from .privileges import can_load_bpf
@@ -36,11 +37,17 @@ class StreamRing:
 @dataclass
 class ProbeOptions:
     pids: tuple[int, ...] = ()
-    runq_ringbuf_pages: int = 8192      # 32 MiB: ~600k runq records, >1 s at a busy host's rate
+    # The rings absorb what arrives between a wake-up and the drain that
+    # follows (the reader is woken when one is about a quarter full, and
+    # drains at least every few hundred ms), and a daemon kept off the CPU
+    # for a while: 8 MiB holds ~150k runq records, 0.6 s at 250k/s, 7 s at
+    # the rated 20k/s. Userspace maps each ring twice, so its size counts
+    # twice in the agent's RSS.
+    runq_ringbuf_pages: int = 2048      # 8 MiB
     max_threads: int = 65536
     extra_cflags: tuple[str, ...] = ()
     device: bool = True                 # compile the GPU/NPU programs
-    dev_ringbuf_pages: int = 2048       # 8 MiB: ~40k device records
+    dev_ringbuf_pages: int = 512        # 2 MiB: ~9k device records
     max_calls_in_flight: int = 16384
     trace_launches: bool = True         # False: the adaptive mode, per-launch probes off
     attach_mode: str | None = None      # "multi" / "single"; None: the best the kernel has
@@ -83,16 +90,53 @@ def require_tracefs():
         "mount -t debugfs nodev /sys/kernel/debug")
 
 
+class Programs:
+    """The compiled programs seen as one bcc object: tables and functions
+    are looked up in the scheduler's program, then the GPU/NPU one's."""
+
+    def __init__(self, sched, device=None):
+        self.sched = sched
+        self.device = device
+
+    def __getitem__(self, name):
+        try:
+            return self.sched[name]
+        except KeyError:
+            if self.device is None:
+                raise
+            return self.device[name]
+
+    @property
+    def funcs(self) -> dict:
+        return {**self.sched.funcs, **(self.device.funcs if self.device is not None else {})}
+
+    def cleanup(self):
+        for program in (self.device, self.sched):
+            if program is not None:
+                program.cleanup()
+        self.device = None
+
+
+# bcc keeps exported maps by name, once per process, and keeps a name after
+# its program is gone (the descriptor it holds may then name another map):
+# only the first load of a process exports them; any later one compiles its
+# programs as one unit.
+_exported = False
+
+
 @dataclass
 class LoadedProbes:
     bpf: object
     rings: list[StreamRing] = field(default_factory=list)
     device: object = None       # agent.device_probes.DeviceProbes: uprobes per library
+    options: ProbeOptions = field(default_factory=ProbeOptions)
+    split: bool = False         # the GPU/NPU programs compiled apart (load_device)
+    device_program: object = None   # compiled, not yet wired (compile_device)
 
     def read(self) -> dict[str, np.ndarray]:
         """One batch from every ring; streams with nothing new are left out."""
         out = {}
-        for ring in self.rings:
+        for ring in list(self.rings):
             batch = ring.reader.read()
             if len(batch):
                 out[ring.stream] = batch
@@ -108,6 +152,39 @@ class LoadedProbes:
         """Tell the kernel the process of threads it has not seen switch out."""
         set_thread_tgids(self.bpf, tid_to_tgid)
 
+    @property
+    def device_pending(self) -> bool:
+        """The GPU/NPU programs are wanted and not wired yet."""
+        return self.options.device and self.device is None and self.bpf is not None
+
+    def compile_device(self):
+        """Compile and load the GPU/NPU programs on the scheduler's maps (in
+        any thread: the CPU stream drains meanwhile); load_device wires them."""
+        if self.split and self.device_program is None:
+            self.device_program = _compile(
+                device_text(self.options),
+                cflags(self.options) + ["-DMMTRACE_SHARED_EXTERN"])
+            compiler_memory.release()
+
+    def load_device(self):
+        """Wire the GPU/NPU programs: their ring, and DeviceProbes to attach
+        them per library. Compiles them first where compile_device did not."""
+        if not self.device_pending:
+            return
+        self.compile_device()
+        if self.split:
+            self.bpf = Programs(self.bpf, self.device_program)
+            self.device_program = None
+        program = self.bpf
+        try:
+            self.rings.append(_device_ring(program, self.options))
+            from .device_probes import DeviceProbes
+            self.device = DeviceProbes(program.device if self.split else program,
+                                       launches=self.options.trace_launches,
+                                       mode=attach_mode(self.options))
+        except LayoutMismatch as exc:
+            raise MmtraceError(str(exc)) from None
+
     def close(self):
         if self.device is not None:
             self.device.close()
@@ -115,6 +192,9 @@ class LoadedProbes:
         for ring in self.rings:
             ring.reader.close()
         self.rings.clear()
+        if self.device_program is not None:
+            self.device_program.cleanup()
+            self.device_program = None
         if self.bpf is not None:
             self.bpf.cleanup()
             self.bpf = None
@@ -126,10 +206,26 @@ def program_text(options: ProbeOptions) -> str:
     parts = [bpf_sources.source("common.h"), bpf_sources.source(device_stream.HEADER),
              bpf_sources.source(sched_stream.SOURCE)]
     if options.device:
-        multi = attach_mode(options) == "multi"
-        parts += [bpf_sources.source(cuda_stream.SOURCE), bpf_sources.source(ascend_stream.SOURCE),
-                  device_stream.default_table().generated_programs(multi=multi)]
+        parts.append(_device_programs(options))
     return "\n".join(parts)
+
+
+def sched_text() -> str:
+    """The scheduler program alone: the CPU stream, live before the rest compiles."""
+    return "\n".join([bpf_sources.source("common.h"), bpf_sources.source(sched_stream.SOURCE)])
+
+
+def device_text(options: ProbeOptions) -> str:
+    """The GPU/NPU programs alone, on the maps sched_text exports."""
+    return "\n".join([bpf_sources.source("common.h"), bpf_sources.source(device_stream.HEADER),
+                      _device_programs(options)])
+
+
+def _device_programs(options: ProbeOptions) -> str:
+    multi = attach_mode(options) == "multi"
+    return "\n".join([bpf_sources.source(cuda_stream.SOURCE),
+                      bpf_sources.source(ascend_stream.SOURCE),
+                      device_stream.default_table().generated_programs(multi=multi)])
 
 
 def attach_mode(options: ProbeOptions) -> str:
@@ -152,9 +248,20 @@ def cflags(options: ProbeOptions) -> list[str]:
         f"-DMMTRACE_MAX_CALLS={options.max_calls_in_flight}",
         f"-DMMTRACE_CALL_SLOTS={device_stream.default_table().call_slots}",
         f"-DMMTRACE_MAX_CPUS={possible_cpu_slots()}",
+        f"-DMMTRACE_RUNQ_WAKEUP_EVERY="
+        f"{wakeup_period(options.runq_ringbuf_pages, sched_stream.RUNQ_EVENT.itemsize)}",
+        f"-DMMTRACE_DEV_WAKEUP_EVERY="
+        f"{wakeup_period(options.dev_ringbuf_pages, device_stream.DEV_EVENT.itemsize)}",
         "-Wno-macro-redefined",
     ]
     return flags + list(options.extra_cflags)
+
+
+def wakeup_period(pages: int, record_size: int, cpus: int | None = None) -> int:
+    """Records each CPU submits between forced wake-ups of the reader: the
+    ring is about a quarter full when every CPU has reached its period."""
+    records = pages * 4096 // (record_size + 8)        # 8: the ring's record header
+    return max(1, records // (4 * (cpus or os.cpu_count() or 1)))
 
 
 def possible_cpu_slots(path: Path = Path("/sys/devices/system/cpu/possible")) -> int:
@@ -178,21 +285,38 @@ def load(options: ProbeOptions = ProbeOptions()) -> LoadedProbes:
     """Compile, load and attach the scheduler program, and ready the GPU/NPU
     programs (attached per library through `probes.device`); raise
     MmtraceError with the reason when this host cannot."""
+    probes = load_cpu(options)
+    try:
+        probes.load_device()
+    except BaseException:
+        probes.close()
+        raise
+    return probes
+
+
+def load_cpu(options: ProbeOptions = ProbeOptions()) -> LoadedProbes:
+    """The CPU stream live: the scheduler program compiled, loaded and
+    attached, its ring read. The GPU/NPU programs follow through
+    load_device (compile_device may run in another thread meanwhile);
+    after the first load of a process, everything compiles now as one unit. Raises MmtraceError with the reason when this host cannot."""
+    global _exported
     require_privileges()
     require_tracefs()
-    bcc = import_bcc()
+    import_bcc()
     pages = options.runq_ringbuf_pages
     for what, value in (("ring buffer pages", pages),
                         ("device ring buffer pages", options.dev_ringbuf_pages)):
         if value <= 0 or value & (value - 1):
             raise MmtraceError(f"{what} must be a power of two, got {value}")
-    try:
-        program = bcc.BPF(text=program_text(options), cflags=cflags(options))
-    except Exception as exc:  # bcc raises bare Exception on compile/attach failure
-        raise MmtraceError(
-            f"the eBPF programs did not load ({exc}); "
-            "run `mmtrace doctor` for kernel headers and tracefs") from None
-    probes = LoadedProbes(bpf=program)
+    split = options.device and not _exported
+    if split:
+        program = _compile(sched_text(), cflags(options) + ["-DMMTRACE_SHARED_PUBLIC"])
+        _exported = True
+    else:
+        program = _compile(program_text(options), cflags(options) + ["-DMMTRACE_DEVICE_IN_UNIT"])
+    if not split:
+        compiler_memory.release()      # compiling is done: its leftovers go
+    probes = LoadedProbes(bpf=program, options=options, split=split)
     try:
         check_layout("runq_event", sched_stream.RUNQ_EVENT,
                      program[sched_stream.LAYOUT_MAP].Leaf)
@@ -205,17 +329,6 @@ def load(options: ProbeOptions = ProbeOptions()) -> LoadedProbes:
         size = pages * 4096 if ring.max_entries == 0 else ring.max_entries
         probes.rings.append(StreamRing(
             "cpu", RingReader(ring.map_fd, size, sched_stream.RUNQ_EVENT)))
-        check_layout("dev_event", device_stream.DEV_EVENT,
-                     program[device_stream.LAYOUT_MAP].Leaf)
-        dev_ring = program[device_stream.RINGBUF]
-        dev_size = (options.dev_ringbuf_pages * 4096 if dev_ring.max_entries == 0
-                    else dev_ring.max_entries)
-        probes.rings.append(StreamRing(
-            "dev", RingReader(dev_ring.map_fd, dev_size, device_stream.DEV_EVENT)))
-        if options.device:
-            from .device_probes import DeviceProbes
-            probes.device = DeviceProbes(program, launches=options.trace_launches,
-                                         mode=attach_mode(options))
     except LayoutMismatch as exc:
         probes.close()
         raise MmtraceError(str(exc)) from None
@@ -223,6 +336,23 @@ def load(options: ProbeOptions = ProbeOptions()) -> LoadedProbes:
         probes.close()
         raise
     return probes
+
+
+def _compile(text: str, flags: list[str]):
+    bcc = import_bcc()
+    try:
+        return bcc.BPF(text=text, cflags=flags)
+    except Exception as exc:  # bcc raises bare Exception on compile/attach failure
+        raise MmtraceError(
+            f"the eBPF programs did not load ({exc}); "
+            "run `mmtrace doctor` for kernel headers and tracefs") from None
+
+
+def _device_ring(program, options: ProbeOptions) -> StreamRing:
+    check_layout("dev_event", device_stream.DEV_EVENT, program[device_stream.LAYOUT_MAP].Leaf)
+    ring = program[device_stream.RINGBUF]
+    size = options.dev_ringbuf_pages * 4096 if ring.max_entries == 0 else ring.max_entries
+    return StreamRing("dev", RingReader(ring.map_fd, size, device_stream.DEV_EVENT))
 
 
 def set_thread_tgids(program, tid_to_tgid: dict[int, int]):

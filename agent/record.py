@@ -12,6 +12,7 @@ from mmtrace.bpf import counters as bpf_counters
 from mmtrace.bpf import device as device_stream
 from mmtrace.bpf import sched as sched_stream
 
+from . import heap
 from . import probes as probe_loader
 from .dev_names import DeviceNames
 from .errors import MmtraceError
@@ -55,22 +56,34 @@ class StopFlag:
 
 
 class Progress:
-    """One line on stderr: rewritten in place on a terminal, else every 10 s."""
+    """One line on stderr: rewritten in place on a terminal, else every 10 s.
+    When a stream goes live it says so on a line of its own, and the
+    progress line names how long each took."""
 
     def __init__(self, stream=sys.stderr, interval_s: float | None = None):
         self.stream = stream
         self.tty = stream.isatty()
         self.interval = interval_s if interval_s is not None else (1.0 if self.tty else 10.0)
         self._last = 0.0
+        self.live_s: dict[str, float] = {}
 
     def due(self) -> bool:
         return time.monotonic() - self._last >= self.interval
+
+    def live(self, stream: str, after_s: float, pending: str = ""):
+        """`stream` is traced from now on, `after_s` after the start."""
+        self.live_s[stream] = after_s
+        self.stream.write(f"{stream} stream live ({after_s:.2f} s)"
+                          f"{'; ' + pending if pending else ''}\n")
+        self.stream.flush()
 
     def update(self, elapsed: float, events: int, lost: int, force: bool = False):
         if not force and not self.due():
             return
         self._last = time.monotonic()
         line = f"recording {elapsed:7.1f} s  events {events:>12,}  lost {lost:>8,}"
+        if self.live_s:
+            line += "  live: " + ", ".join(f"{k} {v:.2f} s" for k, v in self.live_s.items())
         if self.tty:
             self.stream.write("\r" + line + ("\n" if force else ""))
         else:
@@ -83,7 +96,8 @@ class DeviceSources:
     discovery finds while recording (new processes, new files). The first
     scan runs in a thread from creation on, beside the eBPF compilation."""
 
-    def __init__(self, libs=(), pids=(), discover: bool = True, warn=None):
+    def __init__(self, libs=(), pids=(), discover: bool = True, warn=None,
+                 interval_s: float = 2.0):
         from .device_probes import wanted
         self.discoverer = None
         self.warn = warn
@@ -96,7 +110,8 @@ class DeviceSources:
         if discover and discovery is not None:
             try:
                 self.discoverer = discovery.Discoverer(wanted, pids=pids or None,
-                                                       extra_paths=self.libs)
+                                                       extra_paths=self.libs,
+                                                       interval_s=interval_s)
             except ValueError as exc:
                 raise MmtraceError(str(exc)) from None
         self._first: list = []
@@ -113,6 +128,10 @@ class DeviceSources:
                 self._first = self.discoverer.poll()
         except BaseException as exc:    # re-raised in the recording thread
             self._first_error = exc
+
+    def ready(self) -> bool:
+        """The first scan is over: targets() will not wait for it."""
+        return self._scan is None or not self._scan.is_alive()
 
     def targets(self) -> list:
         """The first scan's targets (waiting for it), then what is new."""
@@ -166,8 +185,14 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
     With `socket_path`, dispatchers' request latencies and entropy samples
     reported on that socket are recorded too (see socket_telemetry)."""
     options = options or probe_loader.ProbeOptions(pids=tuple(pids))
+    began = time.monotonic()
+    heap.keep_large_blocks_mapped()
     sources = DeviceSources(libs, options.pids, discover, warn) if options.device else None
-    loaded = probe_loader.load(options)
+    loaded = probe_loader.load_cpu(options)
+    if progress:
+        progress.live("cpu", time.monotonic() - began,
+                      "gpu/npu probes compiling" if options.device else "")
+    compiling = DeviceCompile(loaded) if loaded.device_pending else None
     threads = ThreadProcesses()
     own_stop = stop is None
     stop = StopFlag() if own_stop else stop     # an unset flag is falsy: keep it
@@ -184,7 +209,7 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
             "pids": list(options.pids),
             "recorder_pid": os.getpid(),
         })
-        device = _DeviceRecording(loaded, writer, sources)
+        device = _DeviceRecording(loaded, writer, None)
         if socket_path is not None:
             try:
                 telemetry = socket_telemetry.SocketTelemetry(socket_path, writer)
@@ -193,17 +218,28 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
         start_counters = loaded.counters()
         writer.write_meta({"counters_at_start": start_counters,
                            "apis": device_stream.default_table().to_json(),
-                           "probes": [CPU_PROBE_STATE] + device.attach(first=True)})
+                           "probes": [CPU_PROBE_STATE]})
+        # The duration counts from when every stream is live; the CPU
+        # stream is recorded from its start.
         started = time.monotonic()
-        deadline = started + duration_s if duration_s else None
+        deadline = None
         events = 0
         while True:
+            if compiling is not None and compiling.done() and \
+                    (sources is None or sources.ready()):
+                device = compiling.wire(writer, sources, warn)
+                compiling = None
+                if progress and device.device is not None:
+                    progress.live("gpu/npu", time.monotonic() - began)
+            if compiling is None and deadline is None and duration_s:
+                deadline = time.monotonic() + duration_s
             finishing = bool(stop) or (deadline is not None and time.monotonic() >= deadline)
             device.attach()
             events += _drain(loaded, writer, threads, device)
             if telemetry is not None:
                 telemetry.drain()
-            if progress and (finishing or progress.due()):
+            # The first progress line once every stream that is coming is live.
+            if progress and (finishing or (compiling is None and progress.due())):
                 lost = bpf_counters.total_lost(_delta(loaded.counters(), start_counters))
                 progress.update(time.monotonic() - started, events, lost, force=finishing)
             if finishing:
@@ -227,6 +263,8 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
         })
         return RecordResult(events, lost, elapsed, stop.reason or "duration")
     finally:
+        if compiling is not None:
+            compiling.thread.join()     # it compiles on the scheduler's maps
         if telemetry is not None:
             telemetry.close()
         if writer is not None and not writer.closed:
@@ -234,6 +272,45 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
         loaded.close()
         if own_stop:
             stop.restore()
+
+
+class DeviceCompile:
+    """The GPU/NPU programs compiling in a thread while the CPU stream is
+    drained (bcc releases the GIL while it compiles)."""
+
+    def __init__(self, loaded):
+        self.loaded = loaded
+        self.error: Exception | None = None
+        self.thread = threading.Thread(target=self._run, name="mmtrace-compile", daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        try:
+            self.loaded.compile_device()
+        except Exception as exc:        # told by the loop, which goes on with the CPU
+            self.error = exc
+
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+    def finish(self) -> Exception | None:
+        """Wire the compiled programs (once done); why they are not, or None."""
+        if self.error is None:
+            try:
+                self.loaded.load_device()
+            except MmtraceError as exc:
+                self.error = exc
+        return self.error
+
+    def wire(self, writer, sources, warn=None) -> "_DeviceRecording":
+        """The recording's device side once compiled; without probes where
+        they failed (`warn` is told why: the CPU stream goes on)."""
+        error = self.finish()
+        if error is not None:
+            if warn is not None:
+                warn(f"GPU/NPU probes unavailable ({error}); recording the CPU stream")
+            sources = None
+        return _DeviceRecording(self.loaded, writer, sources)
 
 
 class _DeviceRecording:
@@ -249,15 +326,15 @@ class _DeviceRecording:
             loaded, sources.known_files if self.sources is not None else list))
         self._symbols_written = 0
 
-    def attach(self, first: bool = False) -> list[dict]:
+    def attach(self) -> list[dict]:
         """Attach to what the sources found; the states of the new probes
-        (kept in a meta chunk of their own after the first)."""
+        (kept in a meta chunk of their own)."""
         if self.sources is None:
             return []
         states = []
         for target in self.sources.targets():
             states += [state.as_dict() for state in self.device.add(target)]
-        if states and not first:
+        if states:
             self.writer.write_meta({"probes": states})
         self._write_symbols()
         return states

@@ -37,6 +37,7 @@ class RingReader:
         if self.dtype.itemsize % 8:
             raise ValueError(
                 f"record size must be a multiple of 8, {self.dtype} is {self.dtype.itemsize}")
+        self.map_fd = map_fd
         self.size = size
         self.mask = size - 1
         self.stride = HEADER_SIZE + self.dtype.itemsize
@@ -56,6 +57,11 @@ class RingReader:
         self._producer_pos_word = np.frombuffer(self._producer, "<u8", 1, 0)
         self.records_read = 0
         self.batches = 0
+
+    def fileno(self) -> int:
+        """The map's descriptor: readable (epoll) when the kernel wakes its
+        reader, which the programs do once per batch, not per record."""
+        return self.map_fd
 
     def pending_bytes(self) -> int:
         return self._producer_pos() - self._consumer_pos()

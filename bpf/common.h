@@ -4,6 +4,21 @@
  * load time, so a change here that is not mirrored there fails loudly. */
 #include <uapi/linux/ptrace.h>
 
+/* The maps every stream shares. The scheduler program is compiled on its
+ * own first (its stream goes live at once) and exports them; the GPU/NPU
+ * programs, compiled after it, use those very maps. Compiled as one unit,
+ * they are plain maps. */
+#if defined(MMTRACE_SHARED_EXTERN)
+#define MMTRACE_SHARED_TABLE(_type, _key, _leaf, _name, _size) \
+    BPF_TABLE("extern", _key, _leaf, _name, _size)
+#elif defined(MMTRACE_SHARED_PUBLIC)
+#define MMTRACE_SHARED_TABLE(_type, _key, _leaf, _name, _size) \
+    BPF_TABLE_PUBLIC(_type, _key, _leaf, _name, _size)
+#else
+#define MMTRACE_SHARED_TABLE(_type, _key, _leaf, _name, _size) \
+    BPF_TABLE(_type, _key, _leaf, _name, _size)
+#endif
+
 #ifndef MMTRACE_MAX_THREADS
 #define MMTRACE_MAX_THREADS 65536
 #endif
@@ -32,7 +47,7 @@ enum mmtrace_counter {
     MMTRACE_N_COUNTERS
 };
 
-BPF_PERCPU_ARRAY(counters, u64, MMTRACE_N_COUNTERS);
+MMTRACE_SHARED_TABLE("percpu_array", int, u64, counters, MMTRACE_N_COUNTERS);
 
 static __always_inline void count(u32 which)
 {
@@ -41,16 +56,38 @@ static __always_inline void count(u32 which)
         (*v)++;
 }
 
+/* The consumer sleeps until a ring holds a batch worth waking for: each
+ * CPU forces a wake-up at every WAKEUP_EVERY-th record it submits, so a
+ * ring is at most about a quarter full when its reader is woken (userspace
+ * sizes the period from the ring and the CPU count); at low rates the
+ * reader drains on its own timer. Slot 0: run-queue ring, 1: device ring. */
+#ifndef MMTRACE_RUNQ_WAKEUP_EVERY
+#define MMTRACE_RUNQ_WAKEUP_EVERY 1024
+#endif
+#ifndef MMTRACE_DEV_WAKEUP_EVERY
+#define MMTRACE_DEV_WAKEUP_EVERY 256
+#endif
+BPF_PERCPU_ARRAY(ringbuf_submitted, u64, 2);
+
+static __always_inline u64 ringbuf_wakeup_flag(u32 ring, u64 every)
+{
+    u64 *n = ringbuf_submitted.lookup(&ring);
+    if (!n)
+        return BPF_RB_NO_WAKEUP;
+    *n += 1;
+    return *n % every ? BPF_RB_NO_WAKEUP : BPF_RB_FORCE_WAKEUP;
+}
+
 struct settings {
     u32 configured;     /* 0 until userspace has set the scope: nothing is traced
                          * in the moment between attaching and configuring */
     u32 filter_pids;    /* 0: every process is in scope */
 };
-BPF_ARRAY(settings, struct settings, 1);
+MMTRACE_SHARED_TABLE("array", int, struct settings, settings, 1);
 
 /* Processes in scope when filter_pids is set; threads are mapped to their
  * process through `threads` below. */
-BPF_HASH(scope_tgids, u32, u8, MMTRACE_MAX_SCOPE);
+MMTRACE_SHARED_TABLE("hash", u32, u8, scope_tgids, MMTRACE_MAX_SCOPE);
 
 /* Everything known about one thread, in one entry: a context switch costs
  * two lookups and in-place stores, not an insert and a delete per wake-up.
@@ -62,7 +99,7 @@ struct thread_state {
     u32 tgid;           /* its process; 0 until learnt */
     u32 reserved;
 };
-BPF_HASH(threads, u32, struct thread_state, MMTRACE_MAX_THREADS);
+MMTRACE_SHARED_TABLE("hash", u32, struct thread_state, threads, MMTRACE_MAX_THREADS);
 
 static __always_inline int tgid_in_scope(u32 tgid)
 {

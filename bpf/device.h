@@ -3,10 +3,11 @@
  * and the per-thread device. Compiled after common.h and before sched.c (its
  * sched_process_free forgets a freed thread's calls here); decoded by
  * bpf/device.py. API ids (API_*) and call slots (SLOT_*) are generated from
- * the tables in bpf/cuda.py and bpf/ascend.py. */
+ * the tables in bpf/cuda.py and bpf/ascend.py. Compiled either with sched.c
+ * (MMTRACE_DEVICE_IN_UNIT) or on its own after it, on the maps it exports. */
 
 #ifndef MMTRACE_DEV_RINGBUF_PAGES
-#define MMTRACE_DEV_RINGBUF_PAGES 2048
+#define MMTRACE_DEV_RINGBUF_PAGES 512
 #endif
 #ifndef MMTRACE_MAX_CALLS
 #define MMTRACE_MAX_CALLS 16384
@@ -246,8 +247,8 @@ static __always_inline struct dev_event *dev_reserve(void)
 
 static __always_inline void dev_submit(struct dev_event *ev)
 {
-    /* The consumer drains on a timer: no wake-up per event. */
-    dev_events.ringbuf_submit(ev, BPF_RB_NO_WAKEUP);
+    /* No wake-up per event: one per batch (common.h). */
+    dev_events.ringbuf_submit(ev, ringbuf_wakeup_flag(1, MMTRACE_DEV_WAKEUP_EVERY));
     count(CNT_DEV_EVENTS);
 }
 
@@ -406,3 +407,12 @@ static __always_inline void device_forget_thread(u32 tid)
             count(CNT_CALL_ABANDONED);
     }
 }
+
+#ifndef MMTRACE_DEVICE_IN_UNIT
+/* Compiled apart from sched.c (whose hook calls the above otherwise). */
+TRACEPOINT_PROBE(sched, sched_process_free)
+{
+    device_forget_thread(args->pid);
+    return 0;
+}
+#endif

@@ -4,7 +4,7 @@
  * kernel cannot corrupt it. Decoded by bpf/sched.py. */
 
 #ifndef MMTRACE_RUNQ_RINGBUF_PAGES
-#define MMTRACE_RUNQ_RINGBUF_PAGES 4096
+#define MMTRACE_RUNQ_RINGBUF_PAGES 2048
 #endif
 #ifndef MMTRACE_MAX_CPUS
 #define MMTRACE_MAX_CPUS 4096
@@ -94,7 +94,9 @@ TRACEPOINT_PROBE(sched, sched_process_free)
 {
     u32 tid = args->pid;
     threads.delete(&tid);
-    device_forget_thread(tid);      /* bpf/device.h */
+#ifdef MMTRACE_DEVICE_IN_UNIT
+    device_forget_thread(tid);      /* bpf/device.h; compiled apart, it has its own hook */
+#endif
     return 0;
 }
 
@@ -175,8 +177,8 @@ TRACEPOINT_PROBE(sched, sched_switch)
     ev->cpu = cpu;
     ev->prev_tid = prev;
     __builtin_memcpy(ev->comm, args->next_comm, sizeof(ev->comm));   /* ctx memory */
-    /* The consumer drains on a timer: no wake-up per event. */
-    runq_events.ringbuf_submit(ev, BPF_RB_NO_WAKEUP);
+    /* No wake-up per event: one per batch (common.h). */
+    runq_events.ringbuf_submit(ev, ringbuf_wakeup_flag(0, MMTRACE_RUNQ_WAKEUP_EVERY));
     count(CNT_RUNQ_EVENTS);
     return 0;
 }

@@ -16,11 +16,9 @@ OTEL_BSP_SCHEDULE_DELAY, OTEL_BSP_MAX_QUEUE_SIZE, OTEL_SDK_DISABLED) and from th
 
 import json
 import logging
-import math
-import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 from opentelemetry.sdk.resources import Resource
@@ -28,9 +26,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.trace import SpanKind
 
+from .otlp_options import OtlpOptions, options_from, parse_headers  # noqa: F401 (re-exported)
+
 log = logging.getLogger(__name__)
 
-RATIO_SAMPLERS = ("traceidratio", "parentbased_traceidratio")
 MAX_ATTRIBUTE_TEXT = 4096
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
@@ -96,76 +95,6 @@ class CountingExporter(SpanExporter):
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self.inner.force_flush(timeout_millis)
-
-
-@dataclass
-class OtlpOptions:
-    """Resolved settings (see from_settings for where each comes from)."""
-    endpoint: str | None = None          # None: the exporter reads OTEL_* itself
-    headers: dict[str, str] | None = None
-    sample_ratio: float = 0.01           # of aligned submissions
-    max_submission_spans_per_s: float = 200.0
-    max_queue: int = 2048
-    schedule_delay_ms: float | None = None   # None: OTEL_BSP_SCHEDULE_DELAY, else 5 s
-    timeout_s: float = 10.0
-    enabled: bool = True
-    resource: dict = field(default_factory=dict)
-
-
-def parse_headers(text: str) -> dict[str, str]:
-    """OTEL_EXPORTER_OTLP_HEADERS syntax: key=value pairs, comma-separated."""
-    from urllib.parse import unquote
-    out = {}
-    for part in text.split(","):
-        if not part.strip():
-            continue
-        key, sep, value = part.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"OTLP headers: expected key=value pairs separated by commas, "
-                             f"got {part.strip()!r}")
-        out[unquote(key.strip())] = unquote(value.strip())
-    return out
-
-
-def options_from(endpoint: str = "", headers: str = "", sample_ratio: float = 0.01,
-                 max_submission_spans_per_s: float = 200.0, env=os.environ) -> OtlpOptions:
-    """The config's values, with the environment's standard variables
-    filling what the config leaves empty, and the sampler variables
-    overriding the ratio (so a fleet can turn it without a new file).
-    Off when neither names an endpoint, or OTEL_SDK_DISABLED=true."""
-    env_endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or None
-    base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    if env_endpoint is None and base:
-        env_endpoint = base.rstrip("/") + "/v1/traces"
-    ratio = sample_ratio
-    if env.get("OTEL_TRACES_SAMPLER", "").strip().lower() in RATIO_SAMPLERS:
-        arg = env.get("OTEL_TRACES_SAMPLER_ARG", "")
-        try:
-            ratio = float(arg)
-        except ValueError:
-            raise ValueError(f"OTEL_TRACES_SAMPLER_ARG: expected a ratio in 0..1, "
-                             f"got {arg!r}") from None
-    elif env.get("OTEL_TRACES_SAMPLER", "").strip().lower() == "always_off":
-        ratio = 0.0
-    if not (math.isfinite(ratio) and 0.0 <= ratio <= 1.0):
-        raise ValueError(f"OTLP sample ratio: expected a number in 0..1, got {ratio!r}")
-    disabled = env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
-    queue = env.get("OTEL_BSP_MAX_QUEUE_SIZE", "2048")
-    if not queue.strip().isdigit() or int(queue) < 1:
-        raise ValueError(f"OTEL_BSP_MAX_QUEUE_SIZE: expected a positive integer, got {queue!r}")
-    timeout = env.get("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT") or env.get("OTEL_EXPORTER_OTLP_TIMEOUT")
-    try:
-        # The spec gives the variable in milliseconds.
-        timeout_s = float(timeout) / 1e3 if timeout else 10.0
-    except ValueError:
-        raise ValueError(f"OTEL_EXPORTER_OTLP_TIMEOUT: expected milliseconds, "
-                         f"got {timeout!r}") from None
-    return OtlpOptions(endpoint=endpoint or env_endpoint,
-                       headers=parse_headers(headers) if headers else None,
-                       sample_ratio=ratio,
-                       max_submission_spans_per_s=max_submission_spans_per_s,
-                       timeout_s=timeout_s, max_queue=int(queue),
-                       enabled=bool(endpoint or env_endpoint) and not disabled)
 
 
 class OtlpTraces:

@@ -245,7 +245,9 @@ def test_record_and_export_jsonl_end_to_end(natives, tmp_path, mmtrace_cli):
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         line = rec.stdout.readline()
-        assert line.startswith("recording"), line
+        while " stream live " in line:      # the streams going live come first
+            line = rec.stdout.readline()
+        assert line.startswith("recording "), line
         runtime = run_json([natives.cudart_calls, 300])
         driver = run_json([natives.driver_calls])
         time.sleep(0.3)

@@ -1,0 +1,35 @@
+"""glibc malloc, tuned for a long-running agent that moves numpy batches.
+
+malloc serves a block over its mmap threshold with a mapping of its own,
+returned to the kernel on free; but after such a free it raises the
+threshold (up to 32 MiB), so later batches come from the heap, where they
+fragment it and stay resident. A fixed threshold keeps batch-sized blocks
+mapped and returned, and trim() hands back the heap's free pages. Both are
+best effort: without glibc they do nothing."""
+
+import ctypes
+import ctypes.util
+
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 256 * 1024
+
+
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def keep_large_blocks_mapped(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Fix malloc's mmap threshold (setting it also stops its adjustment)."""
+    libc = _libc()
+    mallopt = getattr(libc, "mallopt", None)
+    return bool(mallopt is not None and mallopt(M_MMAP_THRESHOLD, threshold) == 1)
+
+
+def trim() -> bool:
+    """Give the free pages of malloc's arenas back to the kernel."""
+    libc = _libc()
+    malloc_trim = getattr(libc, "malloc_trim", None)
+    return bool(malloc_trim is not None and malloc_trim(0))

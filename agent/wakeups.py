@@ -1,0 +1,47 @@
+"""Where the daemon's loop sleeps: on the descriptors that bring it work
+(the ring buffers, the hint socket), with a deadline for what runs on time
+(detector windows, the watchdog, discovery). An idle host costs a few
+wake-ups a second instead of a poll every tick; a busy one wakes the loop
+once per batch, as the eBPF programs signal it (bpf/common.h)."""
+
+import select
+import time
+
+
+class Waiter:
+    def __init__(self, clock=time.monotonic):
+        self._epoll = select.epoll()
+        self._fds: set[int] = set()
+        self.clock = clock
+        self.wakeups = 0            # returns from wait(), data or deadline
+        self.data_wakeups = 0       # ... of which a descriptor was ready
+
+    def watch(self, fd: int, edge: bool = False):
+        """Wake on `fd` becoming readable. `edge`: only when its producer
+        signals (a ring buffer is readable whenever it holds a record;
+        its programs signal once per batch)."""
+        if fd in self._fds:
+            return
+        self._epoll.register(fd, select.EPOLLIN | (select.EPOLLET if edge else 0))
+        self._fds.add(fd)
+
+    def forget(self, fd: int):
+        if fd in self._fds:
+            self._fds.discard(fd)
+            try:
+                self._epoll.unregister(fd)
+            except OSError:         # closed already: the kernel dropped it
+                pass
+
+    def wait(self, timeout_s: float) -> bool:
+        """Sleep until a watched descriptor is ready or `timeout_s` has
+        passed; True when woken by one."""
+        ready = self._epoll.poll(max(0.0, timeout_s))
+        self.wakeups += 1
+        if ready:
+            self.data_wakeups += 1
+        return bool(ready)
+
+    def close(self):
+        self._epoll.close()
+        self._fds.clear()
