@@ -197,23 +197,27 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
         started = time.monotonic()
         deadline = started + duration_s if duration_s else None
         events = 0
-        while True:
-            finishing = bool(stop) or (deadline is not None and time.monotonic() >= deadline)
-            device.attach()
-            events += _drain(loaded, writer, threads, device)
-            if telemetry is not None:
-                telemetry.drain()
-            if progress and (finishing or progress.due()):
-                lost = bpf_counters.total_lost(_delta(loaded.counters(), start_counters))
-                progress.update(time.monotonic() - started, events, lost, force=finishing)
-            if finishing:
-                break
-            time.sleep(drain_interval_s)
+        try:
+            while True:
+                finishing = bool(stop) or (deadline is not None and time.monotonic() >= deadline)
+                device.attach()
+                events += _drain(loaded, writer, threads, device)
+                if telemetry is not None:
+                    telemetry.drain()
+                if progress and (finishing or progress.due()):
+                    lost = bpf_counters.total_lost(_delta(loaded.counters(), start_counters))
+                    progress.update(time.monotonic() - started, events, lost, force=finishing)
+                if finishing:
+                    break
+                time.sleep(drain_interval_s)
+        except OSError:
+            if writer.failed is None:
+                raise
         end_counters = loaded.counters()
         delta = _delta(end_counters, start_counters)
         lost = bpf_counters.total_lost(delta)
         elapsed = time.monotonic() - started
-        writer.close({
+        footer = {
             "end_monotonic_ns": time.monotonic_ns(),
             "duration_s": elapsed,
             "events": events,
@@ -224,7 +228,10 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
             "stopped_by": stop.reason or "duration",
             **device.footer(),
             **(telemetry.footer() if telemetry is not None else {}),
-        })
+        }
+        if writer.failed is not None:
+            _stop_on_write_error(writer, output, footer)
+        writer.close(footer)
         return RecordResult(events, lost, elapsed, stop.reason or "duration")
     finally:
         if telemetry is not None:
@@ -234,6 +241,22 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
         loaded.close()
         if own_stop:
             stop.restore()
+
+
+def _stop_on_write_error(writer, output, footer: dict):
+    """The disk refused a chunk (full, over quota, failing): end the file
+    with its footer where it still fits, else at its last complete chunk,
+    and say so in one line."""
+    error = writer.failed
+    why = error.strerror or str(error)
+    try:
+        writer.close({**footer, "stopped_by": "write_error", "write_error": why})
+        ended = "it ends with its footer"
+    except OSError:
+        ended = "it ends at its last complete chunk"
+    raise MmtraceError(f"{output}: {why} after {writer.events_written:,} events "
+                       f"({writer.bytes_written:,} bytes); recording stopped: {ended} and "
+                       "reads back") from None
 
 
 class _DeviceRecording:
