@@ -495,6 +495,8 @@ class ElfSymbols:
     def vaddr_of_offset(self, file_offset: int) -> int | None:
         """The virtual address of a file offset, through the PT_LOAD segment
         whose file bytes contain it; None when no segment does."""
+        if not 0 <= file_offset < 1 << 64:
+            return None
         vaddrs, ok = self.vaddrs_of_offsets(np.array([file_offset], dtype=np.uint64))
         return int(vaddrs[0]) if ok[0] else None
 
@@ -516,7 +518,9 @@ class ElfSymbols:
         whose file bytes hold it; None when none does."""
         for seg in self._segments:
             if int(seg["vaddr"]) <= vaddr < int(seg["vaddr"]) + int(seg["filesz"]):
-                return vaddr - int(seg["vaddr"]) + int(seg["offset"])
+                offset = vaddr - int(seg["vaddr"]) + int(seg["offset"])
+                # A corrupt header can place a segment's bytes past 2^64.
+                return offset if offset < 1 << 64 else None
         return None
 
     def holds_vaddr(self, vaddr: int) -> bool:
