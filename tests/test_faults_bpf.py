@@ -87,9 +87,12 @@ def map_sizes(maps: dict[str, dict], names) -> dict[str, int]:
     return {name: map_entries(maps[name]["id"]) for name in names}
 
 
+def exposition(port: int) -> bytes:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+
+
 def scrape(port: int) -> list:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
-    return [s for family in text_string_to_metric_families(body.decode())
+    return [s for family in text_string_to_metric_families(exposition(port).decode())
             for s in family.samples]
 
 
@@ -332,6 +335,10 @@ def test_a_probe_the_kernel_refuses_fails_alone_and_is_named(natives, tmp_path, 
             assert metric(samples, "mmtrace_device_submissions_total", kind=kind, api=api) == 50
         assert metric(samples, "mmtrace_device_sync_wait_seconds_count", stream="gpu") == 50
         assert "cudaEventSynchronize" in daemon.text()
+        if shutil.which("promtool"):
+            check = subprocess.run(["promtool", "check", "metrics"], input=exposition(port),
+                                   capture_output=True)
+            assert check.returncode == 0, check.stdout + check.stderr
 
         doctor = mmtrace_cli("doctor", "--json")
         assert doctor.returncode == 0, doctor.stdout + doctor.stderr
