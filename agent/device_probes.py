@@ -48,6 +48,7 @@ MULTI, SINGLE = "multi", "single"
 # bcc refuses more than 1000 open probes per process unless told otherwise.
 PROBE_LIMIT = 1 << 16
 LAUNCHES_OFF = "adaptive mode: per-launch probes off"
+REWRITE_CHECK_S = 2.0       # how often libraries are checked for in-place rewrites
 
 
 @dataclass
@@ -76,6 +77,7 @@ class _Library:
     origin: str
     fd: int | None
     attach_path: bytes
+    version: tuple[int, int] = (0, 0)   # (mtime_ns, size) when its probes were planned
 
 
 @dataclass(eq=False)
@@ -159,6 +161,7 @@ class DeviceProbes:
         self._timer: threading.Timer | None = None
         self._window_end: float | None = None
         self._closed = False
+        self._next_rewrite_check = 0.0
         self._named = {api.symbol: api for api in self.table.apis if api.pattern is None}
         self._patterns = [api for api in self.table.apis if api.pattern is not None]
         # Pattern APIs (aclnn): one id per symbol name, across libraries.
@@ -219,7 +222,38 @@ class DeviceProbes:
                 f"{target.inode}, the path now holds inode {st.st_ino}")
             return None
         return _Library(path, st.st_dev, st.st_ino, getattr(target, "origin", ""), fd,
-                        f"/proc/{os.getpid()}/fd/{fd}".encode())
+                        f"/proc/{os.getpid()}/fd/{fd}".encode(), (st.st_mtime_ns, st.st_size))
+
+    def check_rewritten(self) -> list[ProbeState]:
+        """Libraries rewritten in place since they were probed (`cp` over
+        them: the same inode, other contents) have probes at the old code's
+        offsets, which in the new code may fall inside an instruction: they
+        are detached, and the file is probed again as it is now. Looks at
+        most every REWRITE_CHECK_S; returns the states of the new probes."""
+        with self._lock:
+            now = time.monotonic()
+            if self._closed or now < self._next_rewrite_check:
+                return []
+            self._next_rewrite_check = now + REWRITE_CHECK_S
+            states = []
+            for key, library in list(self._libraries.items()):
+                st = os.fstat(library.fd)
+                if (st.st_mtime_ns, st.st_size) == library.version:
+                    continue
+                mine = [p for p in self._probes if p.library is library]
+                self._detach(mine, "the file was rewritten in place")
+                self._probes = [p for p in self._probes if p.library is not library]
+                del self._libraries[key]
+                os.close(library.fd)
+                library.fd = None
+                again = self.add(_PathTarget(library.path, st.st_dev, st.st_ino,
+                                             origin=library.origin))
+                log.warning("%s was rewritten in place (inode %d): its %d probes detached, "
+                            "the file probed again as it is now (%d attached)", library.path,
+                            library.inode, len(mine),
+                            sum(s.count for s in again if s.state == ATTACHED))
+                states += again
+            return states
 
     def _replaced(self, library: _Library) -> _Library | None:
         """The library probed before at the same path, when that path now

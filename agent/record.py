@@ -277,7 +277,7 @@ class _DeviceRecording:
         (kept in a meta chunk of their own after the first)."""
         if self.sources is None:
             return []
-        states = []
+        states = [state.as_dict() for state in self.device.check_rewritten()]
         for target in self.sources.targets():
             states += [state.as_dict() for state in self.device.add(target)]
         if states and not first:

@@ -34,7 +34,8 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpu_fixtures import api_names, build_program, natives  # noqa: F401  (fixture)
+from gpu_fixtures import (api_names, build_library, build_program,  # noqa: F401
+                          natives)
 from mmtrace.agent import recording
 from mmtrace.agent.symbols import ElfSymbols
 from test_metrics_bpf import Daemon, free_port, held
@@ -244,6 +245,37 @@ def test_a_library_replaced_on_disk_keeps_being_traced(natives, tmp_path):  # no
                 if s.get("path") == str(lib) and s.get("state") == "attached"}
     assert len({inode for inode, _ in attached}) == 2
     assert rec.footer["lost_events"] == rec.footer["counters"]["switch_in_unseen"]
+
+
+def test_a_library_rewritten_in_place_is_probed_again(natives, tmp_path):  # noqa: F811
+    """`cp` over a probed library keeps its inode: probes left at the old
+    build's offsets would sit inside the new build's instructions."""
+    lib_dir = tmp_path / "lib"
+    lib_dir.mkdir()
+    lib = lib_dir / "libcuda.so.1"
+    shutil.copy(natives.driver, lib)
+    rebuilt = build_library("cuda_driver_standin.c", tmp_path, "libcuda.so.1",
+                             flags=["-falign-functions=256"])
+    assert symbol_file_offset(rebuilt, "cuLaunchKernel") != symbol_file_offset(
+        lib, "cuLaunchKernel")
+    caller = held([build_program("cuda_driver_calls.c", tmp_path, [lib])])
+    inode = lib.stat().st_ino
+    path = tmp_path / "rewritten.mmtr"
+    recorder = start_recorder(path, "--lib", lib, "--pid", caller.pid)
+    try:
+        shutil.copyfile(rebuilt, lib)       # in place, as cp does
+        assert lib.stat().st_ino == inode
+        said = wait_for_line(recorder, r"rewritten in place", timeout=30)
+        out, _ = caller.communicate("go\n", timeout=30)
+        assert caller.returncode == 0
+        time.sleep(0.3)
+    finally:
+        end(caller)
+        out_recorder = stop(recorder)
+    assert recorder.returncode == 0, "".join(said) + out_recorder
+    assert f"{lib} was rewritten in place" in "".join(said)
+    dev = recording.read_recording(path).events["dev.event"]
+    assert len(dev[dev["pid"] == json.loads(out)["pid"]]) == 12
 
 
 # ----- the device ring overflowing ----------------------------------------------
