@@ -599,10 +599,26 @@ def _cxa_demangle():
     return fn, free
 
 
-@functools.lru_cache(maxsize=65536)
+# The cache keeps names up to this long only: 65 536 cached names of up to
+# MAX_DEMANGLE_INPUT characters could have held a gigabyte for a file full
+# of long distinct names; real kernel names are a few hundred characters.
+MAX_CACHED_NAME = 1024
+
+
 def demangle(name: str) -> str:
     """The demangled form of an Itanium C++ ABI name; `name` unchanged when
     it is not one, cannot be demangled, or no libstdc++ is loadable."""
+    if isinstance(name, str) and len(name) <= MAX_CACHED_NAME:
+        return _demangle_cached(name)
+    return _demangle(name)
+
+
+@functools.lru_cache(maxsize=16384)
+def _demangle_cached(name: str) -> str:
+    return _demangle(name)
+
+
+def _demangle(name: str) -> str:
     if not isinstance(name, str) or not name.startswith("_Z") or "\0" in name \
             or len(name) > MAX_DEMANGLE_INPUT:
         return name
