@@ -357,6 +357,7 @@ class Daemon:
         return self.loaded.device if self.loaded is not None else None
 
     def _attach_new(self):
+        self.probe_states += [s.as_dict() for s in self.loaded.device.check_rewritten()]
         for target in self.sources.targets():
             states = self.loaded.device.add(target)
             self.probe_states += [s.as_dict() for s in states]

@@ -72,9 +72,24 @@ def summarise(states: list[dict], mode: str) -> Check:
               f"attached, {by_state['not_found']} symbols not in their library, "
               f"{by_state['failed']} failed")
     if failed:
-        first = failed[0]
-        detail += f"; first failure: {first['path']}:{first['symbol']}: {first['reason']}"
+        detail += "; failed: " + "; ".join(_failures(failed))
         return Check(NAME, False, False, detail,
                      "see `mmtrace doctor --json`; a replaced library is picked up on the "
                      "next discovery")
     return Check(NAME, True, False, detail)
+
+
+MAX_FAILURES_SHOWN = 5
+
+
+def _failures(failed: list[dict]) -> list[str]:
+    """Each failed probe once, as PATH:SYMBOL (points): reason; the first
+    MAX_FAILURES_SHOWN, then how many more."""
+    by_probe: dict[tuple, list[str]] = {}
+    for s in failed:
+        by_probe.setdefault((s["path"], s["symbol"], s["reason"]), []).append(s["point"])
+    lines = [f"{path}:{symbol} ({', '.join(points)}): {reason}"
+             for (path, symbol, reason), points in list(by_probe.items())[:MAX_FAILURES_SHOWN]]
+    if len(by_probe) > MAX_FAILURES_SHOWN:
+        lines.append(f"and {len(by_probe) - MAX_FAILURES_SHOWN} more")
+    return lines

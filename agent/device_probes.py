@@ -48,6 +48,7 @@ MULTI, SINGLE = "multi", "single"
 # bcc refuses more than 1000 open probes per process unless told otherwise.
 PROBE_LIMIT = 1 << 16
 LAUNCHES_OFF = "adaptive mode: per-launch probes off"
+REWRITE_CHECK_S = 2.0       # how often libraries are checked for in-place rewrites
 
 
 @dataclass
@@ -76,6 +77,7 @@ class _Library:
     origin: str
     fd: int | None
     attach_path: bytes
+    version: tuple[int, int] = (0, 0)   # (mtime_ns, size) when its probes were planned
 
 
 @dataclass(eq=False)
@@ -159,6 +161,7 @@ class DeviceProbes:
         self._timer: threading.Timer | None = None
         self._window_end: float | None = None
         self._closed = False
+        self._next_rewrite_check = 0.0
         self._named = {api.symbol: api for api in self.table.apis if api.pattern is None}
         self._patterns = [api for api in self.table.apis if api.pattern is not None]
         # Pattern APIs (aclnn): one id per symbol name, across libraries.
@@ -188,12 +191,17 @@ class DeviceProbes:
             library = self._open(target)
             if library is None:
                 return self._library_failures[-1:]
+            replaced = self._replaced(library)
             self._libraries[key] = library
             probes = self._plan(library, getattr(target, "symbols", frozenset()))
             self._probes.extend(probes)
             _raise_limits(len(self._probes))
             self._attach([p for p in probes if p.state == DETACHED
                           and (self._launches or not p.api.per_launch)])
+            if replaced is not None:
+                log.warning("%s was replaced on disk (inode %d, now %d): the new file is "
+                            "probed too; the old one keeps its probes while processes map it",
+                            library.path, replaced.inode, library.inode)
             return self._summarise(probes)
 
     def add_path(self, path: str) -> list[ProbeState]:
@@ -214,7 +222,44 @@ class DeviceProbes:
                 f"{target.inode}, the path now holds inode {st.st_ino}")
             return None
         return _Library(path, st.st_dev, st.st_ino, getattr(target, "origin", ""), fd,
-                        f"/proc/{os.getpid()}/fd/{fd}".encode())
+                        f"/proc/{os.getpid()}/fd/{fd}".encode(), (st.st_mtime_ns, st.st_size))
+
+    def check_rewritten(self) -> list[ProbeState]:
+        """Libraries rewritten in place since they were probed (`cp` over
+        them: the same inode, other contents) have probes at the old code's
+        offsets, which in the new code may fall inside an instruction: they
+        are detached, and the file is probed again as it is now. Looks at
+        most every REWRITE_CHECK_S; returns the states of the new probes."""
+        with self._lock:
+            now = time.monotonic()
+            if self._closed or now < self._next_rewrite_check:
+                return []
+            self._next_rewrite_check = now + REWRITE_CHECK_S
+            states = []
+            for key, library in list(self._libraries.items()):
+                st = os.fstat(library.fd)
+                if (st.st_mtime_ns, st.st_size) == library.version:
+                    continue
+                mine = [p for p in self._probes if p.library is library]
+                self._detach(mine, "the file was rewritten in place")
+                self._probes = [p for p in self._probes if p.library is not library]
+                del self._libraries[key]
+                os.close(library.fd)
+                library.fd = None
+                again = self.add(_PathTarget(library.path, st.st_dev, st.st_ino,
+                                             origin=library.origin))
+                log.warning("%s was rewritten in place (inode %d): its %d probes detached, "
+                            "the file probed again as it is now (%d attached)", library.path,
+                            library.inode, len(mine),
+                            sum(s.count for s in again if s.state == ATTACHED))
+                states += again
+            return states
+
+    def _replaced(self, library: _Library) -> _Library | None:
+        """The library probed before at the same path, when that path now
+        holds another file."""
+        return next((old for old in self._libraries.values() if old.path == library.path),
+                    None)
 
     def _library_failed(self, target, reason: str):
         self._library_failures.append(ProbeState(
@@ -286,17 +331,38 @@ class DeviceProbes:
             try:
                 fn = self.bpf.load_func(first.multi_fn.encode(), BPF.KPROBE,
                                         attach_type=BPF_TRACE_UPROBE_MULTI)
-                link = UprobeMultiLink(fn.fd, first.library.attach_path,
-                                       [p.offset for p in group], [p.cookie for p in group],
-                                       retprobe=first.point == RETURN)
-            except Exception as exc:    # LinkError, or bcc's bare Exception on load
-                log.warning("uprobe_multi link for %d symbols of %s not attached: %s",
+            except Exception as exc:    # bcc's bare Exception: the program did not load
+                log.warning("program %s for %d symbols of %s not loaded: %s", first.multi_fn,
                             len(group), first.library.path, exc)
                 for p in group:
                     p.state, p.reason = FAILED, _attach_failure(exc)
                 continue
-            for p in group:
-                p.attachment, p.state, p.reason = link, ATTACHED, ""
+            self._link(fn.fd, group)
+            failed = [p for p in group if p.state == FAILED]
+            if failed:
+                log.warning("%d of %d %s probes of %s not attached: %s",
+                            len(failed), len(group), first.point, first.library.path,
+                            "; ".join(f"{p.symbol}: {p.reason}" for p in failed[:5]))
+
+    def _link(self, prog_fd: int, group: list[_Probe]):
+        """One link for the group. The kernel refuses a whole link for one
+        offset it cannot probe: then halves, so that only the symbols at
+        fault fail (a few more links, not one per symbol)."""
+        first = group[0]
+        try:
+            link = UprobeMultiLink(prog_fd, first.library.attach_path,
+                                   [p.offset for p in group], [p.cookie for p in group],
+                                   retprobe=first.point == RETURN)
+        except LinkError as exc:
+            if len(group) == 1:
+                first.state, first.reason = FAILED, _attach_failure(exc)
+                return
+            half = len(group) // 2
+            self._link(prog_fd, group[:half])
+            self._link(prog_fd, group[half:])
+            return
+        for p in group:
+            p.attachment, p.state, p.reason = link, ATTACHED, ""
 
     def _attach_single(self, probe: _Probe):
         from bcc import BPF
@@ -482,7 +548,7 @@ def _file_offset(segments, vaddr: int) -> int | None:
 
 
 def _attach_failure(exc: Exception) -> str:
-    text = str(exc)
+    text = exc.strerror if isinstance(exc, LinkError) and exc.strerror else str(exc)
     if "quota" in text:
         return f"{text} (BCC_PROBE_LIMIT)"
     return text or type(exc).__name__

@@ -224,32 +224,36 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
         started = time.monotonic()
         deadline = None
         events = 0
-        while True:
-            if compiling is not None and compiling.done() and \
-                    (sources is None or sources.ready()):
-                device = compiling.wire(writer, sources, warn)
-                compiling = None
-                if progress and device.device is not None:
-                    progress.live("gpu/npu", time.monotonic() - began)
-            if compiling is None and deadline is None and duration_s:
-                deadline = time.monotonic() + duration_s
-            finishing = bool(stop) or (deadline is not None and time.monotonic() >= deadline)
-            device.attach()
-            events += _drain(loaded, writer, threads, device)
-            if telemetry is not None:
-                telemetry.drain()
-            # The first progress line once every stream that is coming is live.
-            if progress and (finishing or (compiling is None and progress.due())):
-                lost = bpf_counters.total_lost(_delta(loaded.counters(), start_counters))
-                progress.update(time.monotonic() - started, events, lost, force=finishing)
-            if finishing:
-                break
-            time.sleep(drain_interval_s)
+        try:
+            while True:
+                if compiling is not None and compiling.done() and \
+                        (sources is None or sources.ready()):
+                    device = compiling.wire(writer, sources, warn)
+                    compiling = None
+                    if progress and device.device is not None:
+                        progress.live("gpu/npu", time.monotonic() - began)
+                if compiling is None and deadline is None and duration_s:
+                    deadline = time.monotonic() + duration_s
+                finishing = bool(stop) or (deadline is not None and time.monotonic() >= deadline)
+                device.attach()
+                events += _drain(loaded, writer, threads, device)
+                if telemetry is not None:
+                    telemetry.drain()
+                # The first progress line once every stream that is coming is live.
+                if progress and (finishing or (compiling is None and progress.due())):
+                    lost = bpf_counters.total_lost(_delta(loaded.counters(), start_counters))
+                    progress.update(time.monotonic() - started, events, lost, force=finishing)
+                if finishing:
+                    break
+                time.sleep(drain_interval_s)
+        except OSError:
+            if writer.failed is None:
+                raise
         end_counters = loaded.counters()
         delta = _delta(end_counters, start_counters)
         lost = bpf_counters.total_lost(delta)
         elapsed = time.monotonic() - started
-        writer.close({
+        footer = {
             "end_monotonic_ns": time.monotonic_ns(),
             "duration_s": elapsed,
             "events": events,
@@ -260,7 +264,10 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
             "stopped_by": stop.reason or "duration",
             **device.footer(),
             **(telemetry.footer() if telemetry is not None else {}),
-        })
+        }
+        if writer.failed is not None:
+            _stop_on_write_error(writer, output, footer)
+        writer.close(footer)
         return RecordResult(events, lost, elapsed, stop.reason or "duration")
     finally:
         if compiling is not None:
@@ -313,6 +320,22 @@ class DeviceCompile:
         return _DeviceRecording(self.loaded, writer, sources)
 
 
+def _stop_on_write_error(writer, output, footer: dict):
+    """The disk refused a chunk (full, over quota, failing): end the file
+    with its footer where it still fits, else at its last complete chunk,
+    and say so in one line."""
+    error = writer.failed
+    why = error.strerror or str(error)
+    try:
+        writer.close({**footer, "stopped_by": "write_error", "write_error": why})
+        ended = "it ends with its footer"
+    except OSError:
+        ended = "it ends at its last complete chunk"
+    raise MmtraceError(f"{output}: {why} after {writer.events_written:,} events "
+                       f"({writer.bytes_written:,} bytes); recording stopped: {ended} and "
+                       "reads back") from None
+
+
 class _DeviceRecording:
     """What the recording keeps of the GPU/NPU side besides its events:
     probe states, the op-name tables, and why names are missing."""
@@ -331,7 +354,7 @@ class _DeviceRecording:
         (kept in a meta chunk of their own)."""
         if self.sources is None:
             return []
-        states = []
+        states = [state.as_dict() for state in self.device.check_rewritten()]
         for target in self.sources.targets():
             states += [state.as_dict() for state in self.device.add(target)]
         if states:

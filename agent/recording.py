@@ -44,6 +44,9 @@ MAX_CHUNK_BYTES = 1 << 30
 MAX_DOC_BYTES = 8 << 20         # one meta or end chunk
 MAX_META_BYTES = 8 << 20        # meta kept in memory, all chunks together
 PIECE_BYTES = 4 << 20           # events are handed out at most this much at a time
+# Events are written in chunks of at most this much: a disk that fills up
+# loses the chunk it refused, not the whole backlog of a drain.
+EVENT_CHUNK_BYTES = 512 << 10
 
 
 class RecordingError(Exception):
@@ -64,7 +67,10 @@ class RecordingWriter:
         # reader numbers them in that order: so must the chunks.
         self.schemas = {name: np.dtype(schemas[name]) for name in sorted(schemas)}
         self._schema_ids = {name: i for i, name in enumerate(self.schemas)}
-        self._file = open(self.path, "wb")
+        # Unbuffered: a write the disk refuses leaves nothing pending that a
+        # later write or close would push after a partial chunk.
+        self._file = open(self.path, "wb", buffering=0)
+        self.failed: OSError | None = None      # the write error that ended the recording
         # fsync runs in a thread of its own: on a loaded host one took 2.6 s,
         # and a drain loop blocked that long let the kernel's ring overflow.
         self._closing = threading.Event()
@@ -99,8 +105,21 @@ class RecordingWriter:
                 synced = written
 
     def _write(self, data: bytes):
-        self._file.write(data)
-        self._file.flush()
+        """Append `data` whole, or not at all: when the disk refuses it (full,
+        over quota, failing) the file is cut back to the last complete chunk,
+        so that it reads back up to there, and the error is raised."""
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[self._file.write(view):]
+        except OSError as exc:
+            self.failed = exc
+            try:
+                os.ftruncate(self._file.fileno(), self.bytes_written)
+                self._file.seek(self.bytes_written)
+            except OSError:
+                pass        # a reader stops at the partial chunk all the same
+            raise
         self.bytes_written += len(data)
 
     def _chunk(self, kind: int, schema: int, count: int, payload: bytes):
@@ -114,11 +133,12 @@ class RecordingWriter:
         if records.dtype != self.schemas[schema]:
             raise TypeError(f"{schema}: expected records of {self.schemas[schema]}, "
                             f"got {records.dtype}")
-        if len(records) == 0:
-            return
-        self._chunk(KIND_EVENTS, self._schema_ids[schema], len(records),
-                    np.ascontiguousarray(records).tobytes())
-        self.events_written += len(records)
+        per_chunk = max(1, EVENT_CHUNK_BYTES // records.dtype.itemsize)
+        for start in range(0, len(records), per_chunk):
+            part = records[start:start + per_chunk]
+            self._chunk(KIND_EVENTS, self._schema_ids[schema], len(part),
+                        np.ascontiguousarray(part).tobytes())
+            self.events_written += len(part)
 
     def write_meta(self, meta: dict):
         self._chunk(KIND_META, 0, 0, json.dumps(meta, sort_keys=True).encode())
@@ -127,13 +147,16 @@ class RecordingWriter:
         """Write the END chunk and close; a second call does nothing."""
         if self.closed:
             return
-        self._chunk(KIND_END, 0, 0, json.dumps(footer or {}, sort_keys=True).encode())
-        self._closing.set()
-        self._syncer.join()
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        self.closed = True
+        try:
+            self._chunk(KIND_END, 0, 0, json.dumps(footer or {}, sort_keys=True).encode())
+            self._closing.set()
+            self._syncer.join()
+            os.fsync(self._file.fileno())
+        finally:
+            self._closing.set()
+            self._syncer.join()
+            self._file.close()
+            self.closed = True
 
 
 def _open_regular(path: Path) -> int:

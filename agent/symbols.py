@@ -495,6 +495,8 @@ class ElfSymbols:
     def vaddr_of_offset(self, file_offset: int) -> int | None:
         """The virtual address of a file offset, through the PT_LOAD segment
         whose file bytes contain it; None when no segment does."""
+        if not 0 <= file_offset < 1 << 64:
+            return None
         vaddrs, ok = self.vaddrs_of_offsets(np.array([file_offset], dtype=np.uint64))
         return int(vaddrs[0]) if ok[0] else None
 
@@ -516,7 +518,9 @@ class ElfSymbols:
         whose file bytes hold it; None when none does."""
         for seg in self._segments:
             if int(seg["vaddr"]) <= vaddr < int(seg["vaddr"]) + int(seg["filesz"]):
-                return vaddr - int(seg["vaddr"]) + int(seg["offset"])
+                offset = vaddr - int(seg["vaddr"]) + int(seg["offset"])
+                # A corrupt header can place a segment's bytes past 2^64.
+                return offset if offset < 1 << 64 else None
         return None
 
     def holds_vaddr(self, vaddr: int) -> bool:
@@ -595,10 +599,26 @@ def _cxa_demangle():
     return fn, free
 
 
-@functools.lru_cache(maxsize=65536)
+# The cache keeps names up to this long only: 65 536 cached names of up to
+# MAX_DEMANGLE_INPUT characters could have held a gigabyte for a file full
+# of long distinct names; real kernel names are a few hundred characters.
+MAX_CACHED_NAME = 1024
+
+
 def demangle(name: str) -> str:
     """The demangled form of an Itanium C++ ABI name; `name` unchanged when
     it is not one, cannot be demangled, or no libstdc++ is loadable."""
+    if isinstance(name, str) and len(name) <= MAX_CACHED_NAME:
+        return _demangle_cached(name)
+    return _demangle(name)
+
+
+@functools.lru_cache(maxsize=16384)
+def _demangle_cached(name: str) -> str:
+    return _demangle(name)
+
+
+def _demangle(name: str) -> str:
     if not isinstance(name, str) or not name.startswith("_Z") or "\0" in name \
             or len(name) > MAX_DEMANGLE_INPUT:
         return name

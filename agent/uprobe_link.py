@@ -16,6 +16,7 @@ process has exited before userspace could read its /proc/PID/maps.
 """
 
 import ctypes
+import errno
 import os
 import platform
 import struct
@@ -105,6 +106,21 @@ class CookieLink:
                 setattr(self, name, None)
 
 
+ENOTSUPP = 524      # the kernel's internal "not supported", which reaches user space as is
+
+
+def multi_link_failure(err: int) -> str:
+    """Why the kernel refused a uprobe_multi link, in words. Placing a
+    uprobe in a file that a process maps checks the instruction there at
+    once: one the kernel cannot single-step (hlt, int3, a damaged file)
+    fails the whole link with ENOTSUPP or ENOSYS."""
+    if err in (ENOTSUPP, errno.ENOSYS):
+        return (f"the kernel cannot probe the instruction at this address "
+                f"({'ENOTSUPP' if err == ENOTSUPP else 'ENOSYS'}: not code it can single-step; "
+                "the file may be damaged or the symbol not a function)")
+    return f"{os.strerror(err)} (needs Linux 6.6 or later)"
+
+
 class UprobeMultiLink:
     """One program on many offsets of one file, a cookie each; close()
     detaches them all. The program must have been loaded with expected
@@ -128,9 +144,8 @@ class UprobeMultiLink:
                                 BPF_ATTR_SIZE)
         if link_fd < 0:
             err = ctypes.get_errno()
-            raise LinkError(err, f"BPF_LINK_CREATE uprobe_multi ({len(offsets)} offsets in "
-                                 f"{path.decode(errors='replace')}): {os.strerror(err)} "
-                                 "(needs Linux 6.6 or later)")
+            raise LinkError(err, f"BPF_LINK_CREATE uprobe_multi ({len(offsets)} offsets): "
+                                 f"{multi_link_failure(err)}")
         self.link_fd = link_fd
 
     def close(self):

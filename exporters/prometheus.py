@@ -43,6 +43,7 @@ KNOWN_DETECTORS = ("p99_drift", "attention_entropy")
 KNOWN_HINTS = ("modality_batch", "priority", "route_affinity", "prefer_device", "degrade",
                "cpu_contention")
 BPF_STATS_SYSCTL = "sys/kernel/bpf_stats_enabled"
+MAX_REASON_CHARS = 200      # a failed probe's reason, as a label value
 
 
 class MetricsAddressError(ValueError):
@@ -243,17 +244,29 @@ class DaemonCollector:
                  "state": s.get("state", "")} for s in cpu_states if s.get("stream") == "cpu"]
         if loaded is not None and loaded.device is not None:
             rows += loaded.device.states()
+        failures: dict[tuple[str, str, str], str] = {}
         for row in rows:
             state = row["state"]
             by_state[state] = by_state.get(state, 0) + int(row.get("count", 1))
             if state in ("attached", "failed"):
                 key = (row["symbol"], Path(row["path"]).name)
                 up[key] = min(up.get(key, 1), int(state == "attached"))
+            if state == "failed":
+                failures.setdefault((*key, row.get("point", "")),
+                                    str(row.get("reason", ""))[:MAX_REASON_CHARS])
         g = GaugeMetricFamily("mmtrace_probe_up", "1 when the probe is attached, 0 when it "
                               "failed to attach.", labels=["probe", "library"])
         for (probe, library), value in sorted(up.items()):
             g.add_metric([probe, library], value)
         yield g
+        if failures:
+            why = GaugeMetricFamily("mmtrace_probe_failure_info",
+                                    "1 for each probe that failed to load or attach, with "
+                                    "the reason (as `mmtrace doctor` gives it).",
+                                    labels=["probe", "library", "point", "reason"])
+            for labels, reason in sorted(failures.items()):
+                why.add_metric([*labels, reason], 1)
+            yield why
         s = GaugeMetricFamily("mmtrace_probes", "Probe points by state.", labels=["state"])
         for state in ("attached", "detached", "not_found", "failed"):
             s.add_metric([state], by_state.get(state, 0))
