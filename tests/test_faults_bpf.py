@@ -411,6 +411,8 @@ def test_a_full_disk_stops_the_recording_with_one_line_and_the_file_reads_back(
     load = None
     try:
         first = recorder.stderr.readline()
+        while " stream live " in first:     # the streams going live come first
+            first = recorder.stderr.readline()
         assert first.startswith("recording "), first
         load = subprocess.Popen([workloads.path("ctxswitch"), "20", "4"], stdout=subprocess.PIPE)
         err = first + recorder.stderr.read()
