@@ -332,7 +332,8 @@ def _check(cfg, warnings, path):
     import os
     from . import preflight
     from .config_env import variables
-    named = [name for name in sorted(os.environ) if name in variables()]
+    known = variables()
+    named = [name for name in sorted(os.environ) if name in known]
     sources = f"config {path}" if path else "built-in defaults"
     if named:
         sources += " with " + ", ".join(named)

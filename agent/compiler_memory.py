@@ -7,7 +7,6 @@ data are unmapped from this process (they stay in the page cache, shared,
 and come back on a page fault should anything compile again)."""
 
 import ctypes
-import ctypes.util
 import logging
 import re
 from dataclasses import dataclass
@@ -66,8 +65,9 @@ def release(proc_self: Path = Path("/proc/self")) -> int:
     except OSError as exc:
         log.debug("compiler memory: %s unreadable (%s)", proc_self / "smaps", exc)
         return 0
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    madvise = libc.madvise
+    madvise = getattr(heap.libc(), "madvise", None)
+    if madvise is None:
+        return 0
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     dropped = 0
     for m in found:

@@ -9,27 +9,29 @@ best effort: without glibc they do nothing."""
 
 import ctypes
 import ctypes.util
+import functools
 
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 256 * 1024
 
 
-def _libc():
+@functools.cache
+def libc():
+    """The C library, loaded once (find_library runs ldconfig each call);
+    None without one."""
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     except OSError:
         return None
 
 
 def keep_large_blocks_mapped(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     """Fix malloc's mmap threshold (setting it also stops its adjustment)."""
-    libc = _libc()
-    mallopt = getattr(libc, "mallopt", None)
+    mallopt = getattr(libc(), "mallopt", None)
     return bool(mallopt is not None and mallopt(M_MMAP_THRESHOLD, threshold) == 1)
 
 
 def trim() -> bool:
     """Give the free pages of malloc's arenas back to the kernel."""
-    libc = _libc()
-    malloc_trim = getattr(libc, "malloc_trim", None)
+    malloc_trim = getattr(libc(), "malloc_trim", None)
     return bool(malloc_trim is not None and malloc_trim(0))
