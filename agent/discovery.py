@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from .doctor import Check
+from .glob_cache import GlobCache
 from .symbols import (DELETED_SUFFIX, ElfError, ElfSymbols, FileKey, NotElfError,
                       ProcessMaps, in_process_root, read_maps)
 
@@ -97,12 +98,21 @@ class Discoverer:
     `untraceable`); and examined (files parsed), targets (returned so far).
 
     `untraceable`: path -> why, for files that carry what is traced but
-    cannot be probed (a stripped executable with a static CUDA runtime)."""
+    cannot be probed (a stripped executable with a static CUDA runtime).
+
+    A process is read whole the first poll that sees it; after that its
+    maps are read again every `rescan_every` polls (a fifth of the
+    processes each poll), which is where new dlopen()s show. Reading every
+    maps file every poll was most of an idle agent's CPU. Libraries in
+    install paths and in the site-packages of the Python processes seen
+    are looked for every poll, so what `import torch` will load is probed
+    before it loads."""
 
     def __init__(self, wanted: Wanted, pids: Iterable[int] | None = None,
                  extra_paths: Iterable[str | os.PathLike] = (),
                  proc_root: Path = Path("/proc"), interval_s: float = 2.0, *,
-                 search_paths: Iterable[str] | None = None, clock=time.monotonic):
+                 search_paths: Iterable[str] | None = None, clock=time.monotonic,
+                 rescan_every: int = 5):
         self.wanted = wanted
         self.pids = None if pids is None else tuple(int(p) for p in pids)
         self.extra_paths = tuple(check_extra_path(p) for p in extra_paths)
@@ -119,6 +129,11 @@ class Discoverer:
         self._libs_without_symbols: set[str] = set()
         self._noted: set[tuple] = set()
         self._last_poll: float | None = None
+        self._globs = GlobCache()
+        self.rescan_every = max(1, rescan_every)
+        self._polls = 0
+        # Processes read whole, and the site-packages they use (host -> as seen).
+        self._settled: dict[int, dict[str, str]] = {}
 
     @property
     def targets(self) -> list[LibraryTarget]:
@@ -151,12 +166,20 @@ class Discoverer:
                 self._libs_without_symbols.add(path)
         self.counters["lib_without_wanted_symbols"] = len(self._libs_without_symbols)
         site_dirs: dict[str, str] = {}
+        self._polls += 1
         for pid in self._process_ids():
+            known = self._settled.get(pid)
+            if known is not None and (pid + self._polls) % self.rescan_every:
+                for host, seen_as in known.items():
+                    site_dirs.setdefault(host, seen_as)
+                continue
             self._scan_process(pid, found, site_dirs)
-        self._scan_site_packages(site_dirs, found)
+        globbed = self._scan_site_packages(site_dirs, found)
         for pattern in self._search_globs():
-            for path in sorted(glob.glob(pattern)):
+            globbed.add(pattern)
+            for path in self._globs.glob(pattern):
                 self._note(self._consider(found, path, "system", plain_path=path), path)
+        self._globs.forget(globbed)
         return list(found.values())
 
     def _note(self, reason: str | None, about, count: int = 1) -> None:
@@ -182,9 +205,14 @@ class Discoverer:
         pids = sorted(int(n) for n in names if n.isdigit())
         for gone in set(self._interpreter_dirs) - set(pids):
             del self._interpreter_dirs[gone]
+        for gone in set(self._settled) - set(pids):
+            del self._settled[gone]
         return pids
 
     def _scan_process(self, pid: int, found: dict, site_dirs: dict[str, str]) -> None:
+        """Read `pid`'s maps; it counts as settled (read again only every
+        rescan_every polls) when every mapped file could be looked at."""
+        self._settled.pop(pid, None)
         try:
             maps = read_maps(self.proc_root, pid)
         except _GONE:
@@ -196,6 +224,7 @@ class Discoverer:
         self._note("maps_malformed_lines", pid, maps.malformed_lines)
         origin = f"maps:{pid}"
         looked_at: set[tuple[str, int]] = set()
+        settled = True
         for i, path in enumerate(maps.paths):
             if not maps.file_backed(i):
                 continue
@@ -218,11 +247,15 @@ class Discoverer:
                 # Not reachable now (the process may be exiting): look again
                 # next poll, count it once.
                 self._note(problem, key)
+                settled = False
             else:
                 self._maps_seen.add(key)
-        for container_dir in self._python_site_dirs(pid, maps):
-            site_dirs.setdefault(in_process_root(self.proc_root, pid, container_dir),
-                                 container_dir)
+        own = {in_process_root(self.proc_root, pid, container_dir): container_dir
+               for container_dir in self._python_site_dirs(pid, maps)}
+        for host, seen_as in own.items():
+            site_dirs.setdefault(host, seen_as)
+        if settled:
+            self._settled[pid] = own
 
     # ----- Python site-packages --------------------------------------------
 
@@ -289,8 +322,10 @@ class Discoverer:
                 dirs |= self._prefix_site_dirs(pid, root)
         return dirs
 
-    def _scan_site_packages(self, site_dirs: dict[str, str], found: dict) -> None:
-        seen_dirs = set()
+    def _scan_site_packages(self, site_dirs: dict[str, str], found: dict) -> set[str]:
+        """Look at the libraries wheels install in `site_dirs`; returns the
+        glob patterns used."""
+        seen_dirs, patterns = set(), set()
         for host_dir, container_dir in sorted(site_dirs.items()):
             try:
                 st = os.stat(host_dir)
@@ -300,10 +335,12 @@ class Discoverer:
                 continue
             seen_dirs.add((st.st_dev, st.st_ino))
             for pattern in SITE_PACKAGES_GLOBS:
-                for host in sorted(glob.glob(os.path.join(host_dir, pattern))):
+                patterns.add(os.path.join(host_dir, pattern))
+                for host in self._globs.glob(os.path.join(host_dir, pattern)):
                     plain = container_dir + host[len(host_dir):]
                     self._note(self._consider(found, host, "site-packages", plain_path=plain),
                                host)
+        return patterns
 
     def _search_globs(self) -> list[str]:
         if self.search_paths is not None:

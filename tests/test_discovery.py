@@ -132,6 +132,27 @@ def test_venv_site_packages_found_before_the_library_is_loaded(tmp_path, childre
     assert [(t.path, t.origin) for t in found] == [(str(cudart), "site-packages")]
 
 
+LOAD_ON_LINE = ("import ctypes, sys\n"
+                "print('ready', flush=True)\n"
+                "for line in sys.stdin: ctypes.CDLL(line.strip()); print('loaded', flush=True)\n")
+
+
+@NEEDS_GCC
+def test_a_library_dlopened_later_by_a_known_process_is_found_within_rescan_every_polls(
+        tmp_path, stand_in, children):
+    lib = tmp_path / "elsewhere" / "libopapi.so"      # outside every searched path
+    lib.parent.mkdir()
+    shutil.copy(stand_in, lib)
+    child = children([sys.executable, "-c", LOAD_ON_LINE])
+    discoverer = Discoverer(wanted, pids=[child.pid], search_paths=[], rescan_every=3)
+    assert by_inode(discoverer.poll(), lib) == []
+    child.proc.stdin.write(f"{lib}\n")
+    child.proc.stdin.flush()
+    assert child.proc.stdout.readline().strip() == "loaded"
+    polls = [by_inode(discoverer.poll(), lib) for _ in range(3)]
+    assert sum(len(p) for p in polls) == 1           # found once, within 3 polls
+
+
 @NEEDS_GCC
 def test_runtime_linked_into_an_executable_is_found(tmp_path, children):
     exe = compile_text(tmp_path / "encoder_server", STATIC_RUNTIME_C)
