@@ -38,6 +38,7 @@ from .dev_names import DeviceNames
 from .device_view import describe
 from .errors import MmtraceError
 from .event_ring import EventRing
+from .packed_ring import PackedRing
 from .flight import FlightRecorder
 from .hint_socket import HintServer
 from .log_limit import RateLimitedLog
@@ -110,7 +111,8 @@ class Daemon:
         self.p99 = p99_detector(config.p99)
         self.entropy = entropy_detector(config.entropy)
         age = int(config.ring_seconds * 1e9)
-        self.runq_ring = EventRing(sched_stream.RUNQ_EVENT, config.ring_capacity, age)
+        # The highest-rate stream: its reach is held compressed.
+        self.runq_ring = PackedRing(sched_stream.RUNQ_EVENT, config.ring_capacity, age)
         self.entropy_ring = EventRing(ENTROPY_SAMPLE, 1 << 16, age)
         self.request_ring = EventRing(REQUEST_SAMPLE, 1 << 16, age)
         self.gpu_state_ring = EventRing(GPU_STATE, 1 << 12, age)   # NVML, once a second

@@ -1,0 +1,85 @@
+"""PackedRing: the run-queue stream's flight-recorder reach held compressed,
+returning what an EventRing of the same limits returns."""
+
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+from mmtrace.agent.event_ring import EventRing
+from mmtrace.agent.packed_ring import PackedRing
+from mmtrace.bpf.sched import RUNQ_EVENT
+
+COMMS = [b"python3", b"vision-encoder", b"decoder", b"kworker/0:1"]
+
+
+def runq_like(first_ts_ns: int, n: int, step_ns: int, seed: int = 0) -> np.ndarray:
+    """Records shaped like a busy host's: a few hundred threads, varied delays."""
+    rng = np.random.default_rng(seed)
+    batch = np.zeros(n, RUNQ_EVENT)
+    batch["ts_ns"] = first_ts_ns + step_ns * np.arange(n) + rng.integers(0, step_ns, n)
+    batch["delay_ns"] = rng.lognormal(9, 2, n).astype(np.uint64)
+    batch["tid"] = rng.integers(1000, 1300, n)
+    batch["pid"] = batch["tid"] // 10 * 10
+    batch["cpu"] = rng.integers(0, 8, n)
+    batch["prev_tid"] = rng.integers(1000, 1300, n)
+    batch["comm"] = np.array(COMMS)[batch["tid"] % len(COMMS)]
+    return batch
+
+
+def test_holds_the_age_limit_compressed_and_reads_back_exactly():
+    age = 10 * 10**9
+    packed = PackedRing(RUNQ_EVENT, 1 << 20, age)
+    plain = EventRing(RUNQ_EVENT, 1 << 20, age)
+    for i in range(300):                             # 30 s at 20 000 records a second
+        batch = runq_like(i * 10**8, 2000, 50_000, seed=i)
+        packed.push(batch)
+        plain.push(batch)
+    got, want = packed.window(), plain.window()
+    assert len(got) == len(want) > 190_000
+    assert got.tobytes() == want.tobytes()
+    # Random delays and threads: about 14 B a record (a real stream: 3-7 B).
+    assert packed.nbytes * 3 < len(want) * RUNQ_EVENT.itemsize
+    since = 25 * 10**9
+    assert packed.window(since).tobytes() == plain.window(since).tobytes()
+    assert packed.evicted > 0
+    assert len(packed) - len(got) < packed.block_records   # at most a block beyond the age
+
+
+def test_capacity_drops_the_oldest_blocks_and_counts_them():
+    ring = PackedRing(RUNQ_EVENT, capacity=10_000, max_age_ns=10**15, block_records=1000)
+    for i in range(30):
+        ring.push(runq_like(i * 10**6, 1000, 1, seed=i))
+    assert len(ring) <= 10_000 and ring.evicted == 30_000 - len(ring)
+    held = ring.window()
+    assert len(held) == len(ring)
+    assert int(held["ts_ns"].min()) >= 20 * 10**6    # the newest ten batches
+
+
+def test_an_idle_ring_seals_a_block_a_second_and_an_empty_one_reads_empty():
+    ring = PackedRing(RUNQ_EVENT, 1 << 20, 30 * 10**9)
+    assert len(ring.window()) == 0 and len(ring.window(5)) == 0
+    for i in range(50):                              # 5 s of 10 records per 100 ms
+        ring.push(runq_like(i * 10**8, 10, 1000, seed=i))
+    assert 4 <= len(ring._blocks) <= 5
+    assert len(ring.window()) == 500
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3 * 10**9), st.integers(1, 400)), min_size=1,
+                max_size=30),
+       st.integers(1, 5 * 10**9), st.integers(1, 3000), st.integers(0, 4 * 10**9))
+def test_window_matches_an_event_ring_of_the_same_age(steps, age, block, since):
+    packed = PackedRing(RUNQ_EVENT, 1 << 20, age, block_records=block, block_ns=10**9)
+    plain = EventRing(RUNQ_EVENT, 1 << 20, age)
+    ts = 0
+    for i, (gap, n) in enumerate(steps):
+        ts += gap
+        batch = runq_like(ts, n, 1000, seed=i)
+        ts = int(batch["ts_ns"].max())
+        packed.push(batch)
+        plain.push(batch)
+    newest = ts
+    want = plain.window()
+    want = want[want["ts_ns"].astype(np.int64) >= newest - age]   # EventRing keeps late arrivals
+    assert packed.window().tobytes() == want.tobytes()
+    recent = want[want["ts_ns"].astype(np.int64) >= since]
+    assert packed.window(since).tobytes() == recent.tobytes()
