@@ -43,7 +43,7 @@ from .flight import FlightRecorder
 from .hint_socket import HintServer
 from .log_limit import RateLimitedLog
 from .record import (CPU_PROBE_STATE, DeviceCompile, DeviceSources, StopFlag,
-                     exited_process_resolver)
+                     device_programs_failed, exited_process_resolver)
 from .reload import ReloadRequest, reload
 from .sd_notify import Notifier
 from .signals import DumpRequest
@@ -199,6 +199,7 @@ class Daemon:
         error = devices.finish()
         if error is not None:
             log.error("GPU/NPU probes unavailable (%s); the CPU stream goes on", error)
+            self.probe_states.append(device_programs_failed(error))
         else:
             self.names = DeviceNames(device_stream.default_infos(), resolver=exited_process_resolver(
                 self.loaded, self.sources.known_files))

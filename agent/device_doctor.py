@@ -45,13 +45,21 @@ def check_device_probes(targets: list) -> Check:
     Loads the programs and attaches to `targets`, then detaches."""
     from . import probes
     from .errors import MmtraceError
+    from .record import DEVICE_PROGRAMS
     if not targets:
         return Check(NAME, True, False, "no CUDA or Ascend library found to probe "
                      "(the CPU stream is unaffected)", "mmtrace record --lib PATH adds one")
     try:
-        loaded = probes.load(probes.ProbeOptions())
+        loaded = probes.load_cpu(probes.ProbeOptions())
     except MmtraceError as exc:
-        return Check(NAME, False, False, f"the GPU/NPU programs did not load: {exc}")
+        return Check(NAME, False, False, f"not tried: the scheduler program did not load: {exc}")
+    try:
+        loaded.load_device()
+    except MmtraceError as exc:
+        loaded.close()
+        return Check(NAME, False, False,
+                     f"the GPU/NPU programs ({DEVICE_PROGRAMS}) did not compile or load, so no "
+                     f"library is probed; the CPU stream is unaffected: {exc}")
     try:
         for target in targets:
             loaded.device.add(target)

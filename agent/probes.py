@@ -16,7 +16,7 @@ from mmtrace.bpf import cuda as cuda_stream
 from mmtrace.bpf import device as device_stream
 from mmtrace.bpf import sched as sched_stream
 
-from . import compiler_memory
+from . import compiler_memory, compiler_output
 from .errors import MmtraceError
 from .layout import LayoutMismatch, check_layout
 from .privileges import can_load_bpf
@@ -340,12 +340,15 @@ def load_cpu(options: ProbeOptions = ProbeOptions()) -> LoadedProbes:
 
 def _compile(text: str, flags: list[str]):
     bcc = import_bcc()
-    try:
-        return bcc.BPF(text=text, cflags=flags)
-    except Exception as exc:  # bcc raises bare Exception on compile/attach failure
-        raise MmtraceError(
-            f"the eBPF programs did not load ({exc}); "
-            "run `mmtrace doctor` for kernel headers and tracefs") from None
+    with compiler_output.captured() as diagnostics:
+        try:
+            return bcc.BPF(text=text, cflags=flags)
+        except Exception as exc:  # bcc raises bare Exception on compile/attach failure
+            failure = exc
+    said = diagnostics.errors()
+    raise MmtraceError(
+        f"the eBPF programs did not load ({failure}{': ' + said if said else ''}); "
+        "run `mmtrace doctor` for kernel headers and tracefs")
 
 
 def _device_ring(program, options: ProbeOptions) -> StreamRing:

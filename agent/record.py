@@ -23,6 +23,14 @@ from .threads import ThreadProcesses
 SCHEMAS = {"cpu.runq": sched_stream.RUNQ_EVENT, "dev.event": device_stream.DEV_EVENT}
 STREAM_SCHEMA = {"cpu": "cpu.runq", "dev": "dev.event"}
 CPU_PROBE_STATE = {"stream": "cpu", "program": sched_stream.SOURCE, "state": "attached"}
+DEVICE_PROGRAMS = "gpu_npu_programs"
+
+
+def device_programs_failed(error: Exception) -> dict:
+    """The probe state of GPU/NPU programs that did not compile or load:
+    no library is probed, and the CPU stream goes on."""
+    return {"stream": "gpu/npu", "program": DEVICE_PROGRAMS, "state": "failed",
+            "point": "load", "reason": str(error)}
 
 
 @dataclass

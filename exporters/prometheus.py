@@ -235,13 +235,19 @@ class DaemonCollector:
 
     # ------------------------------------------------------------ probes
 
-    def _probes(self, loaded, cpu_states):
+    def _probes(self, loaded, program_states):
         """1 attached, 0 failed; a symbol absent from its library, or a
         per-launch probe detached on purpose (adaptive mode), is not down."""
         up: dict[tuple[str, str], int] = {}
         by_state: dict[str, int] = {}
-        rows = [{"symbol": Path(s.get("program", "sched")).stem, "path": "kernel",
-                 "state": s.get("state", "")} for s in cpu_states if s.get("stream") == "cpu"]
+        # The scheduler program, and GPU/NPU programs that failed as a whole
+        # (they did not compile or load: no library is probed).
+        rows = [{"symbol": Path(s.get("program", "sched")).stem,
+                 "path": "kernel" if s.get("stream") == "cpu" else "*",
+                 "state": s.get("state", ""), "point": s.get("point", ""),
+                 "reason": s.get("reason", "")}
+                for s in program_states if s.get("stream") == "cpu" or s.get("state") == "failed"
+                and s.get("program")]
         if loaded is not None and loaded.device is not None:
             rows += loaded.device.states()
         failures: dict[tuple[str, str, str], str] = {}

@@ -12,6 +12,9 @@ counted where an operator looks (the recording's footer, the metrics).
   cudaEventSynchronize starts with `hlt`, mapped by a process while the
   probes attach): every other probe traces, and `mmtrace doctor` and the
   metrics name it and say why;
+- the GPU/NPU programs failing to compile (a syntax error appended to
+  their source): the scheduler program traces on, and the metrics and
+  `mmtrace doctor` name the programs and give the compiler's error;
 - the disk filling up under `mmtrace record` (a 2 MiB tmpfs): one error
   line, exit 2, and the file reads back.
 
@@ -386,6 +389,65 @@ def test_a_probe_the_kernel_refuses_fails_alone_and_is_named(natives, tmp_path, 
         end(loop)
         if daemon is not None:
             assert daemon.stop() == 0, daemon.text()
+
+
+# ----- GPU/NPU programs that do not compile -------------------------------------
+
+# The real daemon and the real compiler, with a syntax error appended to the
+# GPU/NPU programs' source (as a bad edit or an unsupported kernel would make).
+BROKEN_DEVICE_PROGRAMS = """
+import runpy, sys
+from mmtrace.agent import probes
+source = probes.device_text
+probes.device_text = lambda options: source(options) + "\\nint broken_on_purpose( {\\n"
+sys.argv[0] = "mmtrace"
+runpy.run_module("mmtrace.agent", run_name="__main__")
+"""
+
+
+def test_gpu_npu_programs_that_do_not_compile_fail_alone_and_are_named(tmp_path):
+    port = free_port()
+    log_path = tmp_path / "daemon.log"
+    with open(log_path, "w") as log:
+        daemon = subprocess.Popen(
+            [sys.executable, "-c", BROKEN_DEVICE_PROGRAMS, "run", "--state-dir",
+             tmp_path / "state", "--socket", tmp_path / "hint.sock",
+             "--metrics-address", f"127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: "tracing:" in log_path.read_text() or daemon.poll() is not None,
+                   timeout=90, what="the daemon to start")
+        text = log_path.read_text()
+        assert daemon.poll() is None, text
+        said = r"main\.c:\d+:\d+: error: expected parameter declarator"   # the compiler's words
+        assert re.search(rf"ERROR.*GPU/NPU probes unavailable \(.*{said}.*\); "
+                         r"the CPU stream goes on", text), text
+        first = scrape(port)
+        time.sleep(1.5)
+        samples = scrape(port)
+        up = {(s.labels["probe"], s.labels["library"]): s.value for s in samples
+              if s.name == "mmtrace_probe_up"}
+        assert up == {("sched", "kernel"): 1, ("gpu_npu_programs", "*"): 0}, up
+        failures = [s.labels for s in samples if s.name == "mmtrace_probe_failure_info"]
+        assert [(f["probe"], f["point"]) for f in failures] == [("gpu_npu_programs", "load")]
+        assert re.search(said, failures[0]["reason"]), failures
+        assert metric(samples, "mmtrace_probes", state="attached") == 1     # the scheduler's
+        wakeups = [metric(s, "mmtrace_runq_delay_seconds_count") for s in (first, samples)]
+        assert wakeups[1] > wakeups[0] > 0, wakeups                    # the CPU stream runs
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=60) == 0, log_path.read_text()
+
+
+def test_doctor_names_gpu_npu_programs_that_do_not_compile(tmp_path):
+    doctor = subprocess.run([sys.executable, "-c", BROKEN_DEVICE_PROGRAMS, "doctor", "--json"],
+                            capture_output=True, text=True, timeout=180)
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    check = next(c for c in json.loads(doctor.stdout)["checks"] if c["name"] == "gpu_npu_probes")
+    assert not check["ok"]
+    assert re.match(r"the GPU/NPU programs \(gpu_npu_programs\) did not compile or load, so no "
+                    r"library is probed; the CPU stream is unaffected: .*main\.c:\d+:\d+: "
+                    r"error: expected parameter declarator",
+                    check["detail"]), check
 
 
 # ----- the disk filling up ---------------------------------------------------------
