@@ -256,6 +256,7 @@ class Daemon:
                 self.waiter.forget(ring.reader.fileno())
             self.loaded.close()
             self.loaded = None
+        self.waiter.close()
 
     def run(self, notifier: Notifier | None = None, load_config=None):
         """Trace until stopped; with `load_config`, SIGHUP reloads the

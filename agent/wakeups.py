@@ -10,7 +10,7 @@ import time
 
 class Waiter:
     def __init__(self, clock=time.monotonic):
-        self._epoll = select.epoll()
+        self._epoll_fd: select.epoll | None = None     # opened on first use, again after close
         self._fds: set[int] = set()
         self.clock = clock
         self.wakeups = 0            # returns from wait(), data or deadline
@@ -22,26 +22,33 @@ class Waiter:
         its programs signal once per batch)."""
         if fd in self._fds:
             return
-        self._epoll.register(fd, select.EPOLLIN | (select.EPOLLET if edge else 0))
+        self._epoll().register(fd, select.EPOLLIN | (select.EPOLLET if edge else 0))
         self._fds.add(fd)
 
     def forget(self, fd: int):
         if fd in self._fds:
             self._fds.discard(fd)
             try:
-                self._epoll.unregister(fd)
+                self._epoll().unregister(fd)
             except OSError:         # closed already: the kernel dropped it
                 pass
 
     def wait(self, timeout_s: float) -> bool:
         """Sleep until a watched descriptor is ready or `timeout_s` has
         passed; True when woken by one."""
-        ready = self._epoll.poll(max(0.0, timeout_s))
+        ready = self._epoll().poll(max(0.0, timeout_s))
         self.wakeups += 1
         if ready:
             self.data_wakeups += 1
         return bool(ready)
 
+    def _epoll(self) -> select.epoll:
+        if self._epoll_fd is None:
+            self._epoll_fd = select.epoll()
+        return self._epoll_fd
+
     def close(self):
-        self._epoll.close()
+        if self._epoll_fd is not None:
+            self._epoll_fd.close()
+            self._epoll_fd = None
         self._fds.clear()

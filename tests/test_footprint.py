@@ -232,3 +232,26 @@ def test_record_says_when_each_stream_is_live(tmp_path):
     assert any(re.match(r"gpu/npu stream live \(\d+\.\d\d s\)$", line) for line in lines), lines
     assert re.search(r"live: cpu \d+\.\d\d s, gpu/npu \d+\.\d\d s", lines[-1]), lines
     assert first < 4.0
+
+
+def epoll_fds() -> int:
+    return sum(os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventpoll]"
+               for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{fd}"))
+
+
+def test_a_closed_waiter_holds_no_descriptor_and_can_be_used_again():
+    before = epoll_fds()
+    r, w = os.pipe()
+    try:
+        waiter = Waiter()
+        waiter.watch(r)
+        assert epoll_fds() == before + 1
+        waiter.close()
+        assert epoll_fds() == before
+        waiter.watch(r)                         # a restarted loop opens it again
+        os.write(w, b"x")
+        assert waiter.wait(1.0)
+        waiter.close()
+        assert epoll_fds() == before
+    finally:
+        os.close(r), os.close(w)
