@@ -13,7 +13,9 @@ compiles the programs of one of them):
   one uprobe_multi link, each symbol's API id in its cookie. Removing a
   uprobe costs an RCU grace period (about 0.1 s on a VM); a link of any
   size costs one, so switching the per-launch probes or closing takes a
-  few grace periods per library, not one per symbol (hundreds of aclnn ops).
+  few grace periods per library, not one per symbol (hundreds of aclnn ops);
+  links closed together are closed from several threads, so their grace
+  periods overlap.
 - "single": one uprobe per symbol through bcc, with a program per symbol;
   the aclnn ops still get a cookie each through a perf link (5.15+), or
   else are named by address in userspace.
@@ -38,6 +40,7 @@ from dataclasses import asdict, dataclass
 
 from mmtrace.bpf import device as device_stream
 
+from .concurrent_close import close_all
 from .uprobe_link import BPF_TRACE_UPROBE_MULTI, CookieLink, LinkError, UprobeMultiLink
 
 log = logging.getLogger(__name__)
@@ -394,14 +397,12 @@ class DeviceProbes:
     def _detach(self, probes: list[_Probe], reason: str):
         """Detach `probes`; a link shared with probes not listed stays."""
         leaving = set(probes)
-        for attachment in {id(p.attachment): p.attachment for p in probes
-                           if p.attachment is not None}.values():
-            if any(p.attachment is attachment and p not in leaving for p in self._probes):
-                continue
-            try:
-                attachment.close()
-            except Exception as exc:  # bcc raises bare Exception
-                log.warning("a uprobe did not detach cleanly: %s", exc)
+        closing = [attachment for attachment in
+                   {id(p.attachment): p.attachment for p in probes
+                    if p.attachment is not None}.values()
+                   if not any(p.attachment is attachment and p not in leaving
+                              for p in self._probes)]
+        close_all([attachment.close for attachment in closing], "uprobe")
         for probe in probes:
             probe.attachment = None
             if probe.state == ATTACHED:

@@ -100,9 +100,9 @@ class Discoverer:
     `untraceable`: path -> why, for files that carry what is traced but
     cannot be probed (a stripped executable with a static CUDA runtime).
 
-    A process is read whole the first poll that sees it; after that its
-    maps are read again every `rescan_every` polls (a fifth of the
-    processes each poll), which is where new dlopen()s show. Reading every
+    A process is read whole the first poll that sees it, and again once it
+    exec()s; after that its maps are read again every `rescan_every` polls
+    (a fifth of the processes each poll), which is where new dlopen()s show. Reading every
     maps file every poll was most of an idle agent's CPU. Libraries in
     install paths and in the site-packages of the Python processes seen
     are looked for every poll, so what `import torch` will load is probed
@@ -132,8 +132,9 @@ class Discoverer:
         self._globs = GlobCache()
         self.rescan_every = max(1, rescan_every)
         self._polls = 0
-        # Processes read whole, and the site-packages they use (host -> as seen).
-        self._settled: dict[int, dict[str, str]] = {}
+        # Processes read whole: what they ran then, and the site-packages
+        # they use (host -> as seen).
+        self._settled: dict[int, tuple[str, dict[str, str]]] = {}
 
     @property
     def targets(self) -> list[LibraryTarget]:
@@ -169,8 +170,9 @@ class Discoverer:
         self._polls += 1
         for pid in self._process_ids():
             known = self._settled.get(pid)
-            if known is not None and (pid + self._polls) % self.rescan_every:
-                for host, seen_as in known.items():
+            if known is not None and (pid + self._polls) % self.rescan_every \
+                    and known[0] == self._image(pid):
+                for host, seen_as in known[1].items():
                     site_dirs.setdefault(host, seen_as)
                 continue
             self._scan_process(pid, found, site_dirs)
@@ -213,6 +215,7 @@ class Discoverer:
         """Read `pid`'s maps; it counts as settled (read again only every
         rescan_every polls) when every mapped file could be looked at."""
         self._settled.pop(pid, None)
+        image = self._image(pid)
         try:
             maps = read_maps(self.proc_root, pid)
         except _GONE:
@@ -255,7 +258,15 @@ class Discoverer:
         for host, seen_as in own.items():
             site_dirs.setdefault(host, seen_as)
         if settled:
-            self._settled[pid] = own
+            self._settled[pid] = (image, own)
+
+    def _image(self, pid: int) -> str:
+        """What `pid` runs (its exe link): a process that exec()s another
+        program keeps its pid, and is read whole again."""
+        try:
+            return os.readlink(f"{self.proc_root}/{pid}/exe")
+        except OSError:
+            return ""
 
     # ----- Python site-packages --------------------------------------------
 

@@ -2,6 +2,7 @@
 shares the per-thread maps (the GPU/NPU probes read the scheduler's), and
 hand out batch readers for their ring buffers."""
 
+import functools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from mmtrace.bpf import device as device_stream
 from mmtrace.bpf import sched as sched_stream
 
 from . import compiler_memory, compiler_output
+from .concurrent_close import close_all
 from .errors import MmtraceError
 from .layout import LayoutMismatch, check_layout
 from .privileges import can_load_bpf
@@ -116,6 +118,15 @@ class Programs:
                 program.cleanup()
         self.device = None
 
+    @property
+    def tracepoint_fds(self) -> dict:
+        return {**self.sched.tracepoint_fds,
+                **(self.device.tracepoint_fds if self.device is not None else {})}
+
+    def detach_tracepoint(self, tp):
+        owner = self.sched if tp in self.sched.tracepoint_fds else self.device
+        owner.detach_tracepoint(tp)
+
 
 # bcc keeps exported maps by name, once per process, and keeps a name after
 # its program is gone (the descriptor it holds may then name another map):
@@ -196,6 +207,8 @@ class LoadedProbes:
             self.device_program.cleanup()
             self.device_program = None
         if self.bpf is not None:
+            close_all([functools.partial(self.bpf.detach_tracepoint, tp)
+                       for tp in list(self.bpf.tracepoint_fds)], "tracepoint")
             self.bpf.cleanup()
             self.bpf = None
 

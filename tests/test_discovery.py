@@ -154,6 +154,19 @@ def test_a_library_dlopened_later_by_a_known_process_is_found_within_rescan_ever
 
 
 @NEEDS_GCC
+def test_a_known_process_that_execs_a_traced_program_is_read_again_at_once(tmp_path, children):
+    exe = compile_text(tmp_path / "encoder_server", STATIC_RUNTIME_C)
+    # A launcher (sh here) that exec()s the server under its own pid.
+    child = children(["sh", "-c", 'echo ready; read line; exec "$0"', str(exe)])
+    discoverer = Discoverer(wanted, pids=[child.pid], search_paths=[], rescan_every=1000)
+    assert by_inode(discoverer.poll(), exe) == []
+    child.proc.stdin.write("go\n")
+    child.proc.stdin.flush()
+    assert child.proc.stdout.readline().strip() == "ready"      # the server's own line
+    assert [t.origin for t in by_inode(discoverer.poll(), exe)] == [f"maps:{child.pid}"]
+
+
+@NEEDS_GCC
 def test_runtime_linked_into_an_executable_is_found(tmp_path, children):
     exe = compile_text(tmp_path / "encoder_server", STATIC_RUNTIME_C)
     dynsym = subprocess.run(["nm", "-D", "--defined-only", str(exe)], capture_output=True,
