@@ -145,6 +145,20 @@ def wanted(symbol: str) -> bool:
     return _symbol_matcher()(symbol)
 
 
+def _wanted_prefixes() -> tuple[str, ...]:
+    """Two-letter starts of every probed name and pattern (cu, ac, __):
+    discovery decodes only the names of a file that start so."""
+    table = device_stream.default_table()
+    starts = {api.symbol[:2] for api in table.apis if api.pattern is None}
+    starts |= {api.pattern[:2] for api in table.apis if api.pattern is not None}
+    if any(len(s) < 2 or not s.isidentifier() for s in starts):
+        raise ValueError(f"probed names must start with two name characters, got {starts}")
+    return tuple(sorted(starts))
+
+
+wanted.prefixes = _wanted_prefixes()
+
+
 class DeviceProbes:
     """The uprobes of one loaded bcc object.
 

@@ -29,6 +29,9 @@ from .glob_cache import GlobCache
 from .symbols import (DELETED_SUFFIX, ElfError, ElfSymbols, FileKey, NotElfError,
                       ProcessMaps, in_process_root, read_maps)
 
+# Which symbols to probe. A `prefixes` attribute (a tuple of str), where
+# given, says every wanted name starts with one of them: only such names of
+# a file are decoded.
 Wanted = Callable[[str], bool]
 
 
@@ -408,8 +411,10 @@ class Discoverer:
         else:
             self.counters["examined"] += 1
             key = elf.key
-            result = frozenset(name for name in elf.defined_functions(local=True)
-                               if self.wanted(name))
+            prefixes = getattr(self.wanted, "prefixes", None)
+            names = (elf.defined_functions_starting(prefixes) if prefixes
+                     else elf.defined_functions(local=True))
+            result = frozenset(name for name in names if self.wanted(name))
             why = untraceable_reason(elf) if not result else None
             if why and shown_as not in self.untraceable:
                 self.untraceable[shown_as] = why

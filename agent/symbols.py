@@ -188,6 +188,22 @@ def _function_mask(symbols: np.ndarray) -> np.ndarray:
             & (symbols["shndx"] != SHN_UNDEF) & (symbols["name"] != 0))
 
 
+def _starting_with(strings: bytes, offsets: np.ndarray, prefixes: tuple[bytes, ...]) -> np.ndarray:
+    """Mask of the names at `offsets` in `strings` that start with one of
+    `prefixes`, looked at in place (nothing decoded)."""
+    table = np.frombuffer(strings, dtype=np.uint8)
+    keep = np.zeros(len(offsets), dtype=bool)
+    for prefix in prefixes:
+        head = np.frombuffer(prefix, dtype=np.uint8)
+        fits = offsets + len(head) <= len(table)
+        at = offsets[fits]
+        match = np.ones(len(at), dtype=bool)
+        for i, byte in enumerate(head):
+            match &= table[at + i] == byte
+        keep[np.flatnonzero(fits)[match]] = True
+    return keep
+
+
 def _exported_mask(symbols: np.ndarray) -> np.ndarray:
     bind = symbols["info"] >> 4
     return (bind == STB_GLOBAL) | (bind == STB_WEAK) | (bind == STB_GNU_UNIQUE)
@@ -383,6 +399,23 @@ class ElfSymbols:
         if self._local_functions is None:
             self._local_functions = self._defined(self._tables[1], local_only=True)
         return set(self._functions | self._local_functions)
+
+    def defined_functions_starting(self, prefixes: tuple[str, ...]) -> set[str]:
+        """defined_functions(local=True) limited to names that start with one
+        of `prefixes`. Only those names are decoded: discovery looks at every
+        file processes map, and building every name of a big library
+        (libtorch_cpu.so: 530k symbols, 72 MiB of names) was most of the
+        agent's peak memory."""
+        encoded = tuple(p.encode() for p in prefixes)
+        found: set[str] = set()
+        for table in self._tables:
+            if table is None:
+                continue
+            offsets = np.unique(table.symbols["name"][_function_mask(table.symbols)])
+            offsets = offsets.astype(np.int64)
+            found.update(_symbol_names(table.strings,
+                                       offsets[_starting_with(table.strings, offsets, encoded)]))
+        return found
 
     def defines(self, name: str) -> bool:
         """Whether a function of this name is defined, at any binding."""

@@ -169,6 +169,20 @@ def test_static_runtime_in_an_executable_is_found_in_symtab_only(built):
 
 
 @NEEDS_GCC
+@pytest.mark.parametrize("prefixes", [("cu", "ac", "__"), ("vision", "te"), ("zz",), ("m",)])
+def test_functions_by_prefix_are_exactly_the_defined_functions_that_start_so(built, prefixes):
+    files = [built["stubs"], built["main"], Path(sys.executable)]
+    if CUDART.exists():
+        files.append(CUDART)
+    for path in files:
+        elf = ElfSymbols.read(path)
+        want = {n for n in elf.defined_functions(local=True) if n.startswith(prefixes)}
+        assert ElfSymbols.read(path).defined_functions_starting(prefixes) == want, path
+    if CUDART.exists():
+        assert "cudaLaunchKernel" in ElfSymbols.read(CUDART).defined_functions_starting(("cu",))
+
+
+@NEEDS_GCC
 def test_local_functions_build_id_and_needed_libraries(built):
     """What nvcc's static runtime looks like once linked (its API local),
     and what names a file besides its symbols, checked against binutils."""
@@ -285,7 +299,9 @@ def test_corrupted_elf_files_raise_elf_error_or_parse(built, tmp_path_factory, f
         elf = ElfSymbols.read(path)
     except ElfError:
         return
-    elf.defined_functions()
+    everything = elf.defined_functions(local=True)
+    assert elf.defined_functions_starting(("vi", "_", "m")) == {
+        n for n in everything if n.startswith(("vi", "_", "m"))}
     elf.functions_at(np.arange(0, 0x3000, 7, dtype=np.uint64))
     elf.vaddrs_of_offsets(np.arange(0, 0x3000, 7, dtype=np.uint64))
 

@@ -21,6 +21,8 @@ def test_one_input(data: bytes):
         except ElfError:
             return
         functions = elf.defined_functions(local=True)
+        assert elf.defined_functions_starting(("cu", "_")) == {
+            n for n in functions if n.startswith(("cu", "_"))}
         for name in list(functions)[:4]:
             assert elf.defines(name)
         assert isinstance(elf.build_id, bytes) and all(isinstance(n, str) for n in elf.needed)
