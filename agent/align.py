@@ -30,6 +30,7 @@ import numpy as np
 from mmtrace.bpf import device as device_stream
 
 from .event_ring import EventRing
+from .packed_ring import PackedRing
 from .records import concat, take
 
 NONE = -1
@@ -254,7 +255,8 @@ class Aligner:
 
     def __init__(self, roles: ApiRoles, capacity: int = 1 << 18,
                  max_age_ns: int = 60_000_000_000, max_pending: int = 1 << 16,
-                 max_records: int = 1 << 14, max_streams: int = 1 << 14, on_retired=None):
+                 max_records: int = 1 << 14, max_streams: int = 1 << 14, on_retired=None,
+                 compress: bool = False):
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.roles = roles
@@ -264,7 +266,9 @@ class Aligner:
         self.max_records = max_records
         self.max_streams = max_streams
         self.on_retired = on_retired    # (seq, retired_ns) of events retired after their push
-        self._ring = EventRing(ALIGNED_EVENT, capacity, max_age_ns)
+        # compress: the daemon's flight ring, held compressed (PackedRing);
+        # a replay keeps none worth compressing.
+        self._ring = (PackedRing if compress else EventRing)(ALIGNED_EVENT, capacity, max_age_ns)
         self._pending = np.zeros(0, ALIGNED_EVENT)
         self._pending_seq = np.zeros(0, np.int64)
         self._records = np.zeros(0, ALIGNED_EVENT)

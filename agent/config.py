@@ -173,7 +173,7 @@ class DaemonConfig:
     tick_s: float = _seconds(0.025, 0.0, 10.0)
     ring_seconds: float = _seconds(30.0, 0.0, 3600.0)           # the flight recorder's reach
     ring_capacity: int = _count(1 << 20, 1 << 24)               # run-queue records, held compressed
-    device_ring_capacity: int = _count(1 << 17, 1 << 21)        # GPU/NPU records (224 B each)
+    device_ring_capacity: int = _count(1 << 17, 1 << 21)        # GPU/NPU records, held compressed
     flight_min_interval_s: float = _seconds(60.0, 0.0, DAY_S, low_open=False)
     adaptive_launches: bool = _setting(True, Flag())            # per-launch probes after alarms
     launch_burst_s: float = _seconds(120.0, 0.0, DAY_S)

@@ -120,8 +120,8 @@ class Daemon:
         self.gpu_state_ring = EventRing(GPU_STATE, 1 << 12, age)   # NVML, once a second
         self._next_gpu_sample = 0
         infos = self.infos = device_stream.default_infos()
-        self.aligner = Aligner(ApiRoles.from_infos(infos),
-                               capacity=config.device_ring_capacity, max_age_ns=age)
+        self.aligner = Aligner(ApiRoles.from_infos(infos), capacity=config.device_ring_capacity,
+                               max_age_ns=age, compress=True)
         self.names = DeviceNames(infos)
         self.op_names: list[list] = []
         self.op_name_of: dict[tuple[int, int], str] = {}

@@ -2,19 +2,24 @@
 
 The run-queue stream is most of what an agent on a busy host holds: 30 s
 at 20 000 events a second is 29 MB of 48-byte records, half again the
-rest of the daemon. The records compress well once their bytes are
-regrouped by position and timestamps kept as differences (the same
-threads and commands recur): byte-shuffled, zlib at level 1 takes them to
-about 4-7 bytes each, for about 0.1 µs of CPU per record (see
-BENCHMARKS.md). Records arrive in batches into a hot block; a block is
-sealed (shuffled and compressed) once it holds `block_records` or spans
-`block_ns`. Only sealed blocks are held compressed: what is read back is
-decompressed then, and a flight recording or a `top` reads it rarely.
+rest of the daemon; the aligned GPU/NPU records are 232 bytes each. The
+records compress well once their bytes are regrouped by position and
+timestamps kept as differences (the same threads, commands, streams and
+APIs recur): byte-shuffled, zlib at level 1 takes run-queue records to
+about 3-7 bytes each, for about 0.1 µs of CPU per record (BENCHMARKS.md).
+Records arrive in batches into a hot block; a block is sealed (shuffled
+and compressed) once it holds `block_records` or spans `block_ns`. What is
+read back is decompressed then: a flight recording or a `top` reads rarely.
 
-Age and capacity drop whole blocks, oldest first; window() leaves out
-records older than the age limit behind the newest, so what it returns
-matches an EventRing of the same limits, while up to one block more may be
-held. Evicted records are counted.
+Records are numbered from 0 as they arrive, as in EventRing, so a caller
+can still set a field of a record it pushed (update: a GPU submission
+retired by a later sync). In the hot block the record is changed in place;
+in a sealed one the value is kept beside it and applied when it is read.
+
+Capacity drops the oldest records one by one; age drops whole sealed
+blocks, and window() leaves out records older than the age limit behind
+the newest, so what it returns matches an EventRing of the same limits
+while up to one block more may be held. Evicted records are counted.
 """
 
 import zlib
@@ -28,9 +33,14 @@ from .records import concat, rows_of
 @dataclass
 class _Block:
     data: bytes         # zlib of the records' bytes, byte position by byte position
+    first_seq: int      # number of its first record
     count: int
     first_ns: int       # the earliest and latest ts_ns inside
     last_ns: int
+
+    @property
+    def end_seq(self) -> int:
+        return self.first_seq + self.count
 
 
 class PackedRing:
@@ -52,22 +62,34 @@ class PackedRing:
         self._hot = np.empty(0, self.dtype)
         self._hot_count = 0
         self._hot_first_ns: int | None = None
-        self._held = 0              # records in blocks and hot
         self._newest_ns: int | None = None
-        self.evicted = 0
+        self.start = 0      # number of the oldest record held
+        self.end = 0        # number the next record gets
+        # Values set in sealed blocks: field -> {record number: value}.
+        self._patches: dict[str, dict[int, object]] = {}
 
     def __len__(self):
-        return self._held
+        return self.end - self.start
+
+    @property
+    def evicted(self) -> int:
+        return self.start
 
     @property
     def nbytes(self) -> int:
         """Memory the records take now: the compressed blocks and the hot one."""
         return sum(len(b.data) for b in self._blocks) + self._hot_count * self.dtype.itemsize
 
-    def push(self, batch: np.ndarray) -> None:
-        """Append `batch` (about in time order); the ring keeps a copy."""
+    @property
+    def _hot_first_seq(self) -> int:
+        return self.end - self._hot_count
+
+    def push(self, batch: np.ndarray) -> int:
+        """Append `batch` (about in time order; the ring keeps a copy);
+        returns the number of its first record."""
+        first_seq = self.end
         if not len(batch):
-            return
+            return first_seq
         if not len(self._hot):
             self._hot = np.empty(self.block_records, self.dtype)
         rows, hot = rows_of(batch), rows_of(self._hot)
@@ -81,39 +103,77 @@ class PackedRing:
             self._hot_first_ns = low if self._hot_first_ns is None else min(
                 self._hot_first_ns, low)
             self._hot_count += n
-            self._held += n
+            self.end += n
             done += n
             if self._hot_count == self.block_records or \
                     self._newest_ns - self._hot_first_ns >= self.block_ns:
                 self._seal()
-        self._evict()
+            self._evict()
+        return first_seq
+
+    def update(self, seq: np.ndarray, field: str, values: np.ndarray):
+        """Set `field` of the records numbered `seq` that the ring still holds."""
+        seq = np.asarray(seq, dtype=np.int64)
+        values = np.asarray(values)
+        held = seq >= self.start
+        in_hot = held & (seq >= self._hot_first_seq)
+        self._hot[field][seq[in_hot] - self._hot_first_seq] = values[in_hot]
+        sealed = held & ~in_hot
+        if sealed.any():
+            self._patches.setdefault(field, {}).update(
+                zip(seq[sealed].tolist(), values[sealed].tolist()))
 
     def _seal(self):
-        """Compress the hot block into a sealed one, and empty it."""
-        part = self._hot[:self._hot_count]
-        ts = part["ts_ns"].astype(np.int64)
-        # Timestamps as differences (uint64 arithmetic wraps, so the
-        # cumulative sum gives them back exactly, in any order).
-        part["ts_ns"] = np.diff(part["ts_ns"], prepend=np.uint64(0))
-        shuffled = np.ascontiguousarray(rows_of(part).T)
-        self._blocks.append(_Block(zlib.compress(shuffled, self.level), len(part),
-                                   int(ts.min()), int(ts.max())))
+        """Compress the hot block (what is still held of it) into a sealed one."""
+        skip = max(0, self.start - self._hot_first_seq)
+        part = self._hot[skip:self._hot_count]
+        if len(part):
+            ts = part["ts_ns"].astype(np.int64)
+            # Timestamps as differences (uint64 arithmetic wraps, so the
+            # cumulative sum gives them back exactly, in any order).
+            part["ts_ns"] = np.diff(part["ts_ns"], prepend=np.uint64(0))
+            shuffled = np.ascontiguousarray(rows_of(part).T)
+            self._blocks.append(_Block(zlib.compress(shuffled, self.level),
+                                       self._hot_first_seq + skip, len(part),
+                                       int(ts.min()), int(ts.max())))
         self._hot_count, self._hot_first_ns = 0, None
 
     def _evict(self):
+        start = self.start
         limit = self._newest_ns - self.max_age_ns
-        while self._blocks and (self._blocks[0].last_ns < limit
-                                or self._held > self.capacity):
-            gone = self._blocks.pop(0)
-            self._held -= gone.count
-            self.evicted += gone.count
+        while self._blocks and self._blocks[0].last_ns < limit:
+            start = max(start, self._blocks.pop(0).end_seq)
+        if self.end - start > self.capacity:
+            start = self.end - self.capacity
+            while self._blocks and self._blocks[0].end_seq <= start:
+                self._blocks.pop(0)
+        if not self._blocks and self._hot_count:
+            # The leading run of the hot block that is older than the limit.
+            first = max(start, self._hot_first_seq) - self._hot_first_seq
+            ts = self._hot["ts_ns"][first:self._hot_count].astype(np.int64)
+            fresh = np.flatnonzero(ts >= limit)
+            start += int(fresh[0]) if len(fresh) else len(ts)
+        if start != self.start:
+            self.start = start
+            for field, patches in self._patches.items():
+                if patches and min(patches) < start:
+                    self._patches[field] = {s: v for s, v in patches.items() if s >= start}
 
     def _unpack(self, block: _Block) -> np.ndarray:
         raw = np.frombuffer(zlib.decompress(block.data), np.uint8)
         rows = raw.reshape(self.dtype.itemsize, block.count).T
         records = rows.copy().view(self.dtype).reshape(-1)     # writable, row-major
         records["ts_ns"] = np.cumsum(records["ts_ns"], dtype=np.uint64)
-        return records
+        for field, patches in self._patches.items():
+            if not patches:
+                continue
+            seqs = np.fromiter(patches, dtype=np.int64, count=len(patches))
+            inside = (seqs >= block.first_seq) & (seqs < block.end_seq)
+            if inside.any():
+                values = np.array([patches[s] for s in seqs[inside].tolist()],
+                                  dtype=records.dtype[field])
+                records[field][seqs[inside] - block.first_seq] = values
+        return records[max(0, self.start - block.first_seq):]
 
     def window(self, since_ns: int | None = None) -> np.ndarray:
         """A copy of the records held within the age limit, in arrival order
@@ -125,8 +185,10 @@ class PackedRing:
         if since_ns is not None:
             low = max(low, since_ns)
         parts = [self._unpack(b) for b in self._blocks if b.last_ns >= low]
-        if self._hot_count:
-            parts.append(self._hot[:self._hot_count])
+        hot_from = max(0, self.start - self._hot_first_seq)
+        if self._hot_count > hot_from:
+            parts.append(self._hot[hot_from:self._hot_count])
+        parts = [p for p in parts if len(p)]
         if not parts:
             return np.empty(0, self.dtype)
         records = concat(parts)

@@ -3,7 +3,8 @@ target for FUZZ_MINUTES each. Not part of the test suite.
 
 Streams, each a process in the daemon's --pid scope (so that nothing else
 on a shared host adds to the counts):
-- CPU: tests/workloads/ctxswitch.c, pipe pairs bouncing a byte;
+- CPU: bench/paced_wakeups.c, one thread pair bouncing a byte at a fixed
+  pace: --cpu-rate run-queue events a second (the rated rate, 20 000);
 - GPU: tests/native/launch_loop.c on NVIDIA's real libcudart.so.12, paced
   to --gpu-iterations per second (a launch, a memcpy and a sync each);
 - NPU: bench/ascend_loop.c on the gcc-built Ascend stand-ins (libascendcl,
@@ -55,7 +56,8 @@ def parse_args(argv):
                    help="per fuzz target after the soak (default 10; 0: none)")
     p.add_argument("--warmup-s", type=float, default=60.0, help="left out of the RSS check")
     p.add_argument("--sample-s", type=float, default=5.0, help="sampling period")
-    p.add_argument("--cpu-pairs", type=int, default=1, help="ctxswitch pipe pairs")
+    p.add_argument("--cpu-rate", type=int, default=20000,
+                   help="run-queue events/s from the paced thread pair (default: the rated 20000)")
     p.add_argument("--gpu-iterations", type=int, default=2000, help="launch_loop iterations/s")
     p.add_argument("--npu-iterations", type=int, default=500, help="ascend_loop iterations/s")
     p.add_argument("--requests", type=int, default=100, help="dispatcher requests/s")
@@ -209,8 +211,9 @@ def soak(args) -> dict:
                                flags=[f"-I{native.NATIVE}", str(natives.ascendcl),
                                       str(natives.opapi), f"-Wl,-rpath,{natives.dir}"])
     seconds = args.minutes * 60
-    cpu = subprocess.Popen([str(native.workload("ctxswitch")), str(int(seconds + 120)),
-                            str(args.cpu_pairs), "0"], stdout=subprocess.PIPE)
+    pacer = native.build(ROOT / "bench" / "paced_wakeups.c", flags=["-pthread"])
+    cpu = subprocess.Popen([str(pacer), str(int(seconds + 120)), str(args.cpu_rate / 2)],
+                           stdout=subprocess.PIPE)
     gpu = Paced([natives.launch_loop], args.gpu_iterations)
     npu = Paced([ascend_loop], args.npu_iterations)
     daemon, address = start_daemon(out, [natives.cudart, natives.ascendcl, natives.opapi],

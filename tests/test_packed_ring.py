@@ -44,14 +44,39 @@ def test_holds_the_age_limit_compressed_and_reads_back_exactly():
     assert len(packed) - len(got) < packed.block_records   # at most a block beyond the age
 
 
-def test_capacity_drops_the_oldest_blocks_and_counts_them():
+def test_capacity_drops_the_oldest_records_and_counts_them():
     ring = PackedRing(RUNQ_EVENT, capacity=10_000, max_age_ns=10**15, block_records=1000)
     for i in range(30):
-        ring.push(runq_like(i * 10**6, 1000, 1, seed=i))
-    assert len(ring) <= 10_000 and ring.evicted == 30_000 - len(ring)
+        assert ring.push(runq_like(i * 10**6, 999, 1, seed=i)) == i * 999
+    assert len(ring) == 10_000 and ring.evicted == 30 * 999 - 10_000
     held = ring.window()
-    assert len(held) == len(ring)
-    assert int(held["ts_ns"].min()) >= 20 * 10**6    # the newest ten batches
+    assert len(held) == 10_000
+    assert held.tobytes() == concat_batches(999, 30)[-10_000:].tobytes()
+
+
+def concat_batches(n, count):
+    return np.concatenate([runq_like(i * 10**6, n, 1, seed=i) for i in range(count)])
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=25), st.integers(1, 2000),
+       st.integers(1, 500), st.data())
+def test_records_keep_their_numbers_and_late_updates_land(sizes, capacity, block, data):
+    packed = PackedRing(RUNQ_EVENT, capacity, 10**18, block_records=block)
+    plain = EventRing(RUNQ_EVENT, capacity, 10**18)
+    ts = 0
+    for i, n in enumerate(sizes):
+        batch = runq_like(ts, n, 1000, seed=i)
+        ts = int(batch["ts_ns"].max()) + 1
+        assert packed.push(batch) == plain.push(batch)
+        # Set a field of records pushed earlier: held, evicted, hot or sealed.
+        seq = np.array(data.draw(st.lists(st.integers(0, packed.end - 1), max_size=8)),
+                       dtype=np.int64)
+        values = np.arange(len(seq), dtype=np.uint64) + 1000 * i
+        packed.update(seq, "delay_ns", values)
+        plain.update(seq, "delay_ns", values)
+        assert (len(packed), packed.evicted) == (len(plain), plain.evicted)
+        assert packed.window().tobytes() == plain.window().tobytes()
 
 
 def test_an_idle_ring_seals_a_block_a_second_and_an_empty_one_reads_empty():
