@@ -8,7 +8,9 @@ timestamps kept as differences (the same threads, commands, streams and
 APIs recur): byte-shuffled, zlib at level 1 takes run-queue records to
 about 3-7 bytes each, for about 0.1 µs of CPU per record (BENCHMARKS.md).
 Records arrive in batches into a hot block; a block is sealed (shuffled
-and compressed) once it holds `block_records` or spans `block_ns`. What is
+and compressed) once it holds `block_records` or spans `block_ns` (a
+quarter second: the hot block is the only part held raw, and smaller
+blocks compress as well, zlib's window being 32 KiB). What is
 read back is decompressed then: a flight recording or a `top` reads rarely.
 
 Records are numbered from 0 as they arrive, as in EventRing, so a caller
@@ -45,7 +47,7 @@ class _Block:
 
 class PackedRing:
     def __init__(self, dtype: np.dtype, capacity: int, max_age_ns: int, *,
-                 block_records: int = 1 << 15, block_ns: int = 1_000_000_000,
+                 block_records: int = 1 << 15, block_ns: int = 250_000_000,
                  level: int = 1):
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
