@@ -408,11 +408,18 @@ class ElfSymbols:
         agent's peak memory."""
         encoded = tuple(p.encode() for p in prefixes)
         found: set[str] = set()
+        dynsym, symtab = self._tables
         for table in self._tables:
             if table is None:
                 continue
-            offsets = np.unique(table.symbols["name"][_function_mask(table.symbols)])
-            offsets = offsets.astype(np.int64)
+            mask = _function_mask(table.symbols)
+            if table is symtab and dynsym is not None:
+                # As defined_functions: .symtab's exports at addresses .dynsym
+                # exports too are taken to repeat them.
+                exported = dynsym.symbols["value"][_function_mask(dynsym.symbols)]
+                mask &= ~(_exported_mask(table.symbols)
+                          & np.isin(table.symbols["value"], exported))
+            offsets = np.unique(table.symbols["name"][mask]).astype(np.int64)
             found.update(_symbol_names(table.strings,
                                        offsets[_starting_with(table.strings, offsets, encoded)]))
         return found
