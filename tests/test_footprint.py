@@ -213,7 +213,9 @@ def test_daemon_cpu_stream_live_soon_idle_wakeups_few_no_sdk_imported(tmp_path):
     assert (after - before) / 3.0 < 20, (before, after)
     assert rss_kb < 220 * 1024, rss_kb      # 365 MB when the rings were sized for the worst case
     modules = set(re.search(r"^modules: (.*)$", rest, re.M).group(1).split())
-    assert not modules & {"torch", "opentelemetry"}, sorted(modules & {"torch", "opentelemetry"})
+    # Nor the in-server dispatcher (asyncio with it): only the hint policy.
+    unwanted = {"torch", "opentelemetry", "asyncio"}
+    assert not modules & unwanted, sorted(modules & unwanted)
 
 
 @pytest.mark.bpf
