@@ -286,6 +286,10 @@ class Aligner:
     def window(self, since_ns: int | None = None) -> np.ndarray:
         return self._ring.window(since_ns)
 
+    def pieces(self, since_ns: int | None = None):
+        """window(since_ns) a piece at a time (PackedRing: a block at a time)."""
+        return self._ring.pieces(since_ns)
+
     def push(self, batch: np.ndarray) -> np.ndarray:
         """Align `batch` (DEV_EVENT records, any order); return it aligned."""
         if not len(batch):

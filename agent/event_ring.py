@@ -95,6 +95,13 @@ class EventRing:
             events = events[events["ts_ns"].astype(np.int64) >= since_ns]
         return events
 
+    def pieces(self, since_ns: int | None = None):
+        """window(since_ns) as an iterable of pieces (one here), as
+        PackedRing gives them."""
+        records = self.window(since_ns)
+        if len(records):
+            yield records
+
     def _first_recent(self, since_ns: int, chunk: int = 1 << 14) -> int:
         """The number of a record at or before the first one from since_ns
         (records are about in time order: stop at a chunk wholly older)."""

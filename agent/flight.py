@@ -7,6 +7,8 @@ import re
 import time
 from pathlib import Path
 
+import numpy as np
+
 from .recording import RecordingWriter
 
 log = logging.getLogger(__name__)
@@ -28,7 +30,8 @@ class FlightRecorder:
 
     def dump(self, windows: dict, schemas: dict, anomaly: dict, meta: list[dict],
              now_ns: int) -> Path | None:
-        """Write `windows` ({schema: records}) trimmed to the last `seconds`
+        """Write `windows` ({schema: records, or an iterable of record
+        pieces}) trimmed to the last `seconds`
         for a firing anomaly; returns the file, or None when rate-limited or
         the write failed."""
         now = self.clock()
@@ -63,8 +66,11 @@ class FlightRecorder:
                 for m in meta:
                     writer.write_meta(m)
                 for schema, records in windows.items():
-                    recent = records[records["ts_ns"].astype("int64") >= since]
-                    writer.write_events(schema, recent)
+                    # An array, or an iterable of pieces written one by one.
+                    for piece in [records] if isinstance(records, np.ndarray) else records:
+                        recent = piece[piece["ts_ns"].astype("int64") >= since]
+                        if len(recent):
+                            writer.write_events(schema, recent)
             finally:
                 writer.close({**why, "window_s": self.seconds, "end_monotonic_ns": now_ns})
         except OSError as exc:

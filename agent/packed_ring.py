@@ -177,21 +177,27 @@ class PackedRing:
                 records[field][seqs[inside] - block.first_seq] = values
         return records[max(0, self.start - block.first_seq):]
 
+    def pieces(self, since_ns: int | None = None):
+        """The records window() returns, a block at a time (decompressed as
+        they are taken): a flight recording writes them so, and never holds
+        the whole reach decompressed."""
+        if self._newest_ns is None:
+            return
+        low = self._newest_ns - self.max_age_ns
+        if since_ns is not None:
+            low = max(low, since_ns)
+        blocks = [b for b in self._blocks if b.last_ns >= low]
+        hot_from = max(0, self.start - self._hot_first_seq)
+        hot = self._hot[hot_from:self._hot_count].copy()
+        for part in [*(lambda b=b: self._unpack(b) for b in blocks), lambda: hot]:
+            records = part()
+            records = records[records["ts_ns"].astype(np.int64) >= low]
+            if len(records):
+                yield records
+
     def window(self, since_ns: int | None = None) -> np.ndarray:
         """A copy of the records held within the age limit, in arrival order
         (optionally only those from since_ns on: then only the blocks that
         reach that far are decompressed)."""
-        if self._newest_ns is None:
-            return np.empty(0, self.dtype)
-        low = self._newest_ns - self.max_age_ns
-        if since_ns is not None:
-            low = max(low, since_ns)
-        parts = [self._unpack(b) for b in self._blocks if b.last_ns >= low]
-        hot_from = max(0, self.start - self._hot_first_seq)
-        if self._hot_count > hot_from:
-            parts.append(self._hot[hot_from:self._hot_count])
-        parts = [p for p in parts if len(p)]
-        if not parts:
-            return np.empty(0, self.dtype)
-        records = concat(parts)
-        return records[records["ts_ns"].astype(np.int64) >= low]
+        parts = list(self.pieces(since_ns))
+        return concat(parts) if parts else np.empty(0, self.dtype)

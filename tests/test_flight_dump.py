@@ -47,6 +47,23 @@ def test_a_dump_ignores_the_interval_and_says_why(tmp_path):
     assert flight.written == 3 and flight.suppressed == 1
 
 
+def test_a_window_given_in_pieces_is_written_piece_by_piece(tmp_path):
+    flight = FlightRecorder(tmp_path, seconds=30.0, min_interval_s=0.0)
+    now = time.monotonic_ns()
+    taken = []
+
+    def pieces():                       # as PackedRing.pieces gives a compressed ring
+        for part in np.array_split(windows(now)["x"], 3):
+            taken.append(len(part))
+            yield part
+
+    path = flight.dump_now({"x": pieces()}, {"x": SCHEMA}, [], reason="test", now_ns=now)
+    assert taken == [2, 1, 1]
+    with RecordingReader(path) as rec:
+        values = np.concatenate(list(rec.pieces("x")))["value"].tolist()
+    assert values == [2.0, 3.0, 4.0]
+
+
 def test_a_dump_that_cannot_be_written_says_why(tmp_path):
     blocker = tmp_path / "state"
     blocker.write_text("a file where the directory should be")

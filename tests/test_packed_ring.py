@@ -40,6 +40,10 @@ def test_holds_the_age_limit_compressed_and_reads_back_exactly():
     assert packed.nbytes * 3 < len(want) * RUNQ_EVENT.itemsize
     since = 25 * 10**9
     assert packed.window(since).tobytes() == plain.window(since).tobytes()
+    # A block at a time, as a flight recording writes them.
+    pieces = list(packed.pieces())
+    assert len(pieces) > 30 and max(len(p) for p in pieces) <= packed.block_records
+    assert np.concatenate(pieces).tobytes() == want.tobytes()
     assert packed.evicted > 0
     assert len(packed) - len(got) < packed.block_records   # at most a block beyond the age
 
