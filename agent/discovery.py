@@ -105,11 +105,11 @@ class Discoverer:
 
     A process is read whole the first poll that sees it, and again once it
     exec()s; after that its maps are read again every `rescan_every` polls
-    (a fifth of the processes each poll), which is where new dlopen()s show. Reading every
-    maps file every poll was most of an idle agent's CPU. Libraries in
-    install paths and in the site-packages of the Python processes seen
-    are looked for every poll, so what `import torch` will load is probed
-    before it loads."""
+    (a fifth of the processes each poll), which is where new dlopen()s
+    show. Reading every maps file every poll was most of an idle agent's
+    CPU. Libraries in install paths and in the site-packages of the Python
+    processes seen are looked for every poll, so what `import torch` will
+    load is probed before it loads."""
 
     def __init__(self, wanted: Wanted, pids: Iterable[int] | None = None,
                  extra_paths: Iterable[str | os.PathLike] = (),
@@ -208,10 +208,10 @@ class Discoverer:
             self._note("unreadable_proc", str(self.proc_root))
             return []
         pids = sorted(int(n) for n in names if n.isdigit())
-        for gone in set(self._interpreter_dirs) - set(pids):
-            del self._interpreter_dirs[gone]
-        for gone in set(self._settled) - set(pids):
-            del self._settled[gone]
+        alive = set(pids)
+        for cache in (self._interpreter_dirs, self._settled):
+            for gone in set(cache) - alive:
+                del cache[gone]
         return pids
 
     def _scan_process(self, pid: int, found: dict, site_dirs: dict[str, str]) -> None:

@@ -24,6 +24,7 @@ the newest, so what it returns matches an EventRing of the same limits
 while up to one block more may be held. Evicted records are counted.
 """
 
+import itertools
 import zlib
 from dataclasses import dataclass
 
@@ -37,8 +38,7 @@ class _Block:
     data: bytes         # zlib of the records' bytes, byte position by byte position
     first_seq: int      # number of its first record
     count: int
-    first_ns: int       # the earliest and latest ts_ns inside
-    last_ns: int
+    last_ns: int        # the latest ts_ns inside: the block's age
 
     @property
     def end_seq(self) -> int:
@@ -136,8 +136,7 @@ class PackedRing:
             part["ts_ns"] = np.diff(part["ts_ns"], prepend=np.uint64(0))
             shuffled = np.ascontiguousarray(rows_of(part).T)
             self._blocks.append(_Block(zlib.compress(shuffled, self.level),
-                                       self._hot_first_seq + skip, len(part),
-                                       int(ts.min()), int(ts.max())))
+                                       self._hot_first_seq + skip, len(part), int(ts.max())))
         self._hot_count, self._hot_first_ns = 0, None
 
     def _evict(self):
@@ -187,10 +186,8 @@ class PackedRing:
         if since_ns is not None:
             low = max(low, since_ns)
         blocks = [b for b in self._blocks if b.last_ns >= low]
-        hot_from = max(0, self.start - self._hot_first_seq)
-        hot = self._hot[hot_from:self._hot_count].copy()
-        for part in [*(lambda b=b: self._unpack(b) for b in blocks), lambda: hot]:
-            records = part()
+        hot = self._hot[max(0, self.start - self._hot_first_seq):self._hot_count].copy()
+        for records in itertools.chain(map(self._unpack, blocks), [hot]):   # one block at a time
             records = records[records["ts_ns"].astype(np.int64) >= low]
             if len(records):
                 yield records

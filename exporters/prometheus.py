@@ -246,8 +246,8 @@ class DaemonCollector:
                  "path": "kernel" if s.get("stream") == "cpu" else "*",
                  "state": s.get("state", ""), "point": s.get("point", ""),
                  "reason": s.get("reason", "")}
-                for s in program_states if s.get("stream") == "cpu" or s.get("state") == "failed"
-                and s.get("program")]
+                for s in program_states
+                if s.get("stream") == "cpu" or (s.get("state") == "failed" and s.get("program"))]
         if loaded is not None and loaded.device is not None:
             rows += loaded.device.states()
         failures: dict[tuple[str, str, str], str] = {}

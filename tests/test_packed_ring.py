@@ -41,6 +41,12 @@ def test_holds_the_age_limit_compressed_and_reads_back_exactly():
     since = 25 * 10**9
     assert packed.window(since).tobytes() == plain.window(since).tobytes()
     # A block at a time, as a flight recording writes them.
+    unpacked = []
+    unpack = packed._unpack
+    packed._unpack = lambda block: unpacked.append(block) or unpack(block)
+    lazy = packed.pieces()
+    next(lazy)
+    assert len(unpacked) == 1                       # decompressed as taken, not all at once
     pieces = list(packed.pieces())
     assert len(pieces) > 30 and max(len(p) for p in pieces) <= packed.block_records
     assert np.concatenate(pieces).tobytes() == want.tobytes()
