@@ -1,11 +1,14 @@
 """PackedRing: the run-queue stream's flight-recorder reach held compressed,
 returning what an EventRing of the same limits returns."""
 
+import mmap
+import weakref
+
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from mmtrace.agent.event_ring import EventRing
-from mmtrace.agent.packed_ring import PackedRing
+from mmtrace.agent.packed_ring import OWN_PAGES_BYTES, PackedRing
 from mmtrace.bpf.sched import RUNQ_EVENT
 
 COMMS = [b"python3", b"vision-encoder", b"decoder", b"kworker/0:1"]
@@ -52,6 +55,26 @@ def test_holds_the_age_limit_compressed_and_reads_back_exactly():
     assert np.concatenate(pieces).tobytes() == want.tobytes()
     assert packed.evicted > 0
     assert len(packed) - len(got) < packed.block_records   # at most a block beyond the age
+
+
+def test_a_busy_streams_blocks_are_held_off_the_heap_and_a_quiet_ones_are_not():
+    # Blocks live for the whole reach, the batches around them for a tick:
+    # in malloc's heap the two interleave and hold pages a trim cannot free.
+    busy = PackedRing(RUNQ_EVENT, 1 << 20, 10**9)
+    quiet = PackedRing(RUNQ_EVENT, 1 << 20, 10**9)
+    for i in range(20):
+        busy.push(runq_like(i * 10**8, 2000, 50_000, seed=i))
+        quiet.push(runq_like(i * 10**8, 5, 10**7, seed=i))
+    big = [b.data for b in busy._blocks]
+    small = [b.data for b in quiet._blocks]
+    assert big and all(isinstance(d, mmap.mmap) and len(d) >= OWN_PAGES_BYTES for d in big)
+    assert small and all(isinstance(d, bytes) and len(d) < OWN_PAGES_BYTES for d in small)
+    held = [weakref.ref(d) for d in big]
+    del big
+    for _ in range(20):     # evicted blocks give their pages back
+        busy.push(runq_like(busy._newest_ns + 10**8, 2000, 50_000))
+    assert [ref() for ref in held] == [None] * len(held)
+    assert busy.window().tobytes() == np.concatenate(list(busy.pieces())).tobytes()
 
 
 def test_capacity_drops_the_oldest_records_and_counts_them():
