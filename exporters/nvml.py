@@ -3,8 +3,11 @@ utilisation, memory used and total, temperature, power, PCIe throughput and
 the NVLink / PCIe topology to the other devices (see device_state.py for
 the weight and profile computed from them)."""
 
+import ctypes
+
 from .device_state import DeviceMonitor, DeviceState, finish
 
+NVML_LIBRARY = "libnvidia-ml.so.1"     # the name pynvml loads, on the same search path
 MAX_NVLINKS = 18    # NVML_NVLINK_MAX_LINKS
 PCIE_TX, PCIE_RX = 0, 1
 # One lane, one direction, after line encoding, per PCIe generation.
@@ -82,7 +85,13 @@ def _text(value) -> str:
 
 
 def load_pynvml():
-    """pynvml, initialised; raises RuntimeError saying why NVML is unusable."""
+    """pynvml, initialised; raises RuntimeError saying why NVML is unusable.
+    Without the driver's library pynvml is not imported at all: its 8000
+    lines (200 ctypes types) would hold 2.5 MB of an agent with no GPU."""
+    try:
+        ctypes.CDLL(NVML_LIBRARY)
+    except OSError:
+        raise RuntimeError(f"{NVML_LIBRARY} not found: no NVIDIA driver on this host") from None
     try:
         import pynvml
     except ImportError as exc:
@@ -90,7 +99,7 @@ def load_pynvml():
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError_LibraryNotFound:
-        raise RuntimeError("libnvidia-ml.so.1 not found: no NVIDIA driver on this host") from None
+        raise RuntimeError(f"{NVML_LIBRARY} not found: no NVIDIA driver on this host") from None
     except pynvml.NVMLError as exc:
         raise RuntimeError(f"NVML did not initialise: {exc}") from None
     return pynvml

@@ -139,6 +139,18 @@ def test_doctor_says_nvml_is_missing_without_a_library():
     assert "driver" in check["fix"]
 
 
+def test_without_the_library_pynvml_is_not_even_imported():
+    # It would hold 2.5 MB of an agent on a host with no GPU, for nothing.
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    code = ("import sys; from mmtrace.exporters.nvml import load_pynvml\n"
+            "try:\n    load_pynvml()\nexcept RuntimeError as exc:\n    print(exc)\n"
+            "print('pynvml' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert out.stdout.splitlines() == [
+        "libnvidia-ml.so.1 not found: no NVIDIA driver on this host", "False"], out.stdout
+
+
 def test_doctor_sees_the_standin(standin, tmp_path):
     state = tmp_path / "gpus"
     write_state(state, [FakeGpu("0000:17:00.0"), FakeGpu("0000:18:00.0")])
