@@ -318,14 +318,18 @@ class DeviceCompile:
         return self.error
 
     def wire(self, writer, sources, warn=None) -> "_DeviceRecording":
-        """The recording's device side once compiled; without probes where
-        they failed (`warn` is told why: the CPU stream goes on)."""
+        """The recording's device side once compiled. Where the programs
+        failed, the file says so in its probe states (a report then tells
+        why it holds no GPU/NPU events) and `warn` is told: the CPU stream
+        goes on."""
         error = self.finish()
-        if error is not None:
-            if warn is not None:
-                warn(f"GPU/NPU probes unavailable ({error}); recording the CPU stream")
-            sources = None
-        return _DeviceRecording(self.loaded, writer, sources)
+        if error is None:
+            return _DeviceRecording(self.loaded, writer, sources)
+        if warn is not None:
+            warn(f"GPU/NPU probes unavailable ({error}); recording the CPU stream")
+        failed = device_programs_failed(error)
+        writer.write_meta({"probes": [failed]})
+        return _DeviceRecording(self.loaded, writer, None, failed=failed)
 
 
 def _stop_on_write_error(writer, output, footer: dict):
@@ -348,10 +352,11 @@ class _DeviceRecording:
     """What the recording keeps of the GPU/NPU side besides its events:
     probe states, the op-name tables, and why names are missing."""
 
-    def __init__(self, loaded, writer, sources):
+    def __init__(self, loaded, writer, sources, failed: dict | None = None):
         self.loaded = loaded
         self.writer = writer
-        self.device = loaded.device
+        self.failed = failed        # the GPU/NPU programs' state, when they failed
+        self.device = loaded.device if failed is None else None
         self.sources = sources if self.device is not None else None
         self.names = DeviceNames(device_stream.default_infos(), resolver=exited_process_resolver(
             loaded, sources.known_files if self.sources is not None else list))
@@ -382,6 +387,8 @@ class _DeviceRecording:
             self.writer.write_meta({"op_names": rows})
 
     def footer(self) -> dict:
+        if self.failed is not None:
+            return {"device_probes": [self.failed]}
         if self.device is None:
             return {}
         return {"device_probes": self.device.states(),

@@ -159,6 +159,11 @@ def check_meta(doc):
     for key in ("request_series", "entropy_layers", "modalities"):
         if key in doc:
             _string_table(doc[key], f"meta {key!r}")
+    if "probes" in doc:
+        states = doc["probes"]
+        _want(isinstance(states, list) and len(states) <= MAX_TABLE_ROWS
+              and all(isinstance(s, dict) for s in states), "meta 'probes'",
+              "a list of probe states (objects)", states)
     if "config" in doc:
         conf = doc["config"]
         _want(isinstance(conf, dict), "meta 'config'", "an object", conf)

@@ -153,7 +153,15 @@ def duration_s(rec) -> float:
 def device_probes(rec) -> dict:
     footer = rec.footer or {}
     return {"summary": footer.get("device_probe_summary", {}),
-            "name_resolution": footer.get("name_resolution", {})}
+            "name_resolution": footer.get("name_resolution", {}),
+            "failed_programs": failed_programs(rec)}
+
+
+def failed_programs(rec) -> list[dict]:
+    """Probe programs that did not compile or load while recording (from the
+    meta, so that a file cut short tells it too): why a stream is empty."""
+    return [state for doc in rec.meta for state in doc.get("probes", ())
+            if state.get("state") == "failed" and "program" in state]
 
 
 def summarize(rec) -> dict:
@@ -197,6 +205,10 @@ def format_text(summary: dict) -> str:
              f"lost        {summary['lost_events']:,} events"]
     for name, count in summary["events"].items():
         lines.append(f"events      {name:<20} {count:>12,}")
+    for failed in summary["device_probes"]["failed_programs"]:
+        lines.append(f"not traced  {failed.get('stream')}: the {failed.get('program')} did not "
+                     f"compile or load, so the file has none of its events:")
+        lines.extend("              " + line for line in str(failed.get("reason")).splitlines())
     runq = summary["runq"]
     lines.append("")
     if runq["count"]:

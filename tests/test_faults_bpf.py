@@ -13,8 +13,9 @@ counted where an operator looks (the recording's footer, the metrics).
   probes attach): every other probe traces, and `mmtrace doctor` and the
   metrics name it and say why;
 - the GPU/NPU programs failing to compile (a syntax error appended to
-  their source): the scheduler program traces on, and the metrics and
-  `mmtrace doctor` name the programs and give the compiler's error;
+  their source): the scheduler program traces on, and the metrics,
+  `mmtrace doctor` and a recording's report name the programs and give
+  the compiler's error;
 - the disk filling up under `mmtrace record` (a 2 MiB tmpfs): one error
   line, exit 2, and the file reads back.
 
@@ -448,6 +449,35 @@ def test_doctor_names_gpu_npu_programs_that_do_not_compile(tmp_path):
                     r"library is probed; the CPU stream is unaffected: .*main\.c:\d+:\d+: "
                     r"error: expected parameter declarator",
                     check["detail"]), check
+
+
+def test_a_recording_made_while_gpu_npu_programs_do_not_compile_says_why(
+        tmp_path, workloads, mmtrace_cli):
+    path = tmp_path / "cpu-only.mmtr"
+    load = subprocess.Popen([workloads.path("ctxswitch"), "30", "1"], stdout=subprocess.PIPE)
+    try:
+        recorder = subprocess.run(
+            [sys.executable, "-c", BROKEN_DEVICE_PROGRAMS, "record", "-o", path,
+             "--duration", "1"], capture_output=True, text=True, timeout=180)
+    finally:
+        end(load)
+    said = r"main\.c:\d+:\d+: error: expected parameter declarator"   # the compiler's words
+    assert recorder.returncode == 0, recorder.stderr
+    assert re.search(rf"GPU/NPU probes unavailable \(.*{said}.*\); recording the CPU stream",
+                     recorder.stderr), recorder.stderr
+    report = mmtrace_cli("report", path, "--json")
+    assert report.returncode == 0, report.stderr
+    summary = json.loads(report.stdout)
+    failed = summary["device_probes"]["failed_programs"]
+    assert [(f["program"], f["state"], f["point"]) for f in failed] == \
+        [("gpu_npu_programs", "failed", "load")], failed
+    assert re.search(said, failed[0]["reason"]), failed
+    assert summary["events"]["cpu.runq"] > 0 and not any(
+        name.startswith(("gpu.", "npu.")) for name in summary["events"]), summary["events"]
+    text = mmtrace_cli("report", path).stdout
+    assert re.search(r"^not traced  gpu/npu: the gpu_npu_programs did not compile or load, so "
+                     rf"the file has none of its events:\n(              .*\n)*.*{said}", text,
+                     re.M), text
 
 
 # ----- the disk filling up ---------------------------------------------------------

@@ -112,6 +112,7 @@ def test_odd_entropy_settings_in_meta_are_one_line(tmp_path, entropy):
     ({"symbol_names": {"abc": "x"}}, "symbol_names"),
     ({"apis": [{"id": "one"}]}, "apis"), ({"modalities": [1, 2]}, "modalities"),
     ({"config": []}, "config"), ("not an object", "meta"),
+    ({"probes": {"state": "failed"}}, "probes"), ({"probes": ["failed"]}, "probes"),
 ])
 def test_odd_meta_tables_are_one_line(tmp_path, doc, field):
     path = crafted(tmp_path, craft.header(), craft.meta(doc), craft.end({}))
