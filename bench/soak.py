@@ -10,8 +10,9 @@ on a shared host adds to the counts):
 - NPU: bench/ascend_loop.c on the gcc-built Ascend stand-ins (libascendcl,
   libopapi; no NPU here), paced to --npu-iterations per second;
 plus a Dispatcher (mmtrace.dispatch) serving --requests per second and
-reporting their latencies on the hint socket, and the metrics endpoint
-scraped every --sample-s seconds.
+reporting their latencies on the hint socket, the metrics endpoint
+scraped every --sample-s seconds, and a flight recording of the last 30 s
+(SIGUSR2) every --dump-every-s seconds, as alarms would write them.
 
 Every --sample-s seconds the daemon's RSS, anonymous and file-backed RSS
 (/proc/PID/status) and CPU time (/proc/PID/stat) are sampled. At the end:
@@ -20,6 +21,8 @@ Every --sample-s seconds the daemon's RSS, anonymous and file-backed RSS
 - every GPU/NPU call either delivered (mmtrace_device_submissions_total and
   the syncs' histogram count) or counted lost (mmtrace_events_lost_total of
   the dev stream): delivered + lost must equal the calls made;
+- each flight recording written and read back, and the largest anonymous
+  RSS while one was written (sampled every 10 ms);
 then each fuzz target of tests/fuzz runs for FUZZ_MINUTES.
 Writes OUT/samples.csv and OUT/summary.json, and prints the summary.
 """
@@ -28,6 +31,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -61,6 +65,9 @@ def parse_args(argv):
     p.add_argument("--gpu-iterations", type=int, default=2000, help="launch_loop iterations/s")
     p.add_argument("--npu-iterations", type=int, default=500, help="ascend_loop iterations/s")
     p.add_argument("--requests", type=int, default=100, help="dispatcher requests/s")
+    p.add_argument("--dump-every-s", type=float, default=60.0,
+                   help="a flight recording (SIGUSR2) this often, its memory sampled every "
+                        "10 ms while it is written (default 60; 0: none)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "soak")
     return p.parse_args(argv)
 
@@ -203,6 +210,35 @@ def rss_trend(samples: list[dict], warmup_s: float) -> dict:
     return out
 
 
+def dump_and_watch(daemon: subprocess.Popen, state_dir: Path, watch_s: float = 2.0) -> float:
+    """SIGUSR2 (a flight recording now); the largest anonymous RSS, in MB,
+    sampled every 10 ms until the new file is complete or watch_s passed."""
+    before = set(state_dir.glob("flight-*.mmtr"))
+    daemon.send_signal(signal.SIGUSR2)
+    peak, deadline, settled = 0.0, time.monotonic() + watch_s, None
+    while time.monotonic() < deadline:
+        peak = max(peak, proc_sample(daemon.pid)["anon_mb"])
+        if settled is None and set(state_dir.glob("flight-*.mmtr")) - before:
+            settled = time.monotonic() + 0.2   # a little past the file's appearance
+        if settled is not None and time.monotonic() >= settled:
+            break
+        time.sleep(0.01)
+    return peak
+
+
+def read_back(paths) -> int:
+    """How many of the recordings at `paths` read back complete."""
+    from mmtrace.agent.recording import RecordingError, RecordingReader
+    good = 0
+    for path in paths:
+        try:
+            with RecordingReader(path) as rec:
+                good += rec.complete and not rec.warnings
+        except RecordingError:
+            pass
+    return good
+
+
 def soak(args) -> dict:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -211,6 +247,8 @@ def soak(args) -> dict:
                                flags=[f"-I{native.NATIVE}", str(natives.ascendcl),
                                       str(natives.opapi), f"-Wl,-rpath,{natives.dir}"])
     seconds = args.minutes * 60
+    for old in (out / "state").glob("flight-*.mmtr"):     # an earlier run's
+        old.unlink()
     pacer = native.build(ROOT / "bench" / "paced_wakeups.c", flags=["-pthread"])
     cpu = subprocess.Popen([str(pacer), str(int(seconds + 120)), str(args.cpu_rate / 2)],
                            stdout=subprocess.PIPE)
@@ -219,16 +257,20 @@ def soak(args) -> dict:
     daemon, address = start_daemon(out, [natives.cudart, natives.ascendcl, natives.opapi],
                                    [cpu.pid, gpu.proc.pid, npu.proc.pid])
     requests = None
-    samples, scrapes = [], []
+    samples, scrapes, dump_peaks = [], [], []
     try:
         gpu.start()
         npu.start()
         requests = Requests(out / "hint.sock", args.requests)
         started = time.monotonic()
+        next_dump = started + args.dump_every_s
         while time.monotonic() - started < seconds:
             samples.append(proc_sample(daemon.pid))
             scrapes.append((time.monotonic(), scrape(address)))
             assert daemon.poll() is None, "the daemon exited"
+            if args.dump_every_s > 0 and time.monotonic() >= next_dump:
+                dump_peaks.append(dump_and_watch(daemon, out / "state"))
+                next_dump += args.dump_every_s
             time.sleep(args.sample_s)
         gpu.stop()
         npu.stop()
@@ -271,6 +313,12 @@ def soak(args) -> dict:
                              if n == "mmtrace_events_lost_total" and v},
         "dispatcher": dispatched,
     }
+    flights = sorted((out / "state").glob("flight-*.mmtr"))
+    summary["flight_recordings"] = {
+        "requested": len(dump_peaks),
+        "written": len(flights),        # these and what alarms wrote
+        "read_back": read_back(flights),
+        "anon_mb_while_written_max": round(max(dump_peaks), 1) if dump_peaks else None}
     with open(out / "samples.csv", "w") as f:
         f.write("t_s,rss_mb,anon_mb,file_mb,cpu_s\n")
         for s in samples:
@@ -299,7 +347,9 @@ def main(argv=None) -> int:
     if args.fuzz_minutes > 0:
         summary["fuzz"] = fuzz(args.fuzz_minutes, args.out)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    flights = summary.get("flight_recordings", {})
     ok = (summary.get("device_calls", {}).get("uncounted", 0) == 0
+          and flights.get("read_back") == flights.get("written")
           and summary.get("rss", {}).get("flat") is not False
           and all(r["clean"] for r in summary.get("fuzz", {}).values()))
     return 0 if ok else 1
