@@ -358,7 +358,8 @@ class Daemon:
         """Hand what batches left free in the heap back. Every sweep, and
         every half second while batches are big: at 20k events a second,
         trims 10 s apart held 5 MB more. A trim walks the whole heap (about
-        2 ms here), so an idle agent trims only at its sweeps."""
+        2 ms here), so an idle agent trims only at its sweeps, and after a
+        flight recording (30 s at the rated rate left 5 MB free)."""
         heap.trim()
         self._since_trim = 0
         self._next_trim = time.monotonic() + HEAP_TRIM_INTERVAL_S
@@ -549,8 +550,11 @@ class Daemon:
     def dump(self, reason: str) -> Path:
         """The flight recorder's ring written now (`mmtrace dump`, SIGUSR2),
         past its interval; OSError when it cannot be written."""
-        path = self.flight.dump_now(*self._flight_contents(), reason=reason,
-                                    now_ns=time.monotonic_ns())
+        try:
+            path = self.flight.dump_now(*self._flight_contents(), reason=reason,
+                                        now_ns=time.monotonic_ns())
+        finally:
+            self._trim_heap()
         log.warning("flight recording (%s): %s", reason, path)
         return path
 
@@ -576,7 +580,10 @@ class Daemon:
 
     def _flight_record(self, anomaly):
         windows, schemas, meta = self._flight_contents()
-        return self.flight.dump(windows, schemas, anomaly, meta, time.monotonic_ns())
+        try:
+            return self.flight.dump(windows, schemas, anomaly, meta, time.monotonic_ns())
+        finally:
+            self._trim_heap()
 
     def _flight_contents(self) -> tuple[dict, dict, list[dict]]:
         """(the rings' windows, their schemas, the meta) of a flight recording.
