@@ -210,17 +210,17 @@ def rss_trend(samples: list[dict], warmup_s: float) -> dict:
     return out
 
 
-def dump_and_watch(daemon: subprocess.Popen, state_dir: Path, watch_s: float = 2.0) -> float:
+def dump_and_watch(daemon: subprocess.Popen, log: Path, watch_s: float = 5.0) -> float:
     """SIGUSR2 (a flight recording now); the largest anonymous RSS, in MB,
-    sampled every 10 ms until the new file is complete or watch_s passed."""
-    before = set(state_dir.glob("flight-*.mmtr"))
+    sampled every 10 ms until the daemon logs the file written (or watch_s
+    passed)."""
+    said = "flight recording (SIGUSR2)"
+    before = log.read_text().count(said)
     daemon.send_signal(signal.SIGUSR2)
-    peak, deadline, settled = 0.0, time.monotonic() + watch_s, None
+    peak, deadline = 0.0, time.monotonic() + watch_s
     while time.monotonic() < deadline:
         peak = max(peak, proc_sample(daemon.pid)["anon_mb"])
-        if settled is None and set(state_dir.glob("flight-*.mmtr")) - before:
-            settled = time.monotonic() + 0.2   # a little past the file's appearance
-        if settled is not None and time.monotonic() >= settled:
+        if log.read_text().count(said) > before:
             break
         time.sleep(0.01)
     return peak
@@ -269,7 +269,7 @@ def soak(args) -> dict:
             scrapes.append((time.monotonic(), scrape(address)))
             assert daemon.poll() is None, "the daemon exited"
             if args.dump_every_s > 0 and time.monotonic() >= next_dump:
-                dump_peaks.append(dump_and_watch(daemon, out / "state"))
+                dump_peaks.append(dump_and_watch(daemon, out / "daemon.log"))
                 next_dump += args.dump_every_s
             time.sleep(args.sample_s)
         gpu.stop()
