@@ -232,6 +232,24 @@ def assert_shares_agree(ours: dict, theirs: dict, points: float = 0.03):
         assert abs(share_ours - share_theirs) < points, (low, share_ours, share_theirs)
 
 
+def assert_cumulative_shares_agree(ours: dict, theirs: dict, points: float = 0.03):
+    """The share of waits below each bucket's lower bound, ours between
+    theirs below the bucket before and below the bucket after (within
+    `points`): two tracers on the same tracepoints stamp each wait a few
+    hundred ns apart (whose program runs first), and where most waits sit
+    near a bucket boundary (2-8 µs here) that moves many across it."""
+    lows = sorted(set(ours) | set(theirs))
+    total_ours, total_theirs = sum(ours.values()), sum(theirs.values())
+
+    def below(hist, total, i):
+        return sum(hist.get(low, 0) for low in lows[:max(0, i)]) / total
+
+    for i in range(1, len(lows)):
+        mine = below(ours, total_ours, i)
+        low, high = below(theirs, total_theirs, i - 1), below(theirs, total_theirs, i + 1)
+        assert low - points < mine < high + points, (lows[i], mine, low, high)
+
+
 @pytest.mark.skipif(shutil.which("bpftrace") is None,
                     reason="Debian's bpftrace package (scripts/setup --test)")
 def test_agrees_with_a_bpftrace_reference(tmp_path, workloads):
@@ -239,9 +257,11 @@ def test_agrees_with_a_bpftrace_reference(tmp_path, workloads):
     starts after both are attached and ends before either stops, so the
     totals must agree (within 0.05 %: a switch-in the kernel did not report
     is lost to both alike). bpftrace attaches first: its programs run ahead
-    of mmtrace's at each tracepoint and lengthen the delays mmtrace stamps by
+    of mmtrace's at each tracepoint and shift the delays mmtrace stamps by
     the difference of their costs, some 100 ns (see the runqlat test), so
-    the histograms are compared by share, within 3 points."""
+    the histograms are compared by cumulative share, within 3 points and a
+    bucket: one run in ten had 8 % of the waits on the other side of the
+    4 µs boundary."""
     ctx = workloads.path("ctxswitch")
     comm = ctx.name.encode()[:15]      # the kernel's name of its threads
     reference = BpftraceRunq()
@@ -262,7 +282,7 @@ def test_agrees_with_a_bpftrace_reference(tmp_path, workloads):
     theirs = waits.get(comm.decode(), 0)
     assert theirs > 20_000, waits                  # the workload really switched
     assert abs(len(mine) - theirs) <= 0.0005 * theirs, (len(mine), theirs)
-    assert_shares_agree(runqlat_buckets(mine["delay_ns"]), hists[comm.decode()])
+    assert_cumulative_shares_agree(runqlat_buckets(mine["delay_ns"]), hists[comm.decode()])
 
 
 @pytest.mark.skipif(not kernel_has_own_headers(),
