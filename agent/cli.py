@@ -79,16 +79,30 @@ def doctor(as_json):
     sys.exit(0 if ready else 1)
 
 
-def _positive(ctx, param, value):
-    if value is not None and value <= 0:
-        raise click.BadParameter(f"must be a positive number of seconds, got {value}")
-    return value
+class Seconds(click.ParamType):
+    """A duration flag, checked as every duration from outside is
+    (mmtrace.dispatch.durations): NaN, inf, 0 and the out-of-range refused."""
+    name = "seconds"
+
+    def __init__(self, low: float, high: float):
+        self.low, self.high = low, high
+
+    def convert(self, value, param, ctx):
+        from mmtrace.dispatch.durations import expected_duration, is_duration
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = None
+        if number is None or not is_duration(number, self.low, self.high):
+            self.fail(f"expected {expected_duration(self.low, self.high)}, got {value!r}",
+                      param, ctx)
+        return number
 
 
 @cli.command()
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, writable=True),
               help="Recording file to write.")
-@click.option("--duration", type=float, default=None, callback=_positive,
+@click.option("--duration", type=Seconds(0.001, 7 * 86400), default=None,
               help="Seconds to record; default: until Ctrl-C or SIGTERM.")
 @click.option("--pid", "pids", type=click.IntRange(min=1), multiple=True,
               help="Only these processes (all their threads); repeatable.")
@@ -350,7 +364,7 @@ def _check(cfg, warnings, path):
 
 @cli.command()
 @_daemon_socket
-@click.option("--timeout", type=click.FloatRange(min=1, max=600), default=60.0,
+@click.option("--timeout", type=Seconds(1, 600), default=60.0,
               show_default=True, help="Seconds to wait for the file to be written.")
 def dump(socket_path, timeout):
     """Have the running daemon write its flight-recorder ring now; print the file.
@@ -382,7 +396,7 @@ def dump(socket_path, timeout):
 
 @cli.command()
 @_daemon_socket
-@click.option("--interval", type=click.FloatRange(min=0.1, max=3600), default=1.0,
+@click.option("--interval", type=Seconds(0.1, 3600), default=1.0,
               show_default=True, help="Seconds between refreshes.")
 @click.option("--once", is_flag=True, help="Print one screen and exit (for scripts).")
 @click.option("--json", "as_json", is_flag=True, help="Print the daemon's status as JSON and exit.")

@@ -14,6 +14,9 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from mmtrace.dispatch.durations import MIN_DURATION_S, expected_duration, is_duration
+from mmtrace.dispatch.policy import DURATIONS as POLICY_DURATIONS
+
 from .errors import MmtraceError
 from .priority import DEFAULT_NICE
 
@@ -48,6 +51,23 @@ class Number:
 def _bound(value: float) -> str:
     """A range's end as written: whole numbers in full (16777216, not 1.67772e+07)."""
     return str(int(value)) if float(value).is_integer() and abs(value) < 1e15 else f"{value:g}"
+
+
+@dataclass(frozen=True)
+class Seconds:
+    """A duration (mmtrace.dispatch.durations): a number in low..high, or
+    exactly 0 where `zero` (the setting's "off" or "none")."""
+    low: float
+    high: float
+    zero: bool = False
+    integer = False
+
+    def convert(self, value):
+        return float(value) if is_duration(value, self.low, self.high, zero=self.zero) else None
+
+    @property
+    def expected(self) -> str:
+        return expected_duration(self.low, self.high, zero=self.zero)
 
 
 @dataclass(frozen=True)
@@ -111,8 +131,13 @@ def _setting(default, rule):
     return field(default=default, metadata={"rule": rule})
 
 
-def _seconds(default, low, high, low_open=True):
-    return _setting(default, Number(low, high, low_open=low_open))
+def _seconds(default, high, low=MIN_DURATION_S, zero=False):
+    return _setting(default, Seconds(low, high, zero))
+
+
+def _policy_seconds(default, name):
+    low, high, zero = POLICY_DURATIONS[name]
+    return _seconds(default, high, low=low, zero=zero)
 
 
 def _count(default, high, low=1):
@@ -121,11 +146,11 @@ def _count(default, high, low=1):
 
 @dataclass
 class P99Settings:
-    window_s: float = _seconds(1.0, 0.001, 3600.0, low_open=False)
+    window_s: float = _seconds(1.0, 3600.0, low=0.001)
     baseline_windows: int = _count(60, 3600)
     min_baseline_windows: int = _count(20, 3600)
     factor: float = _setting(1.2, Number(1.0, 100.0, low_open=True))
-    floor_s: float = _seconds(100e-6, 0.0, 3600.0, low_open=False)
+    floor_s: float = _seconds(100e-6, 3600.0, zero=True)
     consecutive: int = _count(3, 1000)
     min_samples: int = _count(20, 1_000_000)
     clear_factor: float = _setting(1.1, Number(1.0, 100.0))
@@ -152,12 +177,12 @@ class OtlpSettings:
 class PolicySettings:
     """The hint policy's settings (mmtrace.dispatch.policy.PolicySettings,
     whose fields these are, with their rules)."""
-    ttl_s: float = _seconds(30.0, 0.0, 3600.0)                 # every hint's life
-    escalate_dwell_s: float = _seconds(2.0, 0.0, 3600.0, low_open=False)
-    relax_dwell_s: float = _seconds(20.0, 0.0, DAY_S, low_open=False)
-    cooldown_s: float = _seconds(3.0, 0.0, 3600.0, low_open=False)
+    ttl_s: float = _policy_seconds(30.0, "ttl_s")            # every hint's life
+    escalate_dwell_s: float = _policy_seconds(2.0, "escalate_dwell_s")
+    relax_dwell_s: float = _policy_seconds(20.0, "relax_dwell_s")
+    cooldown_s: float = _policy_seconds(3.0, "cooldown_s")
     max_hints_per_window: int = _count(30, 100_000)
-    window_s: float = _seconds(60.0, 0.0, DAY_S)
+    window_s: float = _policy_seconds(60.0, "window_s")
     degrade_cpu_below: float = _setting(0.45, Number(0.0, 1.0))
     weight_change: float = _setting(0.1, Number(0.0, 1e6))
     dry_run: bool = _setting(False, Flag())                    # decide and log, send nothing
@@ -169,20 +194,20 @@ class DaemonConfig:
     libs: tuple[str, ...] = _setting((), ListOf(PathText(), 1024))
     state_dir: Path = _setting(Path("/var/lib/mmtrace"), PathText())
     socket: Path = _setting(Path("/run/mmtrace/mmtrace.sock"), PathText(SUN_PATH_MAX))
-    socket_idle_timeout_s: float = _seconds(60.0, 0.0, DAY_S)   # unsubscribed, silent clients
-    tick_s: float = _seconds(0.025, 0.0, 10.0)
-    ring_seconds: float = _seconds(30.0, 0.0, 3600.0)           # the flight recorder's reach
+    socket_idle_timeout_s: float = _seconds(60.0, DAY_S)   # unsubscribed, silent clients
+    tick_s: float = _seconds(0.025, 10.0)
+    ring_seconds: float = _seconds(30.0, 3600.0)           # the flight recorder's reach
     ring_capacity: int = _count(1 << 20, 1 << 24)               # run-queue records, held compressed
     device_ring_capacity: int = _count(1 << 17, 1 << 21)        # GPU/NPU records, held compressed
-    flight_min_interval_s: float = _seconds(60.0, 0.0, DAY_S, low_open=False)
+    flight_min_interval_s: float = _seconds(60.0, DAY_S, zero=True)
     adaptive_launches: bool = _setting(True, Flag())            # per-launch probes after alarms
-    launch_burst_s: float = _seconds(120.0, 0.0, DAY_S)
-    discover_interval_s: float = _seconds(2.0, 0.1, 3600.0, low_open=False)
+    launch_burst_s: float = _seconds(120.0, DAY_S)
+    discover_interval_s: float = _seconds(2.0, 3600.0, low=0.1)
     nice: int = _setting(DEFAULT_NICE, Number(-20, 19, integer=True))  # the daemon's priority
     metrics_address: str = _setting(":9464", Text(256))          # Prometheus endpoint; "off": none
     metrics_top_k: int = _count(10, 1000, low=0)                # workloads named in labels
     metrics_pid_label: bool = _setting(False, Flag())           # also label those top-K by pid
-    device_poll_interval_s: float = _seconds(1.0, 0.0, 3600.0, low_open=False)  # 0: off
+    device_poll_interval_s: float = _seconds(1.0, 3600.0, zero=True)  # 0: off
     p99: P99Settings = field(default_factory=P99Settings)
     entropy: EntropySettings = field(default_factory=EntropySettings)
     otlp: OtlpSettings = field(default_factory=OtlpSettings)

@@ -15,7 +15,7 @@ import difflib
 import re
 from dataclasses import fields
 
-from .config import SECTIONS, DaemonConfig, Flag, ListOf, Number, _plain, _show
+from .config import SECTIONS, DaemonConfig, Flag, ListOf, Number, Seconds, _plain, _show
 from .errors import MmtraceError
 
 PREFIX = "MMTRACE_"
@@ -50,14 +50,12 @@ def _typed(rule, text: str):
     if isinstance(rule, Flag):
         word = text.strip().lower()
         return True if word in _TRUE else False if word in _FALSE else None
-    if isinstance(rule, Number):
+    if isinstance(rule, (Number, Seconds)):
         text = text.strip()
-        if _INTEGER.fullmatch(text):
-            return int(text)
-        if rule.integer:
-            return None
         try:
-            return float(text)
+            if _INTEGER.fullmatch(text):
+                return int(text)        # ValueError past 4300 digits: refused, not raised
+            return None if rule.integer else float(text)
         except ValueError:
             return None
     return text

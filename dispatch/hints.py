@@ -2,11 +2,11 @@
 
 Every hint is the socket's JSON object: {"v": 1, "type": "hint", "id",
 "kind", "target", "value", "ttl_s", "reason", "evidence", "issued_ns"}. A
-hint lives `ttl_s` seconds (at most MAX_TTL_S) from the moment it is
-applied; a newer hint of the same kind and target replaces it. When every
-hint has expired the dispatcher is back on its defaults, so an agent that
-dies leaves no trace. What each kind does, always bounded and undone at
-expiry:
+hint lives `ttl_s` seconds (MIN_TTL_S..MAX_TTL_S, else it is refused)
+from the moment it is applied; a newer hint of the same kind and target
+replaces it. When every hint has expired the dispatcher is back on its
+defaults, so an agent that dies leaves no trace. What each kind does,
+always bounded and undone at expiry:
 
 - modality_batch: target a modality, value an integer >= 1: that queue's
   batch cap. It can only lower the configured `batch_max` (a larger value
@@ -37,10 +37,12 @@ expiry:
 import math
 from dataclasses import dataclass, field
 
+from .durations import check_duration
 from .queue_config import check_batch_max, check_priority
 
 HINT_KINDS = ("modality_batch", "priority", "route_affinity", "prefer_device",
               "degrade", "cpu_contention")
+MIN_TTL_S = 0.001     # shorter is over before a dispatcher's loop could act on it
 MAX_TTL_S = 3600.0
 MAX_WEIGHT = 1e6
 MAX_DEGRADE = 3
@@ -84,8 +86,10 @@ class Effects:
 
 
 def _number(value, where: str, low: float, high: float) -> float:
+    # isfinite() of floats only: a 400-digit int would overflow the conversion
     if (not isinstance(value, (int, float)) or isinstance(value, bool)
-            or not math.isfinite(value) or not low <= value <= high):
+            or (isinstance(value, float) and not math.isfinite(value))
+            or not low <= value <= high):
         raise ValueError(f"{where}: expected a number in {low:g}..{high:g}, got {value!r}")
     return value
 
@@ -111,10 +115,7 @@ class HintBook:
         kind = message.get("kind")
         if kind not in HINT_KINDS:
             raise ValueError(f"hint: expected kind one of {list(HINT_KINDS)}, got {kind!r}")
-        ttl = float(_number(message.get("ttl_s"), f"{kind} hint ttl_s", 0, math.inf))
-        if ttl <= 0:
-            raise ValueError(f"{kind} hint ttl_s: expected a number > 0, got {ttl!r}")
-        ttl = min(ttl, MAX_TTL_S)
+        ttl = check_duration(message.get("ttl_s"), f"{kind} hint ttl_s", MIN_TTL_S, MAX_TTL_S)
         target, value = getattr(self, f"_check_{kind}")(message.get("target"), message.get("value"))
         issued = message.get("issued_ns")
         hint = Hint(id=str(message.get("id", "")), kind=kind, target=target, value=value,

@@ -17,8 +17,8 @@ Each thing a hint can turn is a lever with a default and a few levels:
 - `prefer_device`: the device weights, when they move.
 
 A lever steps away from its default fast (the first step when the alarm
-fires, each further one after escalate_dwell_s of steady pressure) and back slowly (relax_dwell_s without pressure per
-step); no lever changes twice within cooldown_s; at most
+fires, each further one after escalate_dwell_s of steady pressure) and
+back slowly (relax_dwell_s without pressure per step); no lever changes twice within cooldown_s; at most
 max_hints_per_window hints leave in any window_s; every hint carries a
 TTL and is sent again at half of it while it holds, so a dispatcher whose
 agent died is back on its defaults within one TTL. Every decision, sent,
@@ -31,6 +31,9 @@ import re
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from .durations import MIN_DURATION_S, check_duration
+from .hints import MAX_TTL_S, MIN_TTL_S
+
 VISION, TEXT = "vision", "text"
 BATCH_STEPS = (8, 4, 2)
 PRIORITY_STEPS = ("high", "low")
@@ -40,8 +43,20 @@ REQUEST_SERIES = re.compile(r"^request_latency\{series=(.*),modality=(.*)\}$")
 MAX_AUDIT = 1024
 
 
+DAY_S = 86400.0
+# Each duration setting's range: (low, high, whether 0 is allowed: "none").
+DURATIONS = {
+    "ttl_s": (MIN_TTL_S, MAX_TTL_S, False),
+    "escalate_dwell_s": (MIN_DURATION_S, 3600.0, True),
+    "relax_dwell_s": (MIN_DURATION_S, DAY_S, True),
+    "cooldown_s": (MIN_DURATION_S, 3600.0, True),
+    "window_s": (MIN_DURATION_S, DAY_S, False),
+}
+
+
 @dataclass
 class PolicySettings:
+    """ValueError at construction for a duration outside DURATIONS."""
     ttl_s: float = 30.0
     escalate_dwell_s: float = 2.0
     relax_dwell_s: float = 20.0
@@ -51,6 +66,10 @@ class PolicySettings:
     degrade_cpu_below: float = 0.45
     weight_change: float = 0.1        # send weights again when one moves by more
     dry_run: bool = False
+
+    def __post_init__(self):
+        for name, (low, high, zero) in DURATIONS.items():
+            check_duration(getattr(self, name), f"policy {name}", low, high, zero=zero)
 
 
 @dataclass

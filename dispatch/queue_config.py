@@ -6,8 +6,9 @@ at priority urgent. `parse_queues` merges a user's overrides onto them and
 rejects anything else with a message naming what was expected.
 """
 
-import math
 from dataclasses import dataclass
+
+from .durations import check_duration
 
 # Lower rank is served first.
 PRIORITIES = {"urgent": 0, "high": 1, "normal": 2, "low": 3}
@@ -20,6 +21,7 @@ DEFAULT_QUEUES = {
 NEW_MODALITY = {"batch_max": 1, "wait_ms": 0, "priority": "high"}
 
 MAX_BATCH = 4096
+MIN_WAIT_MS = 0.001        # a microsecond; 0 means no wait
 MAX_WAIT_MS = 60_000
 
 
@@ -54,10 +56,7 @@ def check_priority(value, where: str) -> str:
 
 
 def check_wait_ms(value, where: str) -> float:
-    if (not isinstance(value, (int, float)) or isinstance(value, bool)
-            or not math.isfinite(value) or not 0 <= value <= MAX_WAIT_MS):
-        raise ValueError(f"{where}: expected wait_ms as a number in 0..{MAX_WAIT_MS}, got {value!r}")
-    return float(value)
+    return check_duration(value, f"{where}: wait_ms", MIN_WAIT_MS, MAX_WAIT_MS, unit="ms", zero=True)
 
 
 def parse_queues(overrides: dict | None) -> dict[str, QueueConfig]:

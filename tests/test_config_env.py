@@ -49,9 +49,9 @@ def test_an_empty_list_and_an_empty_string_are_values():
 
 
 @pytest.mark.parametrize("name, value, expected", [
-    ("MMTRACE_TICK_S", "soon", "a number in more than 0..10"),
-    ("MMTRACE_TICK_S", "nan", "a number in more than 0..10"),
-    ("MMTRACE_TICK_S", "11", "a number in more than 0..10"),
+    ("MMTRACE_TICK_S", "soon", "a number of seconds in 0.000001..10"),
+    ("MMTRACE_TICK_S", "nan", "a number of seconds in 0.000001..10"),
+    ("MMTRACE_TICK_S", "11", "a number of seconds in 0.000001..10"),
     ("MMTRACE_RING_CAPACITY", "1.5", "an integer in 1..16777216"),
     ("MMTRACE_ADAPTIVE_LAUNCHES", "maybe", "true or false (1/0, yes/no, on/off)"),
     ("MMTRACE_PIDS", "4242,x", "comma-separated items, at most 4096, each an integer"),

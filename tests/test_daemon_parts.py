@@ -33,7 +33,7 @@ def test_config_file_overrides_defaults(tmp_path):
 
 @pytest.mark.parametrize("text,message", [
     ("bogus = 1", "unknown key 'bogus'"),
-    ("[p99]\nwindow_s = 'fast'", r"window_s = 'fast' \(expected a number in 0.001..3600\)"),
+    ("[p99]\nwindow_s = 'fast'", r"window_s = 'fast' \(expected a number of seconds in 0.001..3600\)"),
     ("[p99]\nconsecutive = 2.5", r"consecutive = 2.5 \(expected an integer in 1..1000\)"),
     ("[nope]\nx = 1", "unknown section"),
     ("p99 = 3", "is a section"),

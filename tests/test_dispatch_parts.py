@@ -40,7 +40,7 @@ def test_overrides_merge_and_new_modalities_start_plain():
 @pytest.mark.parametrize("overrides, words", [
     ({"text": {"batch_max": 0}}, "batch_max as an integer in 1..4096, got 0"),
     ({"text": {"priority": "asap"}}, "priority one of ['urgent', 'high', 'normal', 'low'], got 'asap'"),
-    ({"text": {"wait_ms": float("nan")}}, "wait_ms as a number"),
+    ({"text": {"wait_ms": float("nan")}}, "wait_ms: expected 0 or a number of milliseconds in 0.001..60000, got nan"),
     ({"text": {"batch": 2}}, "expected keys among ['batch_max', 'priority', 'wait_ms'], got ['batch']"),
     ({"text": 3}, "queues['text']: expected a dict, got int"),
     ([1], "expected a dict of modality -> settings, got list"),
@@ -288,18 +288,21 @@ def test_an_expiry_that_leaves_every_weight_at_zero_is_not_an_error():
     assert {p.place(None, b.effects.weights) for _ in range(4)} == {"gpu0", "gpu1"}
 
 
-def test_ttl_is_capped():
+def test_the_longest_ttl_is_held_and_a_longer_one_refused():
     b = book()
-    h = b.apply(hint("degrade", "text", 1, ttl_s=1e9), 0)
+    h = b.apply(hint("degrade", "text", 1, ttl_s=MAX_TTL_S), 0)
     assert h.ttl_s == MAX_TTL_S and h.expires_ns == int(MAX_TTL_S * 1e9)
+    with pytest.raises(ValueError, match=r"degrade hint ttl_s: expected a number of seconds in "
+                                         r"0\.001\.\.3600, got 3600\.5"):
+        b.apply(hint("degrade", "text", 1, ttl_s=MAX_TTL_S + 0.5), 0)
 
 
 @pytest.mark.parametrize("message, words", [
     ({**hint("priority", "text", "high"), "v": "1"}, "expected \"v\": 1, got '1'"),
     ({**hint("priority", "text", "high"), "type": "sample"}, "expected \"type\": \"hint\""),
     (hint("reroute", "text", 1), "expected kind one of"),
-    (hint("priority", "text", "high", ttl_s=0), "ttl_s: expected a number > 0, got 0"),
-    (hint("priority", "text", "high", ttl_s=float("inf")), "ttl_s: expected a number"),
+    (hint("priority", "text", "high", ttl_s=0), "ttl_s: expected a number of seconds in 0.001..3600, got 0"),
+    (hint("priority", "text", "high", ttl_s=float("inf")), "ttl_s: expected a number of seconds"),
     (hint("priority", "audio", "high"), "expected target one of ['vision', 'text'], got 'audio'"),
     (hint("priority", "text", "now"), "priority hint value: expected priority one of"),
     (hint("priority", "text", ["high"]), "got ['high']"),

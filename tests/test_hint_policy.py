@@ -136,7 +136,7 @@ def test_a_load_hovering_at_the_threshold_does_not_make_levers_oscillate(flips):
     """Pressure on and off at any pace: a lever never relaxes sooner than
     relax_dwell_s after it last moved, never escalates again sooner than
     the cooldown, and never leaves its steps."""
-    s = PolicySettings(escalate_dwell_s=2, relax_dwell_s=20, cooldown_s=3, ttl_s=1e6,
+    s = PolicySettings(escalate_dwell_s=2, relax_dwell_s=20, cooldown_s=3, ttl_s=3600,
                        max_hints_per_window=10**6)
     p = HintPolicy(s)
     t = 0.0
