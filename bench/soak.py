@@ -330,12 +330,15 @@ def soak(args) -> dict:
 def fuzz(minutes: float, out: Path) -> dict:
     results = {}
     for target in fuzzing.targets():
-        run = fuzzing.run(target, int(minutes * 60), out / "fuzz" / target)
-        results[target] = {"runs": run.runs, "clean": run.clean}
+        run = fuzzing.search(target, out / "fuzz" / target, seconds=int(minutes * 60))
+        results[target] = {"runs": run.runs, "clean": run.clean,
+                           "replay": run.replay_commands()}
         if not run.clean:
             (out / "fuzz" / target / "output.txt").write_text(run.output)
         print(f"fuzz {target}: {run.runs} runs in {minutes:g} min, "
               f"{'clean' if run.clean else 'FAILED'}", flush=True)
+        for command in run.replay_commands():
+            print(f"  replay: {command}", flush=True)
     return results
 
 

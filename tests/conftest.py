@@ -12,8 +12,19 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# Property tests draw the same examples on every run (derandomize), keep no
+# example database between runs, and have no per-example deadline (a loaded
+# 2-core host is slow, not wrong). MMTRACE_HYPOTHESIS=search draws new ones,
+# as bench/fuzz does for the fuzz targets.
+settings.register_profile("suite", derandomize=True, database=None, deadline=None,
+                          print_blob=True)
+settings.register_profile("search", derandomize=False, database=None, deadline=None,
+                          print_blob=True)
+settings.load_profile(os.environ.get("MMTRACE_HYPOTHESIS", "suite"))
 
 import native  # noqa: E402
 

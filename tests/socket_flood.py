@@ -14,7 +14,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-SEEDS = Path(__file__).resolve().parent / "fuzz" / "seeds" / "socket"
+SEEDS = Path(__file__).resolve().parent / "fuzz" / "corpus" / "socket"
 CLIENTS = 50
 
 

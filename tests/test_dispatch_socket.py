@@ -10,6 +10,7 @@ import queue
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -198,6 +199,23 @@ def test_a_bad_hint_is_refused_and_counted_and_the_next_one_works(linked):
     assert a["hints_received"] == 2 and a["hints_rejected"] == 1
     assert "expected target one of ['vision', 'text'], got 'audio'" in a["last_error"]
     assert d.submit(1, modality="text").result(5) == 1
+
+
+def test_a_ttl_below_a_clock_tick_is_refused_and_the_held_hint_stays(linked):
+    # the dispatch_hints fuzzer's crash, as the socket delivers it
+    lines = (Path(__file__).parent / "fuzz" / "corpus" / "dispatch_hints" /
+             "crash-ttl-below-a-clock-tick").read_text().splitlines()
+    agent, d = linked()
+    for line in lines:
+        agent.send(json.loads(line))
+    wait_for(lambda: d.state()["agent"]["hints_received"] == 2, timeout=1.0)
+    a = d.state()["agent"]
+    assert a["hints_rejected"] == 1
+    assert "priority hint ttl_s: expected a number of seconds in 0.001..3600, got 5e-63" \
+        in a["last_error"]
+    (held,) = d.state()["hints"]
+    assert (held["id"], held["value"]) == ("1", 4)
+    assert d.state()["queues"]["vision"]["priority"] == "high"
 
 
 def test_when_the_agent_dies_the_hints_expire_to_defaults(linked):

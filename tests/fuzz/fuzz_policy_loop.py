@@ -16,7 +16,7 @@ with atheris.instrument_imports():
     from mmtrace.agent.cpu_load import CpuLoad
     from mmtrace.agent.policy_inputs import PolicyInputs
     from mmtrace.dispatch.hints import HintBook
-    from mmtrace.dispatch.policy import HintPolicy, PolicySettings
+    from mmtrace.dispatch.policy import DURATIONS, HintPolicy, PolicySettings
 
 SERIES = ["runq_delay{{pid={}}}", "request_latency{{series=e2e,modality={}}}",
           "sync_wait{{pid={},stream=0x0}}", "{}"]
@@ -28,11 +28,16 @@ def test_one_input(data: bytes):
     fdp = atheris.FuzzedDataProvider(data)
     now = [10**9]
     inputs = PolicyInputs(CpuLoad(PROC), clock=lambda: now[0])
-    policy = HintPolicy(PolicySettings(ttl_s=fdp.ConsumeFloatInRange(0.01, 60),
-                                       escalate_dwell_s=fdp.ConsumeFloatInRange(0, 5),
-                                       relax_dwell_s=fdp.ConsumeFloatInRange(0, 30),
-                                       cooldown_s=fdp.ConsumeFloatInRange(0, 5),
-                                       max_hints_per_window=fdp.ConsumeIntInRange(1, 50)))
+    durations = {"ttl_s": fdp.ConsumeFloatInRange(0.01, 60),
+                 "escalate_dwell_s": fdp.ConsumeFloatInRange(0, 5),
+                 "relax_dwell_s": fdp.ConsumeFloatInRange(0, 30),
+                 "cooldown_s": fdp.ConsumeFloatInRange(0, 5)}
+    try:
+        settings = PolicySettings(**durations, max_hints_per_window=fdp.ConsumeIntInRange(1, 50))
+    except ValueError:      # only a duration under its floor (not 0) is refused
+        assert any(0 < v < DURATIONS[k][0] for k, v in durations.items()), durations
+        return
+    policy = HintPolicy(settings)
     book = HintBook(["gpu0", "gpu1"], ["vision", "text"])
     for _ in range(fdp.ConsumeIntInRange(0, 40)):
         what = fdp.ConsumeIntInRange(0, 4)
