@@ -2,7 +2,9 @@
  * then under forced CPU contention. It launches every millisecond and syncs
  * every tenth launch; after BASE_S seconds a SCHED_FIFO hog on the same CPU
  * spins 3 ms of every 5 ms, so the launcher's wake-ups wait up to 3 ms on
- * the run queue.
+ * the run queue. The launcher itself is SCHED_FIFO below the hog: no
+ * ordinary thread of a busy host delays it, so its calm phase waits
+ * microseconds whatever else runs, and only the hog makes it wait.
  * Usage: launch_phases BASE_S CONTENDED_S CPU
  * Prints one JSON line when contention starts and one at the end:
  * {"pid":..,"launcher_tid":..,"contention_ns":..} */
@@ -46,6 +48,7 @@ int main(int argc, char **argv)
     double base = atof(argv[1]), contended = atof(argv[2]);
     cpu = atoi(argv[3]);
     pin(cpu);
+    become_fifo_at("launch_phases launcher", 5);
     int tid = syscall(SYS_gettid);
     long start = now_ns(), switch_at = start + (long)(base * 1e9);
     long end = switch_at + (long)(contended * 1e9);

@@ -25,14 +25,20 @@ static void pin(int cpu)
     pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
 }
 
-/* Exits with status 3, naming `who`, where the kernel refuses. */
-static void become_fifo(const char *who)
+/* SCHED_FIFO at `priority`; exits with status 3, naming `who`, where the
+ * kernel refuses. */
+static void become_fifo_at(const char *who, int priority)
 {
-    struct sched_param sp = { .sched_priority = 10 };
+    struct sched_param sp = { .sched_priority = priority };
     if (pthread_setschedparam(pthread_self(), SCHED_FIFO, &sp) != 0) {
         fprintf(stderr, "%s: SCHED_FIFO refused (needs CAP_SYS_NICE)\n", who);
         exit(3);
     }
+}
+
+static void become_fifo(const char *who)
+{
+    become_fifo_at(who, 10);
 }
 
 static void spin_for_ns(long ns)
