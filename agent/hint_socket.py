@@ -77,9 +77,25 @@ class HintServer:
                 raise OSError(f"{self.path} exists and is not a socket")
             self.path.unlink()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(str(self.path))
-        os.chmod(self.path, mode)
-        self._listener.listen(64)
+        # Bound under a temporary name, given its mode and listening, then
+        # renamed into place: whoever sees the path sees it final, never
+        # with the umask's mode or refusing connections.
+        temporary = self.path.with_name(f".{os.getpid()}.sock~")
+        if len(os.fsencode(temporary)) > len(os.fsencode(self.path)):
+            temporary = self.path           # no shorter name to spare: bound in place
+        elif temporary.is_socket():
+            temporary.unlink()              # left by an earlier process of this pid
+        try:
+            self._listener.bind(str(temporary))
+            os.chmod(temporary, mode)
+            self._listener.listen(64)
+            if temporary != self.path:
+                os.rename(temporary, self.path)
+        except BaseException:
+            self._listener.close()
+            if temporary != self.path:
+                temporary.unlink(missing_ok=True)
+            raise
         self._listener.setblocking(False)
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listener, selectors.EVENT_READ, None)

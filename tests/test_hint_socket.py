@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import socket
+import stat
 import time
 
 import pytest
@@ -406,3 +407,27 @@ def test_entropy_heads_and_modalities_from_clients_are_bounded(daemon):
     assert sum(1 for n in heads.values() if n) == MAX_MODALITIES
     assert detector.rejected == sent - MAX_ENTROPY_HEADS - (MAX_MODALITIES - 1)
     assert daemon.message_failures == 0
+
+
+
+def test_the_socket_appears_with_its_mode_and_listening(tmp_path, monkeypatch):
+    """Bound under another name, given its mode and listening, then renamed
+    into place: when its mode is set the path is not there yet, so nobody
+    sees the umask's mode or a socket that refuses connections."""
+    path = tmp_path / "mmtrace.sock"
+    real_chmod, there_at_chmod = hint_socket.os.chmod, []
+
+    def chmod(target, mode):
+        there_at_chmod.append(path.exists())
+        real_chmod(target, mode)
+
+    monkeypatch.setattr(hint_socket.os, "chmod", chmod)
+    server = HintServer(path, 0o660)
+    try:
+        assert there_at_chmod == [False]
+        assert stat.S_IMODE(path.stat().st_mode) == 0o660
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["mmtrace.sock"]
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(str(path))
+    finally:
+        server.close()
