@@ -54,6 +54,7 @@ adaptive_launches = false
 flight_min_interval_s = 5.0
 ring_seconds = 10.0
 discover_interval_s = 1.0
+metrics_address = "127.0.0.1:0"    # any free port: the host's own daemon may hold :9464
 
 [p99]
 window_s = 1.0

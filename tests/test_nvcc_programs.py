@@ -204,7 +204,11 @@ def test_record_names_every_call_of_a_static_program_started_after_it(tmp_path):
             assert time.monotonic() < deadline, "the recorder did not start"
             time.sleep(0.1)
         run = Program(fresh, "exit")
-        time.sleep(4.0)     # discovery looks at processes every 2 s
+        # Discovery looks at processes every 2 s, then the probes attach:
+        # the recording's meta says when (a fixed sleep lost to a slow compile).
+        while not _probes_attached(output, fresh):
+            assert time.monotonic() < deadline, "the fresh program was never probed"
+            time.sleep(0.2)
         out = run.call()
         run.finish()
         time.sleep(0.3)
@@ -218,6 +222,17 @@ def test_record_names_every_call_of_a_static_program_started_after_it(tmp_path):
     assert_recorded_exactly(rows, out)
     assert rec.footer["name_resolution"]["address_resolved_after_exit"] > 0
     assert any(p.get("path") == str(fresh) and p["state"] == "attached"
+               for doc in rec.meta for p in doc.get("probes", ()))
+
+
+def _probes_attached(path, target) -> bool:
+    """Whether the recording being written says a probe on `target` attached."""
+    from mmtrace.agent.recording import RecordingError, read_recording
+    try:
+        rec = read_recording(path)
+    except RecordingError:
+        return False
+    return any(p.get("path") == str(target) and p["state"] == "attached"
                for doc in rec.meta for p in doc.get("probes", ()))
 
 

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.bpf
 
 FLOOD = Path(__file__).resolve().parent / "socket_flood.py"
 CONFIG = """
+metrics_address = "127.0.0.1:0"     # any free port: :9464 may be taken on a shared host
 ring_capacity = 65536
 device_ring_capacity = 16384
 socket_idle_timeout_s = 2.0

@@ -19,6 +19,7 @@ from mmtrace.dispatch import Dispatcher
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).resolve().parent
 DISPATCHERS = 100
+ROUNDS = 60                     # requests per dispatcher
 RSS_GROWTH_LIMIT_KB = 64 * 1024
 
 
@@ -104,12 +105,14 @@ def test_a_hundred_dispatchers_are_served_beside_clients_that_misbehave(tmp_path
                        for i in range(DISPATCHERS)]
         names = {f"d{i}" for i in range(DISPATCHERS)}
         peak_kb = before_kb
-        end = time.monotonic() + 8
-        while time.monotonic() < end:
-            for d in dispatchers:
-                d.submit(1, modality="text")
+        # A fixed count of rounds (at least 6 s of them), each request then
+        # waited for: how fast a loaded host runs them changes nothing.
+        futures = []
+        for _ in range(ROUNDS):
+            futures += [d.submit(1, modality="text") for d in dispatchers]
             peak_kb = max(peak_kb, rss_kb(agent.pid))
             time.sleep(0.1)
+        assert [f.result(60) for f in futures] == [1] * len(futures)
         # every dispatcher is connected, reported, and applied the agent's hints
         report = wait_for(lambda: (r := read_report(out)) and names <= set(r["names"]) and r,
                           20, "all dispatchers connected")
@@ -118,7 +121,7 @@ def test_a_hundred_dispatchers_are_served_beside_clients_that_misbehave(tmp_path
         assert all(s["agent"]["connected"] for s in states)
         assert all(s["hints_applied"] >= 1 for s in states), \
             sorted(s["hints_applied"] for s in states)[:5]
-        assert all(s["counts"]["completed"] >= 50 for s in states)
+        assert all(s["counts"]["completed"] == ROUNDS for s in states)
         # the misbehaving ones were answered or dropped, and cost little memory
         assert report["errors_sent"] > 0
         assert all(b.sent > 0 for b in bad)
