@@ -140,16 +140,21 @@ def test_vision_makes_progress_under_continuous_text_load(make):
     assert any(m == "text" for m, _ in log[first_vision:]) and took < 2.0
 
 
+# A maximum wait long beside a loaded host's wake-up latency (a few ms here):
+# "at once" is under half of it, "at its maximum wait" within half after.
+WAIT_MS = 1000
+
+
 def test_a_short_batch_leaves_at_its_maximum_wait_and_a_full_one_at_once(make):
     rec = Recorder()
-    d = make(rec, queues={"vision": {"wait_ms": 100}})
+    d = make(rec, queues={"vision": {"wait_ms": WAIT_MS}})
     t0 = time.monotonic_ns()
     short = [d.submit(i, modality="vision") for i in range(3)]
     for f in short:
         f.result(5)
     waited_ms = (rec.batches[0][3] - t0) / 1e6
     assert rec.batches[0][2] == [0, 1, 2]
-    assert 100 <= waited_ms < 100 + 150, waited_ms
+    assert WAIT_MS <= waited_ms < 1.5 * WAIT_MS, waited_ms
 
     t1 = time.monotonic_ns()
     full = [d.submit(i, modality="vision") for i in range(11)]
@@ -157,16 +162,16 @@ def test_a_short_batch_leaves_at_its_maximum_wait_and_a_full_one_at_once(make):
         f.result(5)
     (_, _, first, s1), (_, _, rest, s2) = rec.batches[1:]
     assert first == list(range(8)) and rest == [8, 9, 10]
-    assert (s1 - t1) / 1e6 < 50
-    assert 100 <= (s2 - t1) / 1e6 < 100 + 150
+    assert (s1 - t1) / 1e6 < 0.5 * WAIT_MS
+    assert WAIT_MS <= (s2 - t1) / 1e6 < 1.5 * WAIT_MS
 
 
 def test_text_goes_one_at_a_time_without_waiting(make):
     rec = Recorder()
-    d = make(rec)
+    d = make(rec, queues={"text": {"wait_ms": WAIT_MS}})
     t0 = time.monotonic_ns()
     assert d.submit("x", modality="text").result(5) == ("gpu0", "text", "x")
-    assert (rec.batches[0][3] - t0) / 1e6 < 25
+    assert (rec.batches[0][3] - t0) / 1e6 < 0.5 * WAIT_MS
     [d.submit(i, modality="text").result(5) for i in range(5)]
     assert all(len(items) == 1 for _, _, items, _ in rec.batches)
 
@@ -214,7 +219,14 @@ def test_close_finishes_the_batch_taken_and_fails_the_rest(make):
     queued = [d.submit(i, modality="vision") for i in range(3)]
     closer = threading.Thread(target=d.close)
     closer.start()
-    time.sleep(0.05)
+    deadline = time.monotonic() + 30      # closed before the device is let go, however slow
+    while True:
+        try:
+            d.submit("probe", modality="text").cancel()
+        except DispatcherClosed:
+            break
+        assert time.monotonic() < deadline, "close() did not begin"
+        time.sleep(0.005)
     rec.gate.set()
     closer.join(5)
     assert blocker.result(0) == ("gpu0", "text", "block")
@@ -309,12 +321,13 @@ def test_imbalance_moves_new_sessions_off_a_loaded_device(make):
 def test_batch_cap_hint_shrinks_vision_batches_until_its_ttl(make):
     rec = Recorder()
     d = make(rec, queues={"vision": {"wait_ms": 1000}})
-    d.apply_hint(hint("modality_batch", "vision", 2, ttl_s=0.3))
+    # 2 s: the four batches run well within it on a loaded host (a few ms here)
+    d.apply_hint(hint("modality_batch", "vision", 2, ttl_s=2.0))
     assert d.state()["queues"]["vision"]["batch_max"] == 2
     for f in [d.submit(i, modality="vision") for i in range(8)]:
         f.result(5)
     assert [len(items) for _, _, items, _ in rec.batches] == [2, 2, 2, 2]
-    time.sleep(0.35)
+    time.sleep(2.05)
     s = d.state()
     assert s["queues"]["vision"]["batch_max"] == 8 and s["hints"] == [] and s["hints_expired"] == 1
     for f in [d.submit(i, modality="vision") for i in range(8)]:
