@@ -138,8 +138,10 @@ def test_hello_subscribe_and_one_strict_sample_per_request(linked):
     for m in samples:
         assert_strict_sample(m, m["modality"])
         assert m["value_ms"] >= 2.0 and m["ts_ns"] >= t0
-    # The vision batch waited its 10 ms before running.
-    assert min(m["value_ms"] for m in samples if m["modality"] == "vision") >= 10
+    # The vision batch waited its 10 ms (from its oldest request) before
+    # running 2 ms: the oldest request took 12 ms at least. (The others
+    # were submitted later, by as much as a loaded host delays this thread.)
+    assert max(m["value_ms"] for m in samples if m["modality"] == "vision") >= 12
 
 
 def test_entropy_from_watch_reaches_the_agent(linked):
@@ -227,10 +229,13 @@ def test_when_the_agent_dies_the_hints_expire_to_defaults(linked):
     agent.stop()
     killed = time.monotonic()
     wait_for(lambda: not connected(d), timeout=1.0)
-    wait_for(lambda: d.state()["hints"] == [], timeout=1.0)
+    wait_for(lambda: d.state()["hints"] == [], timeout=2.0)
     back = time.monotonic() - killed
     s = d.state()
-    assert back <= 0.6 + 0.05
+    # Expiry runs on the link's 20 ms tick; 0.5 s beside the 0.6 s TTL is
+    # for a loaded host. A dispatcher that held hints until the agent came
+    # back, or for the 3600 s maximum, still fails.
+    assert back <= 0.6 + 0.5
     assert s["queues"]["vision"]["batch_max"] == 8 and not s["queues"]["vision"]["degraded"]
     assert s["weights"] == {"gpu0": 1.0, "gpu1": 1.0}
 
