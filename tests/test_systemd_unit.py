@@ -271,7 +271,8 @@ def test_daemon_serves_the_socket_to_its_group_only(unit_user, open_tmp):
     run_dir = owned_dir(open_tmp / "run", unit_user, 0o750)
     sock = run_dir / "mmtrace.sock"
     daemon = subprocess.Popen(
-        sandboxed(unit_user, [MMTRACE, "run", "--state-dir", state, "--socket", sock], open_tmp),
+        sandboxed(unit_user, [MMTRACE, "run", "--state-dir", state, "--socket", sock,
+                              "--metrics-address", "127.0.0.1:0"], open_tmp),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
