@@ -321,6 +321,7 @@ def run(config_path, pids, libs, state_dir, socket_path, trace_launches, metrics
         log.warning(why_not)
     from mmtrace.exporters.prometheus import MetricsAddressError
     from .daemon import Daemon
+    from .safe_files import UnsafePathError
     from .signals import StopDeadline
     daemon = Daemon(cfg)
     daemon.stop.install()
@@ -328,7 +329,7 @@ def run(config_path, pids, libs, state_dir, socket_path, trace_launches, metrics
     deadline.install()
     try:
         daemon.run(load_config=configuration)
-    except MetricsAddressError as exc:
+    except (MetricsAddressError, UnsafePathError) as exc:
         daemon.close()
         raise MmtraceError(str(exc)) from None
     finally:

@@ -175,6 +175,7 @@ class Daemon:
         cfg = self.config
         began = time.monotonic()
         heap.keep_large_blocks_mapped()
+        self.flight.prepare()           # UnsafePathError: another user's state directory
         self._start_exporters()
         options = probe_loader.ProbeOptions(pids=tuple(cfg.pids),
                                             trace_launches=not cfg.adaptive_launches)

@@ -5,10 +5,11 @@ standard output, where a reader that goes away (`| head`) is not an error."""
 
 import errno
 import os
-import secrets
 import stat
 import sys
 from pathlib import Path
+
+from .safe_files import DirFile, UnsafePathError, refuse_link
 
 BUFFER_BYTES = 1 << 20
 
@@ -23,27 +24,33 @@ def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
 
 class ExportOutput:
     """`with ExportOutput(path, source=input_path) as out: out.stream.write(...)`;
-    path "-" is standard output."""
+    path "-" is standard output. The path is never resolved: a symbolic
+    link named as the output is refused (root must not write through a
+    link a user planted in /tmp), and the temporary file is created and
+    renamed relative to the output's directory (agent/safe_files.py)."""
 
     def __init__(self, output: str, source):
         self.output = output
         self.source = Path(source)
         self.stream = None
-        self._tmp = None
-        self._final = None
+        self._file: DirFile | None = None
 
     def __enter__(self):
         if self.output == "-":
             sys.stdout.flush()
             self.stream = sys.stdout.buffer
             return self
-        final = Path(os.path.realpath(self.output))
+        final = Path(self.output)
         try:
-            existing = os.stat(final)
+            existing = os.lstat(final)
         except FileNotFoundError:
             existing = None
         except OSError as exc:
             raise OutputError(f"cannot write {self.output}: {exc.strerror}") from None
+        try:
+            refuse_link(final, existing)
+        except UnsafePathError as exc:
+            raise OutputError(f"cannot write {exc}") from None
         if existing is not None and _same_file(existing, os.stat(self.source)):
             raise OutputError(f"{self.output} is the input recording {self.source}; "
                               "refusing to overwrite it")
@@ -52,16 +59,14 @@ class ExportOutput:
         try:
             if existing is not None and not stat.S_ISREG(existing.st_mode):
                 # A device or FIFO (/dev/null, a pipe): written in place, never replaced.
-                self.stream = open(final, "wb", buffering=BUFFER_BYTES)
+                fd = os.open(final, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                self.stream = os.fdopen(fd, "wb", buffering=BUFFER_BYTES)
                 return self
-            tmp = final.with_name(f".{final.name}.{secrets.token_hex(4)}.tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-            if existing is not None:        # a file replaced keeps its permissions
-                os.fchmod(fd, stat.S_IMODE(existing.st_mode))
+            # a file replaced keeps its permissions; a new one takes the umask's
+            self._file = DirFile(final, stat.S_IMODE(existing.st_mode) if existing else None)
         except OSError as exc:
-            raise OutputError(f"cannot write {self.output}: {exc.strerror}") from None
-        self._tmp, self._final = tmp, final
-        self.stream = os.fdopen(fd, "wb", buffering=BUFFER_BYTES)
+            raise OutputError(f"cannot write {self.output}: {exc.strerror or exc}") from None
+        self.stream = os.fdopen(self._file.fd, "wb", buffering=BUFFER_BYTES)
         return self
 
     def __exit__(self, kind, exc, tb):
@@ -72,14 +77,14 @@ class ExportOutput:
             self.stream.close()
         except OSError as close_exc:
             failure = failure or close_exc
-        if failure is None and self._tmp is not None:
+        if self._file is not None:
             try:
-                os.rename(self._tmp, self._final)
-                self._tmp = None
+                if failure is None:
+                    self._file.commit()
             except OSError as rename_exc:
                 failure = rename_exc
-        if self._tmp is not None:
-            self._tmp.unlink(missing_ok=True)
+            finally:
+                self._file.close()
         if isinstance(failure, OSError):
             raise OutputError(f"cannot write {self.output}: "
                               f"{failure.strerror or failure}") from None

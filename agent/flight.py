@@ -3,15 +3,20 @@ to a recording file in the state directory, at most once per interval; on
 request (`mmtrace dump`, SIGUSR2) it goes there at once."""
 
 import logging
+import os
 import re
+import stat
 import time
 from pathlib import Path
 
 import numpy as np
 
 from .recording import RecordingWriter
+from .safe_files import private_dir
 
 log = logging.getLogger(__name__)
+STATE_DIR_MODE = 0o700
+MAX_NAME_TRIES = 100
 
 
 class FlightRecorder:
@@ -58,10 +63,11 @@ class FlightRecorder:
                now_ns: int) -> Path | None:
         since = now_ns - int(self.seconds * 1e9)
         label = re.sub(r"[^A-Za-z0-9_.=-]+", "_", label)
-        path = self._free_path(f"flight-{time.strftime('%Y%m%dT%H%M%S')}-{label[:60]}")
+        stem = f"flight-{time.strftime('%Y%m%dT%H%M%S')}-{label[:60]}"
+        path = self.state_dir / f"{stem}.mmtr"
         try:
-            self.state_dir.mkdir(parents=True, exist_ok=True)
-            writer = RecordingWriter(path, schemas, info={"flight_recorder": True, **why})
+            private_dir(self.state_dir, STATE_DIR_MODE)
+            path, writer = self._new_file(stem, {"flight_recorder": True, **why}, schemas)
             try:
                 for m in meta:
                     writer.write_meta(m)
@@ -82,18 +88,49 @@ class FlightRecorder:
         self._prune()
         return path
 
-    def _free_path(self, stem: str) -> Path:
-        """A file name not taken yet: two writes within a second keep both."""
-        path = self.state_dir / f"{stem}.mmtr"
-        n = 1
-        while path.exists():
-            n += 1
-            path = self.state_dir / f"{stem}-{n}.mmtr"
-        return path
+    def prepare(self):
+        """The state directory made, or checked, as the recordings need it:
+        UnsafePathError where another user owns it or can write into it."""
+        private_dir(self.state_dir, STATE_DIR_MODE)
+
+    def _new_file(self, stem: str, info: dict, schemas: dict) -> tuple[Path, RecordingWriter]:
+        """A recording under a name not taken yet, created exclusively: two
+        writes within a second keep both, and a name planted beforehand (a
+        link, a FIFO) is passed over, never written through."""
+        for n in range(1, MAX_NAME_TRIES + 1):
+            path = self.state_dir / (f"{stem}.mmtr" if n == 1 else f"{stem}-{n}.mmtr")
+            try:
+                return path, RecordingWriter(path, schemas, info=info, exclusive=True)
+            except FileExistsError:
+                continue
+        raise FileExistsError(f"{MAX_NAME_TRIES} names like {stem}.mmtr are taken")
+
+    def recordings(self) -> list[Path]:
+        """The flight recordings held, oldest first: regular files only; a
+        link, a directory, a FIFO or a file gone meanwhile is passed over."""
+        found = []
+        try:
+            with os.scandir(self.state_dir) as entries:
+                for entry in entries:
+                    if not (entry.name.startswith("flight-") and entry.name.endswith(".mmtr")):
+                        continue
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    if stat.S_ISREG(st.st_mode):
+                        found.append((st.st_mtime_ns, entry.name))
+        except OSError as exc:
+            log.warning("flight recorder: cannot list %s: %s", self.state_dir, exc.strerror)
+        return [self.state_dir / name for _, name in sorted(found)]
 
     def _prune(self):
         """Keep the newest `keep` flight recordings; an incident storm must not
         fill the disk."""
-        files = sorted(self.state_dir.glob("flight-*.mmtr"), key=lambda p: p.stat().st_mtime)
-        for old in files[:-self.keep]:
-            old.unlink(missing_ok=True)
+        for old in self.recordings()[:-self.keep]:
+            try:
+                old.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("flight recorder: cannot remove %s: %s", old, exc.strerror)

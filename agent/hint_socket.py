@@ -27,6 +27,7 @@ from pathlib import Path
 
 from .hint_protocol import MAX_MESSAGE, ProtocolError, parse_line
 from .log_limit import RateLimitedLog
+from .safe_files import private_dir
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 MAX_OUTBOX = 256 * 1024
 MAX_CLIENTS = 256
 IDLE_TIMEOUT_S = 60.0
+SOCKET_DIR_MODE = 0o750      # the socket group may look in; the socket is 0660
 ERROR_BURST = 16                # errors answered in a row before the rate counts
 ERROR_RATE_PER_S = 1.0
 SWEEP_INTERVAL_S = 0.5          # how often idle and hung-up clients are looked for
@@ -71,7 +73,7 @@ class HintServer:
         self.max_clients = max_clients
         self.idle_timeout_s = idle_timeout_s
         self.clock = clock
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(self.path.parent, SOCKET_DIR_MODE, sticky_ok=True)
         if self.path.exists() or self.path.is_symlink():
             if not stat.S_ISSOCK(self.path.lstat().st_mode):
                 raise OSError(f"{self.path} exists and is not a socket")

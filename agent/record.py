@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from mmtrace.bpf import counters as bpf_counters
 from mmtrace.bpf import device as device_stream
@@ -17,6 +18,7 @@ from . import probes as probe_loader
 from .dev_names import DeviceNames
 from .errors import MmtraceError
 from .recording import RecordingWriter
+from .safe_files import UnsafePathError, refuse_link
 from .threads import ThreadProcesses
 
 # GPU and NPU events share one layout; each event's API says its stream.
@@ -193,6 +195,10 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
     With `socket_path`, dispatchers' request latencies and entropy samples
     reported on that socket are recorded too (see socket_telemetry)."""
     options = options or probe_loader.ProbeOptions(pids=tuple(pids))
+    try:
+        refuse_link(Path(output))       # said before the probes load; the writer checks again
+    except UnsafePathError as exc:
+        raise MmtraceError(f"-o {exc}") from None
     began = time.monotonic()
     heap.keep_large_blocks_mapped()
     sources = DeviceSources(libs, options.pids, discover, warn) if options.device else None
@@ -210,13 +216,18 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
     try:
         if socket_path is not None:
             from . import socket_telemetry
-        writer = RecordingWriter(output, {**SCHEMAS, **(socket_telemetry.SCHEMAS if socket_path
-                                                       else {})}, info={
-            "hostname": platform.node(),
-            "kernel": platform.release(),
-            "pids": list(options.pids),
-            "recorder_pid": os.getpid(),
-        })
+        try:
+            writer = RecordingWriter(output, {**SCHEMAS, **(socket_telemetry.SCHEMAS
+                                                           if socket_path else {})}, info={
+                "hostname": platform.node(),
+                "kernel": platform.release(),
+                "pids": list(options.pids),
+                "recorder_pid": os.getpid(),
+            })
+        except UnsafePathError as exc:
+            raise MmtraceError(f"-o {exc}") from None
+        except OSError as exc:
+            raise MmtraceError(f"-o {output}: cannot write: {exc.strerror or exc}") from None
         device = _DeviceRecording(loaded, writer, None)
         if socket_path is not None:
             try:
@@ -276,6 +287,9 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
         if writer.failed is not None:
             _stop_on_write_error(writer, output, footer)
         writer.close(footer)
+        if not writer.still_at_path():
+            raise MmtraceError(f"-o {output}: removed or replaced while it was written; the "
+                               f"{events:,} events recorded are lost with it")
         return RecordResult(events, lost, elapsed, stop.reason or "duration")
     finally:
         if compiling is not None:

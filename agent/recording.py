@@ -25,6 +25,7 @@ import numpy as np
 
 from .bounded_json import loads_bounded
 from .recording_checks import check_footer, check_header, check_meta
+from .safe_files import create_new, replace_file
 
 MAGIC = b"MMTRACE\x00"
 MAJOR = 1
@@ -61,7 +62,11 @@ class RecordingWriter:
     """Writes a recording; each `write_*` call appends one whole chunk."""
 
     def __init__(self, path, schemas: dict[str, np.dtype], info: dict | None = None,
-                 fsync_interval_s: float = 1.0):
+                 fsync_interval_s: float = 1.0, *, exclusive: bool = False):
+        """The file is created mode 0600 whatever the umask, never through a
+        symbolic link: an existing regular file is replaced, unless
+        `exclusive` (then FileExistsError); anything else there is refused
+        with UnsafePathError (agent/safe_files.py)."""
         self.path = Path(path)
         # The header lists the schemas sorted by name (sort_keys), and a
         # reader numbers them in that order: so must the chunks.
@@ -69,7 +74,10 @@ class RecordingWriter:
         self._schema_ids = {name: i for i, name in enumerate(self.schemas)}
         # Unbuffered: a write the disk refuses leaves nothing pending that a
         # later write or close would push after a partial chunk.
-        self._file = open(self.path, "wb", buffering=0)
+        fd = create_new(self.path) if exclusive else replace_file(self.path)
+        st = os.fstat(fd)
+        self._identity = (st.st_dev, st.st_ino)
+        self._file = open(fd, "wb", buffering=0)
         self.failed: OSError | None = None      # the write error that ended the recording
         # fsync runs in a thread of its own: on a loaded host one took 2.6 s,
         # and a drain loop blocked that long let the kernel's ring overflow.
@@ -139,6 +147,15 @@ class RecordingWriter:
             self._chunk(KIND_EVENTS, self._schema_ids[schema], len(part),
                         np.ascontiguousarray(part).tobytes())
             self.events_written += len(part)
+
+    def still_at_path(self) -> bool:
+        """Whether the path still names the file written (not removed with
+        its directory, or replaced)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self._identity
 
     def write_meta(self, meta: dict):
         self._chunk(KIND_META, 0, 0, json.dumps(meta, sort_keys=True).encode())

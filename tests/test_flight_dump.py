@@ -68,7 +68,8 @@ def test_a_dump_that_cannot_be_written_says_why(tmp_path):
     blocker = tmp_path / "state"
     blocker.write_text("a file where the directory should be")
     flight = FlightRecorder(blocker)
-    with pytest.raises(OSError, match=rf"cannot write {blocker}/flight-.*: File exists"):
+    with pytest.raises(OSError, match=rf"cannot write {blocker}/flight-.*: {blocker}: "
+                                      "expected a directory, got a regular file"):
         flight.dump_now({}, {"x": SCHEMA}, [], reason="dump", now_ns=1)
     assert flight.failed == 1
 

@@ -271,7 +271,8 @@ def test_an_export_never_overwrites_its_input(tmp_path, fmt, how):
     elif how == "hardlink":
         os.link(path, out)
     result = CliRunner().invoke(cli, ["export", str(path), "--format", fmt, "-o", str(out)])
-    one_error_line(result, "refusing to overwrite")
+    one_error_line(result, "refusing to write through it" if how == "symlink"
+                   else "refusing to overwrite")
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         {"a.mmtr", out.name})
@@ -339,15 +340,24 @@ def test_meta_beyond_the_budget_is_left_out_with_a_warning(tmp_path):
         assert rec.complete
 
 
-def test_an_export_through_a_symlink_replaces_its_target_and_keeps_its_mode(tmp_path):
+@pytest.mark.parametrize("dangling", [False, True])
+def test_an_export_through_a_symlink_is_refused_and_its_target_left_alone(tmp_path, dangling):
+    """A link planted where root will write (a sticky /tmp): neither a file
+    it points to nor a missing one it names is changed or created."""
     path = write_sample(tmp_path / "a.mmtr")
-    target = tmp_path / "target.jsonl"
-    target.write_text("old")
-    target.chmod(0o600)
+    target = tmp_path / "victim"
+    if not dangling:
+        target.write_text("root's own")
+        target.chmod(0o600)
     (tmp_path / "link.jsonl").symlink_to(target)
     result = CliRunner().invoke(cli, ["export", str(path), "--format", "jsonl",
                                       "-o", str(tmp_path / "link.jsonl")])
-    assert result.exit_code == 0, result.output
+    one_error_line(result, f"{tmp_path / 'link.jsonl'}: is a symbolic link (to {target}); "
+                           "refusing to write through it")
     assert (tmp_path / "link.jsonl").is_symlink()
-    assert len(target.read_text().splitlines()) == 40
-    assert target.stat().st_mode & 0o777 == 0o600
+    if dangling:
+        assert not target.exists()
+    else:
+        assert target.read_text() == "root's own" and target.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["a.mmtr", "link.jsonl"] + ([] if dangling else ["victim"]))

@@ -1,0 +1,149 @@
+"""Files and directories that root creates where other users can reach.
+
+A local user may plant a symbolic link, or a file, under a name root is
+about to write (a sticky /tmp, a state directory given on the command
+line). So every file is opened relative to its directory's descriptor,
+never through a symbolic link in its final component (O_NOFOLLOW), and
+created new (O_EXCL), with the mode asked for whatever the umask. A file
+that is replaced is written under a random name in the same directory and
+renamed over the old one (rename never follows a link). A directory the
+daemon keeps its files in is created with a tight mode, and one that is
+there already must be ours (or root's) and writable by nobody else.
+The kernel's fs.protected_symlinks is not relied on: it is off on hosts.
+"""
+
+import os
+import secrets
+import stat
+from pathlib import Path
+
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class UnsafePathError(OSError):
+    """A path root will not write through; the message says why, in one line."""
+
+
+def private_dir(path: Path, mode: int, *, sticky_ok: bool = False) -> Path:
+    """`path` as a directory of this user with `mode` (0o700, 0o750),
+    created with its parents where missing; UnsafePathError where one is
+    there that another user owns or could write into, or a link. With
+    `sticky_ok`, a sticky directory of root's that all may write into
+    (/tmp) passes: nobody can remove or rename what another made there."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        pass
+    else:
+        os.chmod(path, mode, follow_symlinks=False)     # the umask took bits from mode
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafePathError(f"{path}: expected a directory, got a symbolic link "
+                              f"(to {os.readlink(path)}); refusing to write through it")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafePathError(f"{path}: expected a directory, got {_kind(st.st_mode)}")
+    if st.st_uid not in (os.geteuid(), 0):
+        owner = "root" if os.geteuid() == 0 else f"uid {os.geteuid()} or root"
+        raise UnsafePathError(f"{path}: owned by uid {st.st_uid}, expected {owner}; "
+                              "another user's directory is not safe to write recordings "
+                              "or a socket in")
+    if st.st_mode & 0o022 and not (sticky_ok and st.st_mode & stat.S_ISVTX and st.st_uid == 0):
+        raise UnsafePathError(f"{path}: mode {stat.S_IMODE(st.st_mode):04o} lets other users "
+                              f"write into it; expected at most {mode:04o} "
+                              f"(chmod go-w {path})")
+    return path
+
+
+def create_new(path: Path, mode: int = 0o600) -> int:
+    """A descriptor of `path`, created now (never an existing file or a
+    link) with exactly `mode`; FileExistsError where the name is taken."""
+    fd = os.open(path, _CREATE, mode)
+    try:
+        os.fchmod(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def replace_file(path: Path, mode: int = 0o600) -> int:
+    """A descriptor of a new `path`: an existing regular file of that name
+    is removed first; a link, a directory or anything else there is
+    refused with UnsafePathError. Creation is exclusive, so a link planted
+    between the removal and the creation fails it, not followed."""
+    path = Path(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    if st is not None:
+        refuse_link(path, st)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError(f"{path}: expected a regular file to replace, got "
+                                  f"{_kind(st.st_mode)}")
+        os.unlink(path)
+    try:
+        return create_new(path, mode)
+    except FileExistsError:
+        raise UnsafePathError(f"{path}: created by someone else while it was being "
+                              "replaced; refusing to write to it") from None
+
+
+def refuse_link(path: Path, st: os.stat_result | None = None):
+    """UnsafePathError where the final component of `path` is a symbolic link."""
+    if st is None:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafePathError(f"{path}: is a symbolic link (to {os.readlink(path)}); "
+                              "refusing to write through it")
+
+
+class DirFile:
+    """A new file in an open directory, written under a random name and
+    renamed into place by `commit()`, all relative to the directory's
+    descriptor: the directory can be renamed or a link planted meanwhile,
+    and neither changes where the file lands."""
+
+    def __init__(self, path: Path, mode: int | None):
+        """`mode` exactly, or None: 0o666 less the umask."""
+        path = Path(path)
+        self.name = path.name
+        self.dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self.tmp = f".{self.name}.{secrets.token_hex(4)}.tmp"
+        try:
+            self.fd = os.open(self.tmp, _CREATE, 0o666 if mode is None else mode,
+                              dir_fd=self.dir_fd)
+            if mode is not None:
+                os.fchmod(self.fd, mode)
+        except BaseException:
+            os.close(self.dir_fd)
+            raise
+
+    def commit(self):
+        os.rename(self.tmp, self.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+        self.tmp = None
+
+    def close(self):
+        """Remove the temporary file unless committed; close the directory."""
+        try:
+            if self.tmp is not None:
+                os.unlink(self.tmp, dir_fd=self.dir_fd)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(self.dir_fd)
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISLNK, "a symbolic link"),
+                       (stat.S_ISREG, "a regular file")):
+        if test(mode):
+            return name
+    return "something else"
