@@ -3,6 +3,7 @@ json.loads recurses once per level, so a few kilobytes of brackets would
 otherwise raise RecursionError instead of a clear error."""
 
 import json
+import re
 
 import numpy as np
 
@@ -38,16 +39,35 @@ def _no_constant(name):
     raise ValueError(f"{name} is not a JSON number")
 
 
+# An escaped UTF-16 surrogate: the only way JSON can carry a lone one.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _encodable(value):
+    """`value` with every string's lone surrogates as U+FFFD (a pair
+    escaped as two halves joined), so that any output can encode it."""
+    if isinstance(value, str):
+        return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    if isinstance(value, list):
+        return [_encodable(v) for v in value]
+    if isinstance(value, dict):
+        return {_encodable(k): _encodable(v) for k, v in value.items()}
+    return value
+
+
 def loads_bounded(data: bytes, max_bytes: int, max_depth: int = MAX_DEPTH):
     """Parse `data`; ValueError when it is larger than `max_bytes`, nested
-    deeper than `max_depth`, not UTF-8, not JSON, or holds NaN/Infinity."""
+    deeper than `max_depth`, not UTF-8, not JSON, or holds NaN/Infinity.
+    Strings come back encodable: an escaped lone surrogate (a recording
+    that holds a name a client sent) becomes U+FFFD."""
     if len(data) > max_bytes:
         raise ValueError(f"{len(data)} bytes of JSON, expected at most {max_bytes}")
     depth = nesting_depth(data)
     if depth > max_depth:
         raise ValueError(f"JSON nested {depth} levels deep, expected at most {max_depth}")
     try:
-        return json.loads(data, parse_constant=_no_constant)
+        value = json.loads(data, parse_constant=_no_constant)
+        return _encodable(value) if _SURROGATE_ESCAPE.search(data) else value
     except UnicodeDecodeError:
         raise ValueError("JSON text is not UTF-8") from None
     except RecursionError:      # a bound above this interpreter's stack

@@ -15,8 +15,9 @@ as the agent enforces it, so that a client can follow it line by line:
   optional `modality` of their own; optional `ts_ns`;
 - `subscribe`, `status`, `dump`: nothing more (`dump` writes the flight
   recorder's ring now and is answered with the file's path).
-Names are non-empty strings of at most MAX_NAME characters without control
-characters; `head` is an int in 0..MAX_HEAD; entropy values are finite
+Names are non-empty strings of at most MAX_NAME printable characters (no
+control or format character, no lone surrogate: every output can encode
+them); `head` is an int in 0..MAX_HEAD; entropy values are finite
 numbers in 0..1 (within VALUE_NOISE, then clipped); `ts_ns` is an int in
 0..2**63-1 (CLOCK_MONOTONIC). Keys not named here are ignored, so that
 clients may send more than this version reads.
@@ -55,7 +56,6 @@ class ProtocolError(ValueError):
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
 _NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
 _BRACKET_STEP = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")   # +1 / -1 as signed bytes
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def nesting_depth(line: bytes) -> int:
@@ -169,11 +169,15 @@ def _entropy_value(sample: dict, where: str) -> float:
 
 
 def _name(msg: dict, key: str, where: str) -> str:
+    # isprintable(): no control, format (bidi overrides), surrogate (a lone
+    # "\ud800" cannot be encoded, and broke every scrape), private-use or
+    # unassigned code point, nor a separator but the space
     value = msg.get(key)
     if not isinstance(value, str) or not 1 <= len(value) <= MAX_NAME \
-            or _CONTROL.search(value):
-        raise ProtocolError(f"{where}: expected {key} as a string of 1..{MAX_NAME} "
-                            f"characters without control characters, got {_show(value)}")
+            or not value.isprintable():
+        raise ProtocolError(f"{where}: expected {key} as a string of 1..{MAX_NAME} printable "
+                            f"characters, without control characters or lone surrogates, "
+                            f"got {_show(value)}")
     return value
 
 

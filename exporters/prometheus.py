@@ -53,7 +53,8 @@ class MetricsAddressError(ValueError):
 def parse_address(text: str) -> tuple[str, int]:
     """":9464" (every interface), "127.0.0.1:9464", "[::1]:9464"."""
     host, sep, port = str(text).rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+    # isdigit() would take "²", which int() refuses: ASCII digits only
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) < 65536:
         raise MetricsAddressError(f"metrics address: expected HOST:PORT or :PORT "
                                   f"(e.g. {DEFAULT_ADDRESS}), got {text!r}")
     return host.strip("[]"), int(port)
@@ -107,6 +108,30 @@ class Labels:
     with_pid: bool = False
 
 
+def _encodable(text: str) -> str:
+    """`text` as UTF-8 can carry it: a file name's undecodable bytes
+    (surrogateescape) as \\xNN, any other lone surrogate as U+FFFD."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def _encodable_labels(family):
+    """The family with label values every scrape can encode: one library
+    path of undecodable bytes must not turn every scrape into a 500."""
+    for i, sample in enumerate(family.samples):
+        if not all(v.isascii() for v in sample.labels.values()):
+            family.samples[i] = sample._replace(
+                labels={k: _encodable(v) for k, v in sample.labels.items()})
+    return family
+
+
 class DaemonCollector:
     """Reads the daemon at scrape time. `daemon` offers: lock, loaded (or
     None), counts (EventCounts), probe_states, p99, entropy, entropy_latest,
@@ -122,6 +147,10 @@ class DaemonCollector:
         return []       # the families are only known at scrape time
 
     def collect(self):
+        for family in self._families():
+            yield _encodable_labels(family)
+
+    def _families(self):
         d = self.daemon
         loaded = d.loaded
         if loaded is not None:

@@ -182,6 +182,27 @@ def test_detectors_anomalies_hints_and_entropy(daemon):
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian's prometheus)")
+def test_names_no_scrape_can_encode_are_escaped_not_a_500(daemon):
+    """A library path of undecodable bytes (a user can make one) and a lone
+    surrogate held from before the socket checked names."""
+    feed_gpu_work(daemon)
+    daemon.probe_states = [
+        {"stream": "gpu", "program": "/opt/x/cuda\udcff.c", "state": "failed", "reason": "r"},
+        {"stream": "gpu", "program": "/opt/x/\ud800.c", "state": "failed", "reason": "r"}]
+    registry = prometheus.registry_for(daemon, prometheus.Labels())
+    endpoint = prometheus.MetricsEndpoint("127.0.0.1:0", registry)
+    try:
+        reply = urllib.request.urlopen(f"http://127.0.0.1:{endpoint.port}/metrics", timeout=10)
+        assert reply.status == 200
+        body = reply.read().decode()
+    finally:
+        endpoint.close()
+    assert r'probe="cuda\\xff"' in body and 'probe="\ufffd"' in body
+    result = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_exposition_passes_promtool(daemon):
     feed_gpu_work(daemon)
     text = "\n".join(scrape(daemon)) + "\n"
@@ -204,7 +225,8 @@ def test_endpoint_serves_and_a_taken_port_is_one_error(daemon):
         endpoint.close()
 
 
-@pytest.mark.parametrize("text", ["9464", "localhost:", "host:port", ":70000", ""])
+@pytest.mark.parametrize("text", ["9464", "localhost:", "host:port", ":70000", "", ":²",
+                                  ":٩٤٦٤"])
 def test_bad_addresses_name_what_was_expected(text):
     with pytest.raises(prometheus.MetricsAddressError, match="expected HOST:PORT or :PORT"):
         prometheus.parse_address(text)
