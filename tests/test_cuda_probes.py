@@ -227,7 +227,10 @@ def test_adaptive_mode_detaches_only_per_launch_probes(natives):
         opened = time.monotonic()
         session.device.attach_launches(duration_s=3.0)
         assert phase() == everything
-        while session.device.launches_attached:
+        def launch_probe_state():       # states() waits for a detach under way
+            return {(s["symbol"], s["point"]): s["state"]
+                    for s in session.device.states()}[("cudaLaunchKernel", "entry")]
+        while session.device.launches_attached or launch_probe_state() != "detached":
             assert time.monotonic() - opened < 60, "the launch window never ended"
             time.sleep(0.05)
         assert time.monotonic() - opened >= 3.0

@@ -34,6 +34,10 @@ flight_min_interval_s = 5.0
 WARMUP_S = 5.0
 RSS_SLACK_KB = 10 * 1024
 BAD_EVERY_S = 1.5
+RECV_TIMEOUT_S = 0.05
+# A daemon that leaves a client's bytes unread this long is not serving it
+# (a flight recording pauses the reads for about 0.2 s).
+SEND_TIMEOUT_S = 5.0
 
 
 def vm_rss_kb(pid: int) -> int:
@@ -48,9 +52,9 @@ class Dispatcher:
     def __init__(self, path: Path):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(str(path))
-        self.sock.settimeout(0.05)
-        self.sock.sendall(b'{"v":1,"type":"hello","client":"good","pid":1}\n'
-                          b'{"v":1,"type":"subscribe"}\n')
+        self.sock.settimeout(RECV_TIMEOUT_S)
+        self.send(b'{"v":1,"type":"hello","client":"good","pid":1}\n'
+                  b'{"v":1,"type":"subscribe"}\n')
         self.buf = b""
         self.hints, self.errors, self.bad_sent, self.samples = [], [], 0, 0
         self.slowest_answer_s = 0.0
@@ -72,19 +76,27 @@ class Dispatcher:
             msg = json.loads(line)
             (self.hints if msg["type"] == "hint" else self.errors).append(msg)
 
+    def send(self, data: bytes):
+        """All of `data`, waiting up to SEND_TIMEOUT_S for the daemon to read
+        (it pauses its reads while it writes a flight recording)."""
+        self.sock.settimeout(SEND_TIMEOUT_S)
+        try:
+            self.sock.sendall(data)
+        finally:
+            self.sock.settimeout(RECV_TIMEOUT_S)
+
     def samples_round(self):
         for i in range(10):
-            self.sock.sendall(json.dumps({"v": 1, "type": "sample", "series": "e2e",
-                                          "modality": "vision",
-                                          "value_ms": self.latency_ms + i}).encode()
-                              + b"\n")
+            self.send(json.dumps({"v": 1, "type": "sample", "series": "e2e",
+                                  "modality": "vision",
+                                  "value_ms": self.latency_ms + i}).encode() + b"\n")
             self.samples += 1
         self.lines()
 
     def bad_line(self):
         """One bad line, and its answer."""
         answered = len(self.errors) + 1
-        self.sock.sendall(b'{"v":1,"type":"sample","value_ms":NaN}\n')
+        self.send(b'{"v":1,"type":"sample","value_ms":NaN}\n')
         self.bad_sent += 1
         sent = time.monotonic()
         while len(self.errors) < answered and not self.closed:
