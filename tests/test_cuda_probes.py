@@ -252,10 +252,13 @@ def test_record_and_export_jsonl_end_to_end(natives, tmp_path, mmtrace_cli):
                             "--lib", str(natives.cudart), "--lib", str(natives.driver)],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        line = rec.stdout.readline()
-        while " stream live " in line:      # the streams going live come first
-            line = rec.stdout.readline()
-        assert line.startswith("recording "), line
+        # The streams going live come first, and any warning about the
+        # host's other processes (one that exits while it is looked at);
+        # the first progress line comes once every stream is attached.
+        seen = [rec.stdout.readline()]
+        while seen[-1] and not seen[-1].startswith("recording "):
+            seen.append(rec.stdout.readline())
+        assert seen[-1].startswith("recording "), seen
         runtime = run_json([natives.cudart_calls, 300])
         driver = run_json([natives.driver_calls])
         time.sleep(0.3)
