@@ -430,4 +430,19 @@ def top(socket_path, interval, once, as_json):
 
 
 def main():
-    cli(prog_name="mmtrace")
+    """The console script: every error is one line on stderr and exit
+    status 2, a usage error too (click's own would print the usage and a
+    hint around it)."""
+    try:
+        code = cli.main(prog_name="mmtrace", standalone_mode=False)
+    except click.UsageError as exc:
+        where = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
+        click.echo(f"mmtrace: error: {exc.format_message()}{where}", err=True)
+        sys.exit(2)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        click.echo("mmtrace: aborted", err=True)
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -37,10 +37,14 @@ class JournalFormatter(logging.Formatter):
         return prefix + super().format(record).replace("\n", "\n" + prefix)
 
 
+def _digits(text: str) -> bool:
+    return text.isascii() and text.isdigit()      # int() refuses "²", which isdigit() takes
+
+
 def stream_is_journal(stream, environ=os.environ) -> bool:
     """True when `stream` is the journal's: JOURNAL_STREAM names its device and inode."""
     dev, sep, inode = environ.get("JOURNAL_STREAM", "").partition(":")
-    if not sep or not dev.isdigit() or not inode.isdigit():
+    if not sep or not _digits(dev) or not _digits(inode):
         return False
     try:
         st = os.fstat(stream.fileno())

@@ -153,7 +153,7 @@ def check_meta(doc):
         _want(isinstance(table, dict) and len(table) <= MAX_TABLE_ROWS, "meta 'symbol_names'",
               "an object of id -> name", table)
         for key, name in table.items():
-            _want(key.isdigit() and len(key) <= 20 and int(key) < 1 << 64
+            _want(key.isascii() and key.isdigit() and len(key) <= 20 and int(key) < 1 << 64
                   and isinstance(name, str), "meta 'symbol_names' entry",
                   "a decimal id and a name", [key, name])
     for key in ("request_series", "entropy_layers", "modalities"):

@@ -17,7 +17,8 @@ class Notifier:
         # The watchdog is ours when WATCHDOG_USEC is set for this very pid.
         usec = env.get("WATCHDOG_USEC", "")
         owner = env.get("WATCHDOG_PID", str(os.getpid()))
-        self.watchdog_s = int(usec) / 1e6 if usec.isdigit() and owner == str(os.getpid()) \
+        self.watchdog_s = int(usec) / 1e6 if (usec.isascii() and usec.isdigit()
+                                              and owner == str(os.getpid())) \
             else None
         self._next_ping = 0.0
         self.sent = 0

@@ -183,7 +183,8 @@ class HintBook:
     def _device(self, kind: str, name) -> str:
         if name in self.devices:
             return name
-        if isinstance(name, str) and name.isdigit() and int(name) < len(self.devices):
+        if isinstance(name, str) and name.isascii() and name.isdigit() \
+                and int(name) < len(self.devices):
             return self.devices[int(name)]
         raise ValueError(f"{kind} hint: expected a device among {self.devices} "
                          f"or its ordinal, got {name!r}")

@@ -6,7 +6,6 @@ than send something the agent would refuse."""
 
 import json
 import math
-import re
 
 # The agent's limits (agent/hint_protocol.py; a test keeps the two equal:
 # the dispatcher imports nothing of the agent's).
@@ -16,12 +15,12 @@ MAX_VALUES = 2048
 MAX_HEAD = 65535
 MAX_VALUE_MS = 3_600_000.0
 UNNAMED_MODALITY = "unknown"
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def is_name(text) -> bool:
-    """A series, modality or layer name the agent takes."""
-    return isinstance(text, str) and 1 <= len(text) <= MAX_NAME and not _CONTROL.search(text)
+    """A series, modality or layer name the agent takes: printable (no
+    control or format character, no lone surrogate)."""
+    return isinstance(text, str) and 1 <= len(text) <= MAX_NAME and text.isprintable()
 
 
 def encode(message: dict) -> bytes:
@@ -45,8 +44,8 @@ def sample(series: str, modality: str, value_ms: float, ts_ns: int) -> dict:
         raise ValueError(f"sample value_ms: expected a finite number >= 0, got {value_ms!r}")
     value_ms = min(value_ms, MAX_VALUE_MS)       # longer than the detector's largest value
     if not is_name(series) or not is_name(modality):
-        raise ValueError(f"sample: expected series and modality of 1..{MAX_NAME} characters "
-                         f"without control characters, got {series!r}, {modality!r}")
+        raise ValueError(f"sample: expected series and modality of 1..{MAX_NAME} printable "
+                         f"characters, got {series!r}, {modality!r}")
     return {"v": 1, "type": "sample", "series": str(series), "modality": str(modality),
             "value_ms": value_ms, "ts_ns": int(ts_ns)}
 

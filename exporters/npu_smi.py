@@ -40,7 +40,8 @@ def npu_ids(text: str) -> list[int]:
     ids = []
     for line in text.splitlines():
         key, sep, value = line.partition(":")
-        if sep and key.strip() == "NPU ID" and value.strip().isdigit():
+        if sep and key.strip() == "NPU ID" and value.strip().isascii() \
+                and value.strip().isdigit():
             ids.append(int(value))
     return ids
 

@@ -6,7 +6,10 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from mmtrace.dispatch.durations import expected_duration, is_duration
+
 RATIO_SAMPLERS = ("traceidratio", "parentbased_traceidratio")
+MAX_TIMEOUT_MS = 600_000.0
 
 
 @dataclass
@@ -62,18 +65,43 @@ def options_from(endpoint: str = "", headers: str = "", sample_ratio: float = 0.
         raise ValueError(f"OTLP sample ratio: expected a number in 0..1, got {ratio!r}")
     disabled = env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
     queue = env.get("OTEL_BSP_MAX_QUEUE_SIZE", "2048")
-    if not queue.strip().isdigit() or int(queue) < 1:
+    if not (queue.strip().isascii() and queue.strip().isdigit()) or int(queue) < 1:
         raise ValueError(f"OTEL_BSP_MAX_QUEUE_SIZE: expected a positive integer, got {queue!r}")
     timeout = env.get("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT") or env.get("OTEL_EXPORTER_OTLP_TIMEOUT")
-    try:
-        # The spec gives the variable in milliseconds.
-        timeout_s = float(timeout) / 1e3 if timeout else 10.0
-    except ValueError:
-        raise ValueError(f"OTEL_EXPORTER_OTLP_TIMEOUT: expected milliseconds, "
-                         f"got {timeout!r}") from None
+    timeout_s = _timeout_s(timeout) if timeout else 10.0
+    for where, url in (("[otlp] endpoint", endpoint), ("OTEL_EXPORTER_OTLP_*ENDPOINT",
+                                                        env_endpoint)):
+        if url:
+            _check_url(where, url)
     return OtlpOptions(endpoint=endpoint or env_endpoint,
                        headers=parse_headers(headers) if headers else None,
                        sample_ratio=ratio,
                        max_submission_spans_per_s=max_submission_spans_per_s,
                        timeout_s=timeout_s, max_queue=int(queue),
                        enabled=bool(endpoint or env_endpoint) and not disabled)
+
+
+def _timeout_s(text: str) -> float:
+    """OTEL_EXPORTER_OTLP_TIMEOUT, milliseconds as the spec gives them, in seconds."""
+    try:
+        ms = float(text)
+    except ValueError:
+        ms = None
+    if ms is None or not is_duration(ms, 1.0, MAX_TIMEOUT_MS, unit="ms"):
+        raise ValueError(f"OTEL_EXPORTER_OTLP_TIMEOUT: expected "
+                         f"{expected_duration(1.0, MAX_TIMEOUT_MS, unit='ms')}, got {text!r}")
+    return ms / 1e3
+
+
+def _check_url(where: str, url: str):
+    """An http(s) URL with a host, or ValueError naming the setting: an
+    endpoint of "not a url" is refused at start, not at the first export."""
+    from urllib.parse import urlsplit
+    try:
+        parts = urlsplit(url)
+        parts.port                              # ValueError: a port out of range
+    except ValueError as exc:
+        raise ValueError(f"{where}: expected an http(s) URL, got {url!r} ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{where}: expected an http(s) URL such as "
+                         f"http://collector:4318/v1/traces, got {url!r}")
