@@ -12,6 +12,12 @@ subscribed and sends nothing for `idle_timeout_s` is closed, so idle
 connections cannot hold every slot; a client refused for want of a slot is
 told so. A subscriber that shuts down its writing side keeps receiving
 hints until it closes.
+
+Slots are shared by peer: the kernel names each connection's user
+(SO_PEERCRED), and one user holds at most `max_per_peer` of them, so a
+user's idle or never-reading connections leave the others' slots free. A
+message must arrive whole within LINE_DEADLINE_S of its first byte: a
+client that sends a line a byte at a time (slowloris) is disconnected.
 """
 
 import json
@@ -21,6 +27,7 @@ import select
 import selectors
 import socket
 import stat
+import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +41,9 @@ log = logging.getLogger(__name__)
 # A client this far behind in reading is disconnected (256 clients: 64 MiB at worst).
 MAX_OUTBOX = 256 * 1024
 MAX_CLIENTS = 256
+MAX_PER_PEER = 128              # connections one user (by SO_PEERCRED) may hold
 IDLE_TIMEOUT_S = 60.0
+LINE_DEADLINE_S = 10.0          # from a message's first byte to its newline
 SOCKET_DIR_MODE = 0o750      # the socket group may look in; the socket is 0660
 ERROR_BURST = 16                # errors answered in a row before the rate counts
 ERROR_RATE_PER_S = 1.0
@@ -55,6 +64,9 @@ class Client:
     tokens_at: float = 0.0        # when error_tokens was last topped up
     eof: bool = False             # the peer has finished sending
     closed: bool = False
+    peer_pid: int = 0             # SO_PEERCRED: the kernel's word, not the client's
+    peer_uid: int = -1
+    line_started: float | None = None   # when the first byte of an unfinished line came
     events: int = 0               # what the selector watches for (0: not registered)
 
 
@@ -66,11 +78,20 @@ def _error_line(text: str) -> bytes:
     return _line({"v": 1, "type": "error", "message": text})
 
 
+def _peer(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process that connected, as the kernel says."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _ = struct.unpack("3i", creds)
+    return pid, uid
+
+
 class HintServer:
     def __init__(self, path: Path, mode: int = 0o660, *, max_clients: int = MAX_CLIENTS,
-                 idle_timeout_s: float = IDLE_TIMEOUT_S, clock=time.monotonic):
+                 max_per_peer: int = MAX_PER_PEER, idle_timeout_s: float = IDLE_TIMEOUT_S,
+                 clock=time.monotonic):
         self.path = Path(path)
         self.max_clients = max_clients
+        self.max_per_peer = max_per_peer
         self.idle_timeout_s = idle_timeout_s
         self.clock = clock
         private_dir(self.path.parent, SOCKET_DIR_MODE, sticky_ok=True)
@@ -186,21 +207,24 @@ class HintServer:
                 self._log_refused.warning("hint socket: cannot accept: %s", exc)
                 return
             sock.setblocking(False)
+            pid, uid = _peer(sock)
             if len(self.clients) >= self.max_clients:
-                self._refuse(sock)
+                self._refuse(sock, f"too many clients (limit {self.max_clients})")
+                continue
+            if sum(c.peer_uid == uid for c in self.clients.values()) >= self.max_per_peer:
+                self._refuse(sock, f"too many clients of uid {uid} (limit "
+                                   f"{self.max_per_peer} a user)")
                 continue
             now = self.clock()
-            client = Client(sock, last_seen=now, tokens_at=now)
+            client = Client(sock, last_seen=now, tokens_at=now, peer_pid=pid, peer_uid=uid)
             self.clients[sock.fileno()] = client
             self._watch(client)
 
-    def _refuse(self, sock: socket.socket):
+    def _refuse(self, sock: socket.socket, why: str):
         self.refused_clients += 1
-        self._log_refused.warning("hint socket: all %d client slots taken; a new client "
-                                  "was refused", self.max_clients)
+        self._log_refused.warning("hint socket: a new client was refused: %s", why)
         try:
-            sock.send(_error_line(f"too many clients (limit {self.max_clients}); "
-                                  "connection refused, try again later"))
+            sock.send(_error_line(f"{why}; connection refused, try again later"))
         except OSError:
             pass
         sock.close()
@@ -217,8 +241,15 @@ class HintServer:
             return []
         client.last_seen = self.clock()
         if data:
+            if not client.inbox:
+                client.line_started = client.last_seen
             client.inbox += data
-            return self._lines(client)
+            out = self._lines(client)
+            if not client.inbox and not client.discarding:
+                client.line_started = None
+            elif b"\n" in data:        # a line ended: the one left began in this read
+                client.line_started = client.last_seen
+            return out
         client.eof = True
         out = self._lines(client, final=True)
         if not client.closed:
@@ -327,6 +358,10 @@ class HintServer:
             if client.eof and client.events == 0:
                 parked.register(client.sock, 0)         # POLLHUP is reported regardless
                 waiting[client.sock.fileno()] = client
+            elif client.line_started is not None and \
+                    now - client.line_started > LINE_DEADLINE_S:
+                self._disconnect(client, f"a message took over {LINE_DEADLINE_S:g} s to "
+                                         "arrive whole")
             elif not client.subscribed and now - client.last_seen > self.idle_timeout_s:
                 self.timed_out_clients += 1
                 try:

@@ -9,6 +9,7 @@ import math
 import socket
 import stat
 import time
+from pathlib import Path
 
 import pytest
 
@@ -309,7 +310,8 @@ def test_an_oversized_line_is_answered_once_and_the_next_line_is_read(server):
 
 def test_idle_connections_time_out_and_a_refused_client_is_told_why(tmp_path):
     # long enough that none times out before all 256 are connected on a busy host
-    server = HintServer(tmp_path / "s.sock", max_clients=256, idle_timeout_s=2.0)
+    server = HintServer(tmp_path / "s.sock", max_clients=256, max_per_peer=256,
+                        idle_timeout_s=2.0)
     idle = []
     try:
         served = serve_server(server)
@@ -329,6 +331,98 @@ def test_idle_connections_time_out_and_a_refused_client_is_told_why(tmp_path):
     finally:
         for s in idle:
             s.close()
+        server.close()
+
+
+HOLDER = """
+import socket, sys, time
+held = []
+for _ in range(int(sys.argv[2])):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(sys.argv[1])
+    s.setblocking(False)
+    held.append(s)
+print("holding", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_one_users_idle_connections_leave_another_users_slots_free(tmp_path):
+    """300 idle connections from a user the test creates: it gets its share
+    (max_per_peer), is told why past it, and a client of another user is
+    served at once."""
+    import os
+    import secrets
+    import shutil
+    import subprocess
+    import sys
+    if os.geteuid() != 0 or shutil.which("useradd") is None or shutil.which("setpriv") is None:
+        pytest.skip("needs root, useradd and setpriv")
+    user = f"mmtp{secrets.token_hex(3)}"
+    subprocess.run(["useradd", "--system", "--no-create-home", "--no-user-group", "--gid",
+                    "nogroup", "--shell", "/usr/sbin/nologin", user], check=True)
+    import tempfile
+    place = Path(tempfile.mkdtemp(prefix="mmtrace-peers-"))    # pytest's is root's, 0700
+    place.chmod(0o755)
+    server = HintServer(place / "s.sock", 0o666, max_clients=256, max_per_peer=128,
+                        idle_timeout_s=60.0)
+    holder = None
+    try:
+        served = serve_server(server)
+        holder = subprocess.Popen(["setpriv", f"--reuid={user}", "--regid=nogroup",
+                                   "--clear-groups", sys.executable, "-c", HOLDER,
+                                   str(server.path), "300"], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        # accepted or refused as they come: the backlog is short
+        assert served.until(lambda: server.refused_clients >= 300 - 128
+                            or holder.poll() is not None, timeout=60)
+        assert holder.stdout.readline() == "holding\n"
+        assert len(server.clients) == 128 and server.refused_clients == 300 - 128
+        assert {c.peer_uid for c in server.clients.values()} == {pwd_uid(user)}
+        started = time.monotonic()
+        assert_serves_a_good_client(server.path, served, server.broadcast)
+        assert time.monotonic() - started < 3.0
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait()
+        server.close()
+        shutil.rmtree(place, ignore_errors=True)
+        subprocess.run(["userdel", user], capture_output=True)
+
+
+def pwd_uid(user: str) -> int:
+    import pwd
+    return pwd.getpwnam(user).pw_uid
+
+
+def test_a_message_sent_a_byte_at_a_time_is_cut_off_at_its_deadline(tmp_path):
+    """Slowloris: every byte resets the idle clock, but a message must
+    arrive whole within LINE_DEADLINE_S of its first byte."""
+    now = [1000.0]
+    server = HintServer(tmp_path / "s.sock", idle_timeout_s=60.0, clock=lambda: now[0])
+    slow = connect(server.path)
+    try:
+        served = Served(lambda: server.poll(0.005))
+        for byte in sample()[:-1]:                  # all but its newline
+            slow.sendall(bytes([byte]))
+            served.until(lambda: False, timeout=0.01)
+            now[0] += (hint_socket.LINE_DEADLINE_S - 1) / len(sample())
+        assert len(server.clients) == 1 and server.dropped_clients == 0
+        now[0] += 2.0
+        reply = served.read_line(slow)
+        assert "disconnected: a message took over 10 s to arrive whole" in reply["message"]
+        assert served.read_line(slow) is None and server.dropped_clients == 1
+        # lines that do arrive in time, however many, keep a client
+        steady = connect(server.path)
+        for _ in range(30):
+            steady.sendall(sample())
+            served.until(lambda: False, timeout=0.01)
+            now[0] += 1.0
+        assert len(server.clients) == 1 and server.dropped_clients == 1
+        steady.close()
+    finally:
+        slow.close()
         server.close()
 
 
