@@ -17,9 +17,12 @@ Slots are shared by peer: the kernel names each connection's user
 (SO_PEERCRED), and one user holds at most `max_per_peer` of them, so a
 user's idle or never-reading connections leave the others' slots free. A
 message must arrive whole within LINE_DEADLINE_S of its first byte: a
-client that sends a line a byte at a time (slowloris) is disconnected.
+client that sends a line a byte at a time (slowloris) is disconnected; so
+is one that leaves what it is sent unread for READ_DEADLINE_S (a
+subscriber that never reads would else keep its slot while hints are few).
 """
 
+import fcntl
 import json
 import logging
 import os
@@ -28,6 +31,7 @@ import selectors
 import socket
 import stat
 import struct
+import termios
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +48,7 @@ MAX_CLIENTS = 256
 MAX_PER_PEER = 128              # connections one user (by SO_PEERCRED) may hold
 IDLE_TIMEOUT_S = 60.0
 LINE_DEADLINE_S = 10.0          # from a message's first byte to its newline
+READ_DEADLINE_S = 30.0          # a client leaving what it is sent unread this long goes
 SOCKET_DIR_MODE = 0o750      # the socket group may look in; the socket is 0660
 ERROR_BURST = 16                # errors answered in a row before the rate counts
 ERROR_RATE_PER_S = 1.0
@@ -67,6 +72,10 @@ class Client:
     peer_pid: int = 0             # SO_PEERCRED: the kernel's word, not the client's
     peer_uid: int = -1
     line_started: float | None = None   # when the first byte of an unfinished line came
+    unread_since: float | None = None   # since when the peer has read none of what waits
+    unread_bytes: int = 0               # what waited in the kernel at the last sweep
+    sent_bytes: int = 0                 # handed to the kernel, all told
+    checked_sent: int = 0               # sent_bytes at the last sweep
     events: int = 0               # what the selector watches for (0: not registered)
 
 
@@ -169,6 +178,13 @@ class HintServer:
         line = _line(message)
         return sum(self._send(client, line) for client in list(self.clients.values())
                    if client.subscribed)
+
+    def send_to(self, pids: set[int], message: dict) -> int:
+        """Send to the subscribers of these processes (SO_PEERCRED pids);
+        returns how many got it queued."""
+        line = _line(message)
+        return sum(self._send(client, line) for client in list(self.clients.values())
+                   if client.subscribed and client.peer_pid in pids)
 
     def reply(self, client: Client, message: dict) -> bool:
         return self._send(client, _line(message))
@@ -318,6 +334,7 @@ class HintServer:
             try:
                 sent = client.sock.send(client.outbox)
                 del client.outbox[:sent]
+                client.sent_bytes += sent
             except (BlockingIOError, InterruptedError):
                 pass
             except OSError:             # the peer has gone
@@ -358,6 +375,9 @@ class HintServer:
             if client.eof and client.events == 0:
                 parked.register(client.sock, 0)         # POLLHUP is reported regardless
                 waiting[client.sock.fileno()] = client
+            elif self._reads_nothing(client, now):
+                self._disconnect(client, f"read nothing of what it was sent for over "
+                                         f"{READ_DEADLINE_S:g} s")
             elif client.line_started is not None and \
                     now - client.line_started > LINE_DEADLINE_S:
                 self._disconnect(client, f"a message took over {LINE_DEADLINE_S:g} s to "
@@ -373,6 +393,23 @@ class HintServer:
         if waiting:
             for fd, _ in parked.poll(0):
                 self._close(waiting[fd])
+
+    def _reads_nothing(self, client: Client, now: float) -> bool:
+        """Whether the peer has read none of what it was sent for
+        READ_DEADLINE_S: the kernel's count of bytes it holds unread (the
+        socket's buffer takes hundreds of hints before our outbox grows)."""
+        try:
+            unread = struct.unpack("i", fcntl.ioctl(client.sock.fileno(), termios.TIOCOUTQ,
+                                                    b"\0\0\0\0"))[0]
+        except OSError:
+            return False
+        read = client.unread_bytes + (client.sent_bytes - client.checked_sent) - unread
+        client.unread_bytes, client.checked_sent = unread, client.sent_bytes
+        if unread == 0 and not client.outbox or read > 0:
+            client.unread_since = None          # it reads, or has nothing to read
+        elif client.unread_since is None:
+            client.unread_since = now
+        return client.unread_since is not None and now - client.unread_since > READ_DEADLINE_S
 
     def _disconnect(self, client: Client, why: str):
         """Disconnect a misbehaving client: once, with one (rate-limited) line."""

@@ -426,6 +426,34 @@ def test_a_message_sent_a_byte_at_a_time_is_cut_off_at_its_deadline(tmp_path):
         server.close()
 
 
+def test_a_subscriber_that_reads_nothing_is_let_go_at_its_deadline(tmp_path):
+    """The socket's buffer takes hundreds of hints before the server's own
+    outbox grows: the kernel's count of unread bytes says who reads."""
+    now = [1000.0]
+    server = HintServer(tmp_path / "s.sock", clock=lambda: now[0])
+    deaf, reader = connect(server.path), connect(server.path)
+    try:
+        served = Served(lambda: server.poll(0.005))
+        deaf.sendall(SUBSCRIBE)
+        reader.sendall(SUBSCRIBE)
+        assert served.until(lambda: sum(c.subscribed for c in server.clients.values()) == 2)
+        for _ in range(int(hint_socket.READ_DEADLINE_S) + 2):
+            assert server.broadcast({"v": 1, "type": "hint", "kind": "priority"}) >= 1
+            assert served.read_line(reader)["kind"] == "priority"
+            now[0] += 1.0
+            served.until(lambda: False, timeout=0.01)
+        assert [c.name for c in server.clients.values()] == [""] and server.dropped_clients == 1
+        lines = []
+        while (got := served.read_line(deaf)) is not None:
+            lines.append(got)
+        assert lines[-1]["type"] == "error" and "read nothing of what it was sent for over " \
+            "30 s" in lines[-1]["message"] and len(lines) > 20
+    finally:
+        deaf.close()
+        reader.close()
+        server.close()
+
+
 def test_a_quiet_subscriber_is_not_timed_out(server):
     served = serve_server(server)
     sub = connect(server.path)
