@@ -7,7 +7,15 @@ extension module are found like libraries: by their symbol tables.
 
 Uprobes are per inode, so there is one target per (dev, inode): hard links,
 symlinks and the same file seen by many processes count once. A Discoverer
-keeps scanning while the agent runs and hands out each target once.
+keeps scanning while the agent runs and hands out each target once while
+something holds it: a live process that maps it, or a path that names it
+(--lib, the install paths, the site-packages of live Python processes).
+When nothing holds it any more, it is released (take_released()), and
+everything discovery kept about it goes; found again later, it is handed
+out again. Any user can load and delete library copies faster than anyone
+reads them, so everything else is bounded too: at most MAX_PROBED_FILES
+targets are out at once (more wait, counted), and what is remembered about
+files and processes is kept for the most recently seen ones only.
 """
 
 import glob
@@ -19,7 +27,7 @@ import stat
 import subprocess
 import sys
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -68,9 +76,37 @@ LDCONFIG_NAMES = re.compile(r"^lib(cuda|cudart|ascendcl|acl_op_compiler|opapi)\.
 # Libraries that pip wheels install inside site-packages.
 SITE_PACKAGES_GLOBS = ("nvidia/*/lib/*.so*", "torch/lib/*.so*", "torch_npu/lib/*.so*")
 
+# Targets handed out at once. A probed libcudart costs 15 descriptors (14
+# links and the file), and closing a link waits for a grace period: 128
+# such files close in about 3 s from 48 threads, within the stop deadline.
+MAX_PROBED_FILES = 128
+MAX_REMEMBERED_FILES = 8192     # files whose identity and parse result are kept
+MAX_NOTED = 8192                # problems remembered so as to count each once
+MAX_UNTRACEABLE = 256           # untraceable files named (all are counted)
+
 _SITE_DIR = re.compile(r"^(/.*?/(?:site|dist)-packages)/")
 _PYTHON_EXECUTABLE = re.compile(r"^python3?(\.\d+)?$")
 _GONE = (FileNotFoundError, ProcessLookupError)
+
+
+class _Recent(OrderedDict):
+    """A dict that keeps its `limit` most recently used entries."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit = limit
+
+    def get(self, key, default=None):
+        if key not in self:
+            return default
+        self.move_to_end(key)
+        return self[key]
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.limit:
+            self.popitem(last=False)
 
 
 def find_targets(wanted: Wanted, pids: Iterable[int] | None = None,
@@ -88,20 +124,27 @@ def find_targets(wanted: Wanted, pids: Iterable[int] | None = None,
 
 class Discoverer:
     """Keeps discovering while the agent runs: poll() returns only targets
-    not returned before (new processes, new files, a file replaced on disk).
+    not out already (new processes, new files, a file replaced on disk, a
+    released file found again); take_released() the targets nothing holds
+    any more, whose probes should go.
 
     `counters` counts, per reason and once per process or file (not once per
     poll), what could not be looked at: unreadable_proc (a maps file that
-    cannot be read), vanished (a process or file gone while scanning),
-    missing_file (a mapped path that does not exist from the host),
+    cannot be read), vanished (a process or file gone while scanning: a
+    process that lived less than a scan is not traced), missing_file (a
+    mapped path that does not exist from the host),
     unreadable_file, not_elf, elf_unreadable (truncated or corrupt ELF),
     deleted_mapping (a mapped file deleted since; reached through map_files
     where possible), maps_malformed_lines, lib_without_wanted_symbols (a
     --lib file defining none of the wanted symbols), untraceable (files in
-    `untraceable`); and examined (files parsed), targets (returned so far).
+    `untraceable`); and examined (files parsed), targets (returned so far),
+    released (targets released so far), over_cap (targets that had to wait
+    because `max_targets` were out), waiting (targets waiting now), probed
+    (targets out now).
 
     `untraceable`: path -> why, for files that carry what is traced but
-    cannot be probed (a stripped executable with a static CUDA runtime).
+    cannot be probed (a stripped executable with a static CUDA runtime);
+    the first MAX_UNTRACEABLE of them.
 
     A process is read whole the first poll that sees it, and again once it
     exec()s; after that its maps are read again every `rescan_every` polls
@@ -115,7 +158,7 @@ class Discoverer:
                  extra_paths: Iterable[str | os.PathLike] = (),
                  proc_root: Path = Path("/proc"), interval_s: float = 2.0, *,
                  search_paths: Iterable[str] | None = None, clock=time.monotonic,
-                 rescan_every: int = 5):
+                 rescan_every: int = 5, max_targets: int = MAX_PROBED_FILES):
         self.wanted = wanted
         self.pids = None if pids is None else tuple(int(p) for p in pids)
         self.extra_paths = tuple(check_extra_path(p) for p in extra_paths)
@@ -125,12 +168,19 @@ class Discoverer:
         self.clock = clock
         self.counters: Counter[str] = Counter()
         self.untraceable: dict[str, str] = {}
+        self.max_targets = max_targets
+        # (dev, inode) -> target: out (handed out, held), waiting (held, over the cap).
         self._returned: dict[tuple[int, int], LibraryTarget] = {}
-        self._wanted_by_file: dict[FileKey, frozenset[str]] = {}
-        self._maps_seen: set[tuple[str, int]] = set()
+        self._waiting: dict[tuple[int, int], LibraryTarget] = {}
+        self._released: list[LibraryTarget] = []
+        # The targets each live process mapped when its maps were last read.
+        self._held_by_pid: dict[int, frozenset[tuple[int, int]]] = {}
+        self._wanted_by_file: _Recent = _Recent(MAX_REMEMBERED_FILES)
+        # (dev as maps prints it, inode) -> (dev, inode) of the target it is, or None.
+        self._maps_seen: _Recent = _Recent(MAX_REMEMBERED_FILES)
         self._interpreter_dirs: dict[int, set[str]] = {}
         self._libs_without_symbols: set[str] = set()
-        self._noted: set[tuple] = set()
+        self._noted: _Recent = _Recent(MAX_NOTED)
         self._last_poll: float | None = None
         self._globs = GlobCache()
         self.rescan_every = max(1, rescan_every)
@@ -141,8 +191,20 @@ class Discoverer:
 
     @property
     def targets(self) -> list[LibraryTarget]:
-        """Every target returned so far."""
+        """The targets out now: returned, and not released since."""
         return list(self._returned.values())
+
+    def remembered(self) -> dict[str, int]:
+        """How much is kept about files and processes (all of it bounded)."""
+        return {"parsed_files": len(self._wanted_by_file), "mapped_files": len(self._maps_seen),
+                "processes": len(self._held_by_pid), "targets": len(self._returned),
+                "waiting": len(self._waiting)}
+
+    def take_released(self) -> list[LibraryTarget]:
+        """The targets released since the last call: no live process maps
+        them and no path names them any more."""
+        released, self._released = self._released, []
+        return released
 
     def poll_if_due(self) -> list[LibraryTarget]:
         """poll() when interval_s has passed since the last one, else []."""
@@ -152,15 +214,58 @@ class Discoverer:
 
     def poll(self) -> list[LibraryTarget]:
         self._last_poll = self.clock()
-        new = [t for t in self._scan() if (t.dev, t.inode) not in self._returned]
-        for target in new:
-            self._returned[(target.dev, target.inode)] = target
-        self.counters["targets"] = len(self._returned)
+        found = self._scan()
+        held = {ident for ident, t in found.items() if not t.origin.startswith("maps:")}
+        held.update(*self._held_by_pid.values())
+        self._release_unheld(held)
+        new = self._hand_out(found)
+        self.counters["probed"] = len(self._returned)
+        self.counters["waiting"] = len(self._waiting)
+        return new
+
+    def _release_unheld(self, held: set) -> None:
+        gone = [ident for ident in self._returned if ident not in held]
+        for ident in gone:
+            self._released.append(self._returned.pop(ident))
+        stale = [ident for ident in self._waiting if ident not in held]
+        for ident in stale:
+            del self._waiting[ident]
+        self.counters["released"] += len(gone)
+        self._forget_files(set(gone) | set(stale))
+
+    def _forget_files(self, idents: set) -> None:
+        """Drop what is remembered of these files: found again, they are
+        looked at afresh."""
+        if not idents:
+            return
+        for key in [k for k, ident in self._maps_seen.items() if ident in idents]:
+            del self._maps_seen[key]
+        for key in [k for k in self._wanted_by_file if (k.dev, k.ino) in idents]:
+            del self._wanted_by_file[key]
+
+    def _hand_out(self, found: dict) -> list[LibraryTarget]:
+        """The waiting targets, oldest first, then the new ones, while fewer
+        than max_targets are out; the rest wait."""
+        new = []
+        candidates = list(self._waiting.values()) + [
+            t for ident, t in found.items()
+            if ident not in self._returned and ident not in self._waiting]
+        for target in candidates:
+            ident = (target.dev, target.inode)
+            if len(self._returned) >= self.max_targets:
+                if ident not in self._waiting:
+                    self._waiting[ident] = target
+                    self.counters["over_cap"] += 1
+                continue
+            self._waiting.pop(ident, None)
+            self._returned[ident] = target
+            new.append(target)
+        self.counters["targets"] += len(new)
         return new
 
     # ----- one scan, every source, first source of a file wins -------------
 
-    def _scan(self) -> list[LibraryTarget]:
+    def _scan(self) -> dict[tuple[int, int], LibraryTarget]:
         found: dict[tuple[int, int], LibraryTarget] = {}
         for path in self.extra_paths:
             self._note(self._consider(found, path, "--lib"), path)
@@ -185,12 +290,13 @@ class Discoverer:
             for path in self._globs.glob(pattern):
                 self._note(self._consider(found, path, "system", plain_path=path), path)
         self._globs.forget(globbed)
-        return list(found.values())
+        return found
 
     def _note(self, reason: str | None, about, count: int = 1) -> None:
-        """Count a problem once per thing it is about, however many polls see it."""
+        """Count a problem once per thing it is about, however many polls see
+        it (of the last MAX_NOTED things)."""
         if reason and count and (reason, about) not in self._noted:
-            self._noted.add((reason, about))
+            self._noted[(reason, about)] = None
             self.counters[reason] += count
 
     def _defines_nothing(self, path: str) -> bool:
@@ -207,9 +313,9 @@ class Discoverer:
         except OSError:
             self._note("unreadable_proc", str(self.proc_root))
             return []
-        pids = sorted(int(n) for n in names if n.isdigit())
+        pids = sorted(int(n) for n in names if n.isascii() and n.isdigit())
         alive = set(pids)
-        for cache in (self._interpreter_dirs, self._settled):
+        for cache in (self._interpreter_dirs, self._settled, self._held_by_pid):
             for gone in set(cache) - alive:
                 del cache[gone]
         return pids
@@ -223,6 +329,7 @@ class Discoverer:
             maps = read_maps(self.proc_root, pid)
         except _GONE:
             self._note("vanished", pid)
+            self._held_by_pid.pop(pid, None)
             return
         except OSError:
             self._note("unreadable_proc", pid)
@@ -230,32 +337,41 @@ class Discoverer:
         self._note("maps_malformed_lines", pid, maps.malformed_lines)
         origin = f"maps:{pid}"
         looked_at: set[tuple[str, int]] = set()
+        holding: set[tuple[int, int]] = set()
         settled = True
         for i, path in enumerate(maps.paths):
             if not maps.file_backed(i):
                 continue
             key = (maps.devs[i], int(maps.inodes[i]))
-            if key in looked_at or key in self._maps_seen:
+            if key in looked_at:
                 continue
             looked_at.add(key)
+            if key in self._maps_seen:
+                ident = self._maps_seen.get(key)
+                if ident is not None:
+                    holding.add(ident)
+                continue
             if path.endswith(DELETED_SUFFIX):
                 # Replaced or removed since it was mapped: only map_files still
                 # reaches the inode the process runs.
                 self._note("deleted_mapping", key)
                 start, end = int(maps.starts[i]), int(maps.ends[i])
                 host = str(self.proc_root / str(pid) / "map_files" / f"{start:x}-{end:x}")
-                self._consider(found, host, origin)
-                self._maps_seen.add(key)     # map_files works now or never
+                ident = self._look_at(found, host, origin)[1]
+                self._maps_seen[key] = ident     # map_files works now or never
+                holding.update([ident] if ident else [])
                 continue
-            problem = self._consider(found, in_process_root(self.proc_root, pid, path),
-                                     origin, plain_path=path)
+            problem, ident = self._look_at(found, in_process_root(self.proc_root, pid, path),
+                                           origin, plain_path=path)
             if problem:
                 # Not reachable now (the process may be exiting): look again
                 # next poll, count it once.
                 self._note(problem, key)
                 settled = False
             else:
-                self._maps_seen.add(key)
+                self._maps_seen[key] = ident
+                holding.update([ident] if ident else [])
+        self._held_by_pid[pid] = frozenset(holding)
         own = {in_process_root(self.proc_root, pid, container_dir): container_dir
                for container_dir in self._python_site_dirs(pid, maps)}
         for host, seen_as in own.items():
@@ -368,24 +484,31 @@ class Discoverer:
         """Add `host_path` to `found` when it defines a wanted symbol. None
         when the file is settled (looked at, or already found); the reason
         when it cannot be reached now and is worth another look later."""
+        return self._look_at(found, host_path, origin, plain_path)[0]
+
+    def _look_at(self, found: dict, host_path: str, origin: str,
+                 plain_path: str | None = None) -> tuple[str | None, tuple[int, int] | None]:
+        """_consider's answer, and the (dev, inode) of the file when it is a
+        target (None when it is not, or cannot be looked at now)."""
         try:
             st = os.stat(host_path)
         except FileNotFoundError:
-            return "missing_file"
+            return "missing_file", None
         except OSError:
-            return "unreadable_file"
+            return "unreadable_file", None
         if not stat.S_ISREG(st.st_mode):
-            return None
+            return None, None
         ident = (st.st_dev, st.st_ino)
         if ident in found:
-            return None
+            return None, ident
         symbols = self._wanted_symbols(host_path, st, plain_path or host_path)
         if isinstance(symbols, str):
-            return symbols
-        if symbols:
-            found[ident] = LibraryTarget(self._usable_path(host_path, plain_path, st),
-                                         st.st_dev, st.st_ino, symbols, origin)
-        return None
+            return symbols, None
+        if not symbols:
+            return None, None
+        found[ident] = LibraryTarget(self._usable_path(host_path, plain_path, st),
+                                     st.st_dev, st.st_ino, symbols, origin)
+        return None, ident
 
     def _wanted_symbols(self, path: str, st: os.stat_result,
                         shown_as: str) -> frozenset[str] | str:
@@ -417,7 +540,8 @@ class Discoverer:
             result = frozenset(name for name in names if self.wanted(name))
             why = untraceable_reason(elf) if not result else None
             if why and shown_as not in self.untraceable:
-                self.untraceable[shown_as] = why
+                if len(self.untraceable) < MAX_UNTRACEABLE:
+                    self.untraceable[shown_as] = why
                 self.counters["untraceable"] += 1
         self._wanted_by_file[key] = result
         return result

@@ -20,6 +20,9 @@ import numpy as np
 from .symbols import ElfError, ElfSymbols, FileKey
 
 LOAD_FRAMES = 8
+# Files whose build ids are remembered, the most recently seen first: the
+# probed files come and go (each copy of a library is a file of its own).
+MAX_INDEXED_FILES = 256
 BUILD_ID_VALID = 1          # enum bpf_stack_build_id_status: BPF_STACK_BUILD_ID_VALID
 # Mirrors struct load_frames (bpf/device.h): struct bpf_stack_build_id is
 # {s32 status; u8 build_id[20]; u64 offset-or-ip}.
@@ -55,16 +58,20 @@ class ProcessImages:
     (the probed files), besides each process's executable.
 
     Counters: no_load_frames (the kernel kept none for the process),
-    build_id_unknown (no file at hand has a frame's build id)."""
+    build_id_unknown (no file at hand has a frame's build id).
+
+    A file's symbols stay indexed after it is gone (released, deleted),
+    for the `max_files` build ids seen last."""
 
     def __init__(self, bpf, known_files: Callable[[], Iterable[str]] = list,
-                 max_processes: int = 4096):
+                 max_processes: int = 4096, max_files: int = MAX_INDEXED_FILES):
         self.bpf = bpf
         self.known_files = known_files
         self.max_processes = max_processes
+        self.max_files = max_files
         self.counters: dict[str, int] = {}
-        self._by_build_id: dict[bytes, ElfSymbols] = {}
-        self._indexed: set[FileKey] = set()
+        self._by_build_id: OrderedDict[bytes, ElfSymbols] = OrderedDict()
+        self._indexed: OrderedDict[FileKey, None] = OrderedDict()
         self._images: OrderedDict[tuple[int, bytes], list] = OrderedDict()
 
     def images(self, pid: int) -> list[tuple[int, ElfSymbols]]:
@@ -115,10 +122,26 @@ class ProcessImages:
             try:
                 key = FileKey.of(os.stat(path))
                 if key in self._indexed:
+                    self._indexed.move_to_end(key)
                     continue
-                self._indexed.add(key)
+                # Keys are small: remember more of them than there are files
+                # out at once, so that none is parsed again each lookup.
+                _remember(self._indexed, key, None, 4 * self.max_files)
                 elf = ElfSymbols.open(path)
             except (ElfError, OSError):
                 continue
             if elf.build_id:
-                self._by_build_id.setdefault(elf.build_id, elf)
+                # The first file with a build id keeps it (copies are alike).
+                _remember(self._by_build_id, elf.build_id,
+                          self._by_build_id.get(elf.build_id, elf), self.max_files)
+
+    def indexed_files(self) -> int:
+        """How many build ids are indexed now."""
+        return len(self._by_build_id)
+
+
+def _remember(table: OrderedDict, key, value, limit: int):
+    table[key] = value
+    table.move_to_end(key)
+    while len(table) > limit:
+        table.popitem(last=False)

@@ -1,11 +1,14 @@
 """`mmtrace record`: drain the probes into a recording file."""
 
+import json
 import os
 import platform
 import signal
 import sys
 import threading
 import time
+import weakref
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +20,7 @@ from . import heap
 from . import probes as probe_loader
 from .dev_names import DeviceNames
 from .errors import MmtraceError
-from .recording import RecordingWriter
+from .recording import MAX_META_BYTES, RecordingWriter
 from .safe_files import UnsafePathError, refuse_link
 from .threads import ThreadProcesses
 
@@ -26,6 +29,15 @@ SCHEMAS = {"cpu.runq": sched_stream.RUNQ_EVENT, "dev.event": device_stream.DEV_E
 STREAM_SCHEMA = {"cpu": "cpu.runq", "dev": "dev.event"}
 CPU_PROBE_STATE = {"stream": "cpu", "program": sched_stream.SOURCE, "state": "attached"}
 DEVICE_PROGRAMS = "gpu_npu_programs"
+# A reader keeps MAX_META_BYTES of meta, all chunks together, and refuses a
+# chunk larger than that: the tables written (probe states, op names, the
+# symbol table) stay within this, with room for the rest, whatever the host
+# does; what does not fit is counted in the footer (meta_omitted).
+META_BUDGET_BYTES = MAX_META_BYTES - (1 << 20)
+META_CHUNK_BYTES = 1 << 20      # one table chunk at most
+# Probe states may take this much of the budget: files come and go, and
+# their states must leave room for the names.
+PROBE_META_SHARE = 0.25
 
 
 def device_programs_failed(error: Exception) -> dict:
@@ -161,9 +173,14 @@ class DeviceSources:
         return dict(self.discoverer.untraceable) if self.discoverer is not None else {}
 
     def known_files(self) -> list[str]:
-        """Every file probes were attached to: where a build id is looked up."""
+        """The files handed out for probing now: where a build id is looked up."""
         return [t.path for t in self.discoverer.targets] if self.discoverer is not None \
             else list(self.libs)
+
+    def released(self) -> list:
+        """The targets discovery released since the last call (no traced
+        process maps them any more): their probes should go."""
+        return self.discoverer.take_released() if self.discoverer is not None else []
 
     def _warn_untraceable(self):
         for path, why in self.untraceable().items():
@@ -369,6 +386,7 @@ class _DeviceRecording:
     def __init__(self, loaded, writer, sources, failed: dict | None = None):
         self.loaded = loaded
         self.writer = writer
+        self.meta = meta_budget(writer)
         self.failed = failed        # the GPU/NPU programs' state, when they failed
         self.device = loaded.device if failed is None else None
         self.sources = sources if self.device is not None else None
@@ -377,39 +395,161 @@ class _DeviceRecording:
         self._symbols_written = 0
 
     def attach(self) -> list[dict]:
-        """Attach to what the sources found; the states of the new probes
-        (kept in a meta chunk of their own)."""
+        """Attach to what the sources found, and release what they no longer
+        hold; the states of the new probes (kept in meta chunks of their own)."""
         if self.sources is None:
             return []
-        states = [state.as_dict() for state in self.device.check_rewritten()]
-        for target in self.sources.targets():
-            states += [state.as_dict() for state in self.device.add(target)]
+        states = attach_and_release(self.device, self.sources, self.names)
         if states:
-            self.writer.write_meta({"probes": states})
+            self.meta.table("probes", summarised_probe_states(states))
         self._write_symbols()
         return states
 
     def _write_symbols(self):
         symbols = self.device.symbol_names()
         if len(symbols) != self._symbols_written:
-            self.writer.write_meta({"symbol_names": {str(k): v for k, v in symbols.items()}})
+            self.meta.symbols({str(k): v for k, v in symbols.items()})
             self._symbols_written = len(symbols)
 
     def named(self, batch):
         rows = self.names.process(batch)
         if rows:
-            self.writer.write_meta({"op_names": rows})
+            self.meta.table("op_names", rows)
 
     def footer(self) -> dict:
+        omitted = {"meta_omitted": dict(self.meta.omitted)} if self.meta.omitted else {}
         if self.failed is not None:
-            return {"device_probes": [self.failed]}
+            return {"device_probes": [self.failed], **omitted}
         if self.device is None:
-            return {}
+            return omitted
         return {"device_probes": self.device.states(),
                 "device_probe_summary": self.device.summary(),
                 "name_resolution": self.names.report(),
                 "discovery": self.sources.counters(),
-                "untraceable_files": self.sources.untraceable()}
+                "untraceable_files": self.sources.untraceable(), **omitted}
+
+
+def attach_and_release(device, sources, names: DeviceNames | None = None) -> list[dict]:
+    """Probe the files `sources` found since the last call, release those
+    it no longer holds (and the released files kept open past their time),
+    and let `names` forget the processes that have exited; the states of
+    the new probes."""
+    states = [state.as_dict() for state in device.check_rewritten()]
+    for target in sources.targets():
+        states += [state.as_dict() for state in device.add(target)]
+    device.release(sources.released())
+    if names is not None and names.resolver is not None:
+        names.resolver.forget_exited()
+    return states
+
+
+class MetaBudget:
+    """The meta tables of one recording, written within META_BUDGET_BYTES
+    all together (probe states within PROBE_META_SHARE of it), in chunks
+    of at most META_CHUNK_BYTES. A reader keeps only the latest symbol
+    table: a new one takes the place of the last. `omitted` counts the
+    rows (and symbol tables) left out."""
+
+    def __init__(self, writer, budget: int = META_BUDGET_BYTES):
+        self.writer = writer
+        self.left = budget
+        self.omitted: Counter[str] = Counter()
+        self._share_left = {"probes": int(budget * PROBE_META_SHARE)}
+        self._symbols_bytes = 0
+
+    def table(self, key: str, rows: list):
+        chunk, size = [], 0
+        for row in rows:
+            cost = _json_size(row) + 2
+            if cost > min(self.left, self._share_left.get(key, self.left)):
+                self.omitted[key] += 1
+                continue
+            if key in self._share_left:
+                self._share_left[key] -= cost
+            if size + cost > META_CHUNK_BYTES and chunk:
+                self.writer.write_meta({key: chunk})
+                chunk, size = [], 0
+            chunk.append(row)
+            size += cost
+            self.left -= cost
+        if chunk:
+            self.writer.write_meta({key: chunk})
+
+    def symbols(self, table: dict):
+        cost = _json_size(table)
+        if cost > self.left + self._symbols_bytes:
+            self.omitted["symbol_names"] += 1
+            return
+        self.left += self._symbols_bytes - cost
+        self._symbols_bytes = cost
+        self.writer.write_meta({"symbol_names": table})
+
+
+_budgets: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def meta_budget(writer) -> MetaBudget:
+    """The MetaBudget of `writer`, one per recording."""
+    budget = _budgets.get(writer)
+    if budget is None:
+        budget = _budgets[writer] = MetaBudget(writer)
+    return budget
+
+
+def _json_size(value) -> int:
+    return len(json.dumps(value, sort_keys=True))
+
+
+def fit_meta(doc: dict, budget: int = META_BUDGET_BYTES) -> dict:
+    """One meta document (a flight recording's) within `budget` bytes of
+    JSON: when over, the probe states of symbols their library lacks are
+    summarised, one row per library, then the oldest op-name rows dropped,
+    and last the probe states counted by state only. `omitted` says what
+    was left out."""
+    if _json_size(doc) <= budget:
+        return doc
+    out = {"probes": [], "op_names": [], **doc}
+    probes, rows = out["probes"], out["op_names"]
+    out["probes"] = summarised_probe_states(probes)
+    omitted = {"probe_rows": len(probes) - len(out["probes"])}
+    rest = _json_size({k: v for k, v in out.items() if k != "op_names"}) + 256
+    out["op_names"] = _newest_within(rows, budget - rest)
+    omitted["op_names"] = len(rows) - len(out["op_names"])
+    if _json_size(out) > budget:
+        out["probes"] = [{"state": state, "count": n} for state, n in sorted(Counter(
+            s.get("state", "") for s in probes).items())]
+        omitted["probe_rows"] = len(probes)
+    out["omitted"] = omitted
+    return out
+
+
+def summarised_probe_states(states: list[dict]) -> list[dict]:
+    """The states, with the not_found rows (symbols a library lacks) folded
+    into one per library that counts them."""
+    out, folded = [], {}
+    for state in states:
+        if state.get("state") != "not_found":
+            out.append(state)
+            continue
+        key = (state.get("path"), state.get("inode"))
+        row = folded.get(key)
+        if row is None:
+            row = folded[key] = {**state, "symbol": "*", "api": "*", "reason": "",
+                                 "count": 0}
+            out.append(row)
+        row["count"] += int(state.get("count", 1))
+    return out
+
+
+def _newest_within(rows: list, budget: int) -> list:
+    """The newest rows whose JSON fits in `budget` bytes."""
+    kept, used = 0, 0
+    for row in reversed(rows):
+        used += _json_size(row) + 2
+        if used > budget:
+            break
+        kept += 1
+    return rows[len(rows) - kept:]
 
 
 def exited_process_resolver(loaded, known_files):
@@ -417,7 +557,10 @@ def exited_process_resolver(loaded, known_files):
     the time their events are read, from the load frames the kernel took."""
     from .process_images import ProcessImages
     from .symbols import AddressResolver
-    return AddressResolver(images=ProcessImages(loaded.bpf, known_files))
+    device = loaded.device
+    # The probed files (released ones still open included) reach deleted files too.
+    files = device.decoding_files if device is not None else known_files
+    return AddressResolver(images=ProcessImages(loaded.bpf, files))
 
 
 def _drain(loaded, writer, threads, device=None, max_rounds: int = 8) -> int:

@@ -610,8 +610,19 @@ class _ElfCache:
         with self._lock:
             self._files.clear()
 
+    def forget(self, dev: int, ino: int):
+        """Drop every version of one file (it is gone: released, deleted)."""
+        with self._lock:
+            for key in [k for k in self._files if (k.dev, k.ino) == (dev, ino)]:
+                del self._files[key]
+
 
 _cache = _ElfCache()
+
+
+def forget_file(dev: int, ino: int) -> None:
+    """ElfSymbols.open forgets the file (dev, ino): its parsed tables go."""
+    _cache.forget(dev, ino)
 
 
 # ----- C++ names ---------------------------------------------------------
@@ -798,11 +809,32 @@ class AddressResolver:
         self.counters: Counter[str] = Counter()
         self._maps: OrderedDict[int, ProcessMaps] = OrderedDict()
         self._lock = threading.Lock()
+        self._next_forget = 0.0
 
     def forget(self, pid: int) -> None:
         """Drop what is cached for `pid` (the process exited; its pid may be reused)."""
         with self._lock:
             self._maps.pop(pid, None)
+
+    # How often forget_exited looks: it costs a stat per cached process.
+    FORGET_EXITED_EVERY_S = 1.0
+
+    def forget_exited(self) -> int:
+        """Drop the maps of the processes that have exited, at most every
+        FORGET_EXITED_EVERY_S (a call in between does nothing); returns how
+        many. A short-lived process's maps would otherwise stay until
+        max_processes newer ones pushed them out."""
+        now = self.clock()
+        if now < self._next_forget:
+            return 0
+        self._next_forget = now + self.FORGET_EXITED_EVERY_S
+        with self._lock:
+            pids = list(self._maps)
+        gone = [pid for pid in pids if not (self.proc_root / str(pid)).exists()]
+        with self._lock:
+            for pid in gone:
+                self._maps.pop(pid, None)
+        return len(gone)
 
     def resolve(self, pid: int, addr: int) -> str | None:
         if addr < 0 or addr >= 1 << 64:

@@ -70,6 +70,7 @@ def uprobe_pmu() -> tuple[int, int]:
 
 class CookieLink:
     """One uprobe with a cookie; close() detaches it."""
+    descriptors = 2     # the perf event and its link
 
     def __init__(self, prog_fd: int, path: bytes, offset: int, cookie: int,
                  retprobe: bool = False):
@@ -125,6 +126,7 @@ class UprobeMultiLink:
     """One program on many offsets of one file, a cookie each; close()
     detaches them all. The program must have been loaded with expected
     attach type BPF_TRACE_UPROBE_MULTI."""
+    descriptors = 1
 
     def __init__(self, prog_fd: int, path: bytes, offsets: list[int], cookies: list[int],
                  retprobe: bool = False):

@@ -306,6 +306,14 @@ class DaemonCollector:
         for state in ("attached", "detached", "not_found", "failed"):
             s.add_metric([state], by_state.get(state, 0))
         yield s
+        if loaded is not None and loaded.device is not None:
+            held = loaded.device.footprint()
+            yield GaugeMetricFamily("mmtrace_probed_files", "Files (libraries, executables) "
+                                    "the GPU/NPU probes are attached to now.",
+                                    value=held["libraries"])
+            yield GaugeMetricFamily("mmtrace_probe_links", "Kernel attachments (uprobe_multi "
+                                    "links, perf events) the GPU/NPU probes hold now.",
+                                    value=held["links"])
 
     # --------------------------------------------------------- detectors
 

@@ -1,0 +1,199 @@
+"""Library churn against the real daemon: an unprivileged user's short-lived
+processes each load a copy of their own of a library defining
+cudaLaunchKernel, which is deleted once the process has exited. Every copy
+is probed (uprobe_multi links, a descriptor) while a process maps it, and
+released after: the daemon's descriptors and anonymous memory come back to
+where they were, its metrics and socket answer all along, and it stops
+promptly.
+
+The churn processes only map their copy (CALLS=0): a process that submits
+GPU work also gets latency series of its own in the P99 detector, which
+outlive it; that is process churn, not library churn, and not bounded here."""
+
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import library_churn
+from library_churn import open_fds, rss_anon_kib
+from mmtrace.exporters.daemon_client import ask
+
+pytestmark = [pytest.mark.bpf, pytest.mark.slow]
+
+COPIES = 2000
+PARALLEL = 16           # processes alive at once
+LIVE_MS = 400           # two discovery intervals
+WARM_UP = 50            # copies churned before the baseline is taken
+DISCOVER_INTERVAL_S = 0.2
+SETTLE_S = 10.0         # back to the baseline within this, once the churn is over
+TOLERANCE = 0.05
+STOP_WITHIN_S = 5.0
+
+# Every probe on (the most links per copy). The rings keep ring_seconds of
+# events, the churn's scheduler events too: 5 s, so that what is measured
+# after SETTLE_S is what the probes hold, not the recent past.
+CONFIG = """
+tick_s = 0.025
+metrics_address = "127.0.0.1:0"
+state_dir = "{work}/state"
+socket = "{work}/s.sock"
+discover_interval_s = {interval}
+adaptive_launches = false
+ring_seconds = 5
+"""
+
+
+@pytest.fixture(scope="module")
+def work():
+    """A folder every user may enter (the pytest folders are root's only)."""
+    path = Path(tempfile.mkdtemp(prefix="mmtrace-churn-", dir="/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def user(work):
+    if shutil.which("useradd") is None or shutil.which("setpriv") is None:
+        pytest.skip("needs useradd and setpriv")
+    if shutil.which("gcc") is None:
+        pytest.skip("needs gcc")
+    name = f"mmch{secrets.token_hex(3)}"
+    subprocess.run(["useradd", "--system", "--no-create-home", "--no-user-group",
+                    "--gid", "nogroup", "--shell", "/usr/sbin/nologin", name], check=True)
+    try:
+        yield name
+    finally:
+        subprocess.run(["userdel", name], capture_output=True)
+
+
+class Daemon:
+    def __init__(self, work: Path):
+        (work / "mmtrace.toml").write_text(CONFIG.format(work=work,
+                                                         interval=DISCOVER_INTERVAL_S))
+        self.log_path = work / "daemon.log"
+        self.sock = work / "s.sock"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "mmtrace.agent", "run", "--config",
+                                      str(work / "mmtrace.toml")],
+                                     stdout=subprocess.DEVNULL, stderr=self._log)
+        self.metrics = "http://" + self.wait_for_log(
+            r"metrics on (127\.0\.0\.1:\d+)/metrics").group(1) + "/metrics"
+        self.wait_for_log(r"tracing:")
+
+    def text(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_for_log(self, pattern: str, timeout_s: float = 120) -> re.Match:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = re.search(pattern, self.text())
+            if found:
+                return found
+            assert self.proc.poll() is None, f"the daemon exited:\n{self.text()}"
+            assert time.monotonic() < deadline, f"no {pattern!r} in:\n{self.text()}"
+            time.sleep(0.05)
+
+    def probes(self) -> dict:
+        return ask(self.sock, "status", 5.0)["probes"]
+
+    def scrape(self) -> str:
+        with urllib.request.urlopen(self.metrics, timeout=5) as reply:
+            return reply.read().decode()
+
+    def held(self) -> tuple[int, int]:
+        """(open descriptors, RssAnon in KiB)."""
+        return open_fds(self.proc.pid), rss_anon_kib(self.proc.pid)
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def daemon(work):
+    running = Daemon(work)
+    yield running
+    running.close()
+
+
+@pytest.fixture(scope="module")
+def built(work, user) -> library_churn.Churn:
+    return library_churn.build(work / "bin")
+
+
+def churn(built, work: Path, user: str, copies: int) -> subprocess.Popen:
+    folder = work / f"copies-{copies}"
+    folder.mkdir()
+    shutil.chown(folder, user=user)
+    return subprocess.Popen(
+        ["setpriv", f"--reuid={user}", "--regid=nogroup", "--clear-groups", str(built.driver),
+         str(built.library), str(folder), str(copies), str(PARALLEL), str(LIVE_MS), "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={"PATH": "/usr/bin:/bin"})
+
+
+def finished(proc: subprocess.Popen) -> str:
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, f"churn driver exited {proc.returncode}: {err}"
+    return out.strip().splitlines()[-1]
+
+
+def wait_until(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what()
+        time.sleep(0.1)
+
+
+def test_library_churn_gives_back_every_descriptor_and_its_memory(daemon, built, user, work):
+    at_rest = daemon.probes()
+    assert finished(churn(built, work, user, WARM_UP)) == f"done {WARM_UP} failed 0"
+    wait_until(lambda: daemon.probes()["libraries"] == at_rest["libraries"]
+               and daemon.probes()["retired"] == 0, 30,
+               lambda: f"warm-up copies still probed: {daemon.probes()}")
+    base_fds, base_rss = daemon.held()
+    released_before = daemon.probes()["released_libraries"]
+
+    proc = churn(built, work, user, COPIES)
+    answered, most_probed = 0, 0
+    while proc.poll() is None:
+        # Both must answer within their timeouts all along (ask raises otherwise).
+        most_probed = max(most_probed, daemon.probes()["libraries"])
+        assert "mmtrace_probe_links" in daemon.scrape()
+        answered += 1
+        time.sleep(0.5)
+    assert finished(proc) == f"done {COPIES} failed 0"
+    assert answered > 10
+
+    def settled() -> bool:
+        fds, rss = daemon.held()
+        return fds <= base_fds * (1 + TOLERANCE) and rss <= base_rss * (1 + TOLERANCE)
+    wait_until(settled, SETTLE_S, lambda: (
+        f"{SETTLE_S} s after the churn the daemon holds {daemon.held()} (descriptors, "
+        f"RssAnon KiB); before it: {(base_fds, base_rss)}; probes: {daemon.probes()}"))
+
+    probes = daemon.probes()
+    # The copies were probed (not missed by discovery) and every one released.
+    assert probes["released_libraries"] - released_before >= COPIES // 2, probes
+    assert most_probed > at_rest["libraries"], probes
+    assert (probes["libraries"], probes["retired"]) == (at_rest["libraries"], 0), probes
+    assert probes["discovery_over_cap"] == 0, probes
+    assert f"mmtrace_probed_files {float(at_rest['libraries'])}" in daemon.scrape()
+    assert "Too many open files" not in daemon.text()
+
+    began = time.monotonic()
+    daemon.proc.send_signal(signal.SIGTERM)
+    assert daemon.proc.wait(timeout=60) == 0, daemon.text()
+    assert time.monotonic() - began < STOP_WITHIN_S, daemon.text()
