@@ -43,7 +43,8 @@ from .flight import FlightRecorder
 from .hint_socket import HintServer
 from .log_limit import RateLimitedLog
 from .record import (CPU_PROBE_STATE, DeviceCompile, DeviceSources, StopFlag,
-                     device_programs_failed, exited_process_resolver)
+                     attach_and_release, device_programs_failed, exited_process_resolver,
+                     fit_meta)
 from .reload import ReloadRequest, reload
 from .sd_notify import Notifier
 from .signals import DumpRequest
@@ -62,6 +63,7 @@ SCHEMAS = {"cpu.runq": sched_stream.RUNQ_EVENT, "dev.event": device_stream.DEV_E
            "gpu.state": GPU_STATE}
 GPU_SAMPLE_INTERVAL_NS = 10**9
 MAX_ENTROPY_HEADS = 8192   # (layer, head) pairs per modality
+MAX_SENDERS_PER_SERIES = 256   # processes a request series' hints may reach
 MAX_MODALITIES = 8
 MAX_CLIENT_SERIES = 64     # request series from dispatchers (~25 KiB each in P99Drift)
 MAX_FUTURE_NS = 10**9       # how far a client's ts_ns may run ahead of the agent's clock
@@ -132,6 +134,11 @@ class Daemon:
         self.layers = Names(4096)
         self.modalities = Names(MAX_MODALITIES)
         self.request_series = Names(MAX_CLIENT_SERIES)
+        # Who may be steered by each request series: the processes (by the
+        # kernel's SO_PEERCRED) whose samples make it. A client's word moves
+        # only its own dispatchers; hints from the kernel's streams go to all.
+        self.request_senders: dict[str, set[int]] = {}
+        self.entropy_senders: dict[str, set[int]] = {}     # the same, per entropy modality
         self.anomalies: list[dict] = []
         self.hints_sent = 0
         self.recent_hints: deque[dict] = deque(maxlen=status_view.MAX_HINTS)
@@ -381,10 +388,22 @@ class Daemon:
         return self.loaded.device if self.loaded is not None else None
 
     def _attach_new(self):
-        self.probe_states += [s.as_dict() for s in self.loaded.device.check_rewritten()]
-        for target in self.sources.targets():
-            states = self.loaded.device.add(target)
-            self.probe_states += [s.as_dict() for s in states]
+        # The device's own states are read when needed: kept here, every
+        # library ever probed stayed in them.
+        attach_and_release(self.loaded.device, self.sources, self.names)
+
+    def probe_footprint(self) -> dict:
+        """What the GPU/NPU probes hold now (files, links, descriptors) and
+        what discovery counted: files released, over the cap, processes
+        gone before they could be probed."""
+        device = self._device()
+        out = device.footprint() if device is not None else {}
+        # The first scan runs in a thread of its own: its counters once it is over.
+        found = self.sources.counters() if self.sources is not None and self.sources.ready() \
+            else {}
+        for name in ("probed", "waiting", "over_cap", "released", "vanished"):
+            out[f"discovery_{name}"] = found.get(name, 0)
+        return out
 
     def _on_runq(self, batch):
         self.runq_ring.push(batch)
@@ -445,6 +464,12 @@ class Daemon:
         elif msg["type"] == "entropy":
             self._keep_entropy(msg["values"], ts)
             modality = msg["modality"]
+            for name in {v["modality"] for v in msg["values"]}:
+                known = name in self.entropy_senders
+                if known or len(self.entropy_senders) < self.modalities.limit:
+                    senders = self.entropy_senders.setdefault(name, set())
+                    if len(senders) < MAX_SENDERS_PER_SERIES:
+                        senders.add(getattr(client, "peer_pid", 0))
             if modality in self.entropy_latest or len(self.entropy_latest) < self.modalities.limit:
                 values = [v["value"] for v in msg["values"]]
                 self.entropy_latest[modality] = sum(values) / len(values)
@@ -456,6 +481,9 @@ class Daemon:
                 self.server.error(client, f"more than {MAX_CLIENT_SERIES} request series; "
                                   f"{name} ignored")
                 return
+            senders = self.request_senders.setdefault(name, set())
+            if len(senders) < MAX_SENDERS_PER_SERIES:
+                senders.add(getattr(client, "peer_pid", 0))
             requests.append((self.p99.series_id(name), ts, msg["value_ms"] / 1e3, sid))
 
     def _observe_requests(self, requests: list):
@@ -510,6 +538,7 @@ class Daemon:
                 "anomalies": status_view.active_anomalies(self.anomalies),
                 "hints": list(self.recent_hints), "hints_sent": self.hints_sent,
                 "policy": self.steering.summary(),
+                "probes": self.probe_footprint(),
                 "losses": self.losses()}
 
     def losses(self) -> dict[str, int]:
@@ -596,18 +625,20 @@ class Daemon:
                    "model.entropy": self.entropy_ring.window(),
                    "request.latency": self.request_ring.window(),
                    "gpu.state": self.gpu_state_ring.window()}
-        meta = [{"apis": device_stream.default_table().to_json(),
-                 "probes": self.probe_states,
-                 "symbol_names": {str(k): v for k, v in
-                                  (self._device().symbol_names().items()
-                                   if self._device() is not None else [])},
-                 "op_names": self.op_names,
-                 "entropy_layers": self.layers.table(),
-                 "modalities": self.modalities.table(),
-                 "request_series": self.request_series.table(),
-                 "hint_audit": self.steering.audit(),
-                 "host": platform.node(), "daemon_pid": os.getpid(),
-                 "config": _jsonable(asdict(self.config))}]
+        device = self._device()
+        meta = [fit_meta({
+            "apis": device_stream.default_table().to_json(),
+            # What is probed now: released files' states are gone with them.
+            "probes": self.probe_states + (device.states() if device is not None else []),
+            "symbol_names": {str(k): v for k, v in
+                             (device.symbol_names().items() if device is not None else [])},
+            "op_names": self.op_names,
+            "entropy_layers": self.layers.table(),
+            "modalities": self.modalities.table(),
+            "request_series": self.request_series.table(),
+            "hint_audit": self.steering.audit(),
+            "host": platform.node(), "daemon_pid": os.getpid(),
+            "config": _jsonable(asdict(self.config))})]
         return windows, SCHEMAS, meta
 
     def _sample_gpus(self, now_ns: int):
@@ -629,9 +660,25 @@ class Daemon:
             log.warning("hint %s %s -> %s: %s", hint["kind"], hint["target"], hint["value"],
                         hint["reason"])
             if self.server is not None:
-                sent = self.server.broadcast(hint)
+                scope = self._hint_scope(hint)
+                sent = self.server.broadcast(hint) if scope is None else \
+                    self.server.send_to(scope, hint)
                 self.hints_sent += sent
                 self.hint_counts[hint["kind"]] += sent
+
+    def _hint_scope(self, hint: dict) -> set[int] | None:
+        """The processes a hint may reach: those whose own samples raised
+        it (a request series' alarm), else every subscriber (None: the
+        kernel's run-queue and device streams, entropy, device weights)."""
+        evidence = hint.get("evidence")
+        if not isinstance(evidence, dict):
+            return None
+        series, modality = evidence.get("series"), evidence.get("entropy_modality")
+        if isinstance(series, str) and series in self.request_series.ids:
+            return self.request_senders.get(series, set())
+        if isinstance(modality, str):
+            return self.entropy_senders.get(modality, set())
+        return None
 
     def _device_weights(self) -> dict | None:
         """The GPUs' weights by ordinal (the gpu label of the metrics), where NVML answers."""

@@ -155,6 +155,9 @@ class HintPolicy:
                     press("priority", VISION, f"run-queue delay of pid {runq.group(1)}, which "
                           "serves text, drifted up: vision yields to text", evidence)
             elif request:
+                # the series rides in the evidence: the agent sends what a
+                # client's own samples raised only to that client
+                evidence = {**evidence, "series": series}
                 modality = request.group(2)
                 if modality == TEXT and VISION in obs.active_modalities:
                     press("modality_batch", VISION, "text-stream P99 drifted up while vision "
@@ -167,7 +170,8 @@ class HintPolicy:
             elif anomaly.get("detector") == "attention_entropy" and anomaly.get("modality"):
                 modality = str(anomaly["modality"])
                 press("degrade", modality, f"attention entropy of {modality} drifted "
-                      f"({anomaly.get('kind')}): inputs changed; shed non-core work", evidence)
+                      f"({anomaly.get('kind')}): inputs changed; shed non-core work",
+                      {**evidence, "entropy_modality": modality})
         return wanted
 
     # ------------------------------------------------------------- levers

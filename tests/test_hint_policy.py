@@ -83,7 +83,8 @@ def test_entropy_drift_degrades_its_modality_with_the_evidence():
     p = HintPolicy()
     [hint] = p.decide(Observations(now_ns=0, firing=[entropy("vision")]))
     assert (hint["kind"], hint["target"], hint["value"]) == ("degrade", "vision", 1)
-    assert hint["evidence"] == {"heads": [["enc.0", 3, 0.97]]}
+    # the modality rides in the evidence: the agent sends it to that modality's reporters
+    assert hint["evidence"] == {"heads": [["enc.0", 3, 0.97]], "entropy_modality": "vision"}
 
 
 def test_device_weights_are_sent_when_they_move_and_refreshed_before_the_ttl():
