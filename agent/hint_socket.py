@@ -26,6 +26,7 @@ import fcntl
 import json
 import logging
 import os
+import secrets
 import select
 import selectors
 import socket
@@ -89,8 +90,8 @@ def _error_line(text: str) -> bytes:
 
 def _peer(sock: socket.socket) -> tuple[int, int]:
     """(pid, uid) of the process that connected, as the kernel says."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, _ = struct.unpack("3i", creds)
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII"))
+    pid, uid, _ = struct.unpack("iII", creds)     # struct ucred: pid_t, uid_t, gid_t
     return pid, uid
 
 
@@ -112,11 +113,9 @@ class HintServer:
         # Bound under a temporary name, given its mode and listening, then
         # renamed into place: whoever sees the path sees it final, never
         # with the umask's mode or refusing connections.
-        temporary = self.path.with_name(f".{os.getpid()}.sock~")
+        temporary = self.path.with_name(f".{secrets.token_hex(3)}~")    # not guessable, short
         if len(os.fsencode(temporary)) > len(os.fsencode(self.path)):
             temporary = self.path           # no shorter name to spare: bound in place
-        elif temporary.is_socket():
-            temporary.unlink()              # left by an earlier process of this pid
         try:
             self._listener.bind(str(temporary))
             os.chmod(temporary, mode)
@@ -257,7 +256,7 @@ class HintServer:
             return []
         client.last_seen = self.clock()
         if data:
-            if not client.inbox:
+            if not client.inbox and not client.discarding:     # a new line's first bytes
                 client.line_started = client.last_seen
             client.inbox += data
             out = self._lines(client)
@@ -403,11 +402,16 @@ class HintServer:
                                                     b"\0\0\0\0"))[0]
         except OSError:
             return False
-        read = client.unread_bytes + (client.sent_bytes - client.checked_sent) - unread
-        client.unread_bytes, client.checked_sent = unread, client.sent_bytes
-        if unread == 0 and not client.outbox or read > 0:
-            client.unread_since = None          # it reads, or has nothing to read
-        elif client.unread_since is None:
+        # The kernel counts buffers (payload and overhead), not bytes: only a
+        # sweep with nothing sent since the last one can tell a read apart.
+        quiet = client.sent_bytes == client.checked_sent
+        previous, client.unread_bytes, client.checked_sent = \
+            client.unread_bytes, unread, client.sent_bytes
+        if unread == 0 and not client.outbox:
+            client.unread_since = None          # nothing left to read
+        elif quiet and unread < previous:
+            client.unread_since = None          # it read some
+        elif quiet and client.unread_since is None:
             client.unread_since = now
         return client.unread_since is not None and now - client.unread_since > READ_DEADLINE_S
 

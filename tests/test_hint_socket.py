@@ -428,29 +428,59 @@ def test_a_message_sent_a_byte_at_a_time_is_cut_off_at_its_deadline(tmp_path):
 
 def test_a_subscriber_that_reads_nothing_is_let_go_at_its_deadline(tmp_path):
     """The socket's buffer takes hundreds of hints before the server's own
-    outbox grows: the kernel's count of unread bytes says who reads."""
+    outbox grows: the kernel's count of unread bytes says who reads. One
+    that reads a line every 5 s, slowly, stays."""
     now = [1000.0]
     server = HintServer(tmp_path / "s.sock", clock=lambda: now[0])
-    deaf, reader = connect(server.path), connect(server.path)
+    deaf, slow = connect(server.path), connect(server.path)
     try:
         served = Served(lambda: server.poll(0.005))
         deaf.sendall(SUBSCRIBE)
-        reader.sendall(SUBSCRIBE)
+        slow.sendall(SUBSCRIBE)
         assert served.until(lambda: sum(c.subscribed for c in server.clients.values()) == 2)
-        for _ in range(int(hint_socket.READ_DEADLINE_S) + 2):
-            assert server.broadcast({"v": 1, "type": "hint", "kind": "priority"}) >= 1
-            assert served.read_line(reader)["kind"] == "priority"
+        for _ in range(10):
+            assert server.broadcast({"v": 1, "type": "hint", "kind": "priority"}) == 2
+        read = 0
+        for second in range(int(hint_socket.READ_DEADLINE_S) + 10):
+            if second % 5 == 0 and read < 10:
+                assert served.read_line(slow)["kind"] == "priority"
+                read += 1
             now[0] += 1.0
             served.until(lambda: False, timeout=0.01)
-        assert [c.name for c in server.clients.values()] == [""] and server.dropped_clients == 1
+        assert len(server.clients) == 1 and server.dropped_clients == 1
+        assert next(iter(server.clients.values())).sock.getpeername() == slow.getsockname()
         lines = []
         while (got := served.read_line(deaf)) is not None:
             lines.append(got)
+        assert [m["kind"] for m in lines[:-1]] == ["priority"] * 10
         assert lines[-1]["type"] == "error" and "read nothing of what it was sent for over " \
-            "30 s" in lines[-1]["message"] and len(lines) > 20
+            "30 s" in lines[-1]["message"]
     finally:
         deaf.close()
-        reader.close()
+        slow.close()
+        server.close()
+
+
+def test_an_oversized_message_sent_slowly_is_cut_off_too(tmp_path):
+    """While the server drops an oversized message, each byte resets the
+    idle clock: the line's deadline still holds."""
+    now = [1000.0]
+    server = HintServer(tmp_path / "s.sock", idle_timeout_s=60.0, clock=lambda: now[0])
+    slow = connect(server.path)
+    try:
+        served = Served(lambda: server.poll(0.005))
+        served.send(slow, b"x" * (MAX_MESSAGE + 10))
+        assert served.read_line(slow)["message"].startswith("message longer than")
+        for _ in range(int(hint_socket.LINE_DEADLINE_S) + 2):
+            if server.dropped_clients:
+                break
+            slow.sendall(b"x")
+            now[0] += 1.0
+            served.until(lambda: False, timeout=0.01)
+        assert "a message took over 10 s to arrive whole" in served.read_line(slow)["message"]
+        assert server.dropped_clients == 1 and not server.clients
+    finally:
+        slow.close()
         server.close()
 
 
