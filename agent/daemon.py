@@ -13,7 +13,7 @@ import platform
 import re
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import asdict
 from pathlib import Path
 
@@ -137,8 +137,8 @@ class Daemon:
         # Who may be steered by each request series: the processes (by the
         # kernel's SO_PEERCRED) whose samples make it. A client's word moves
         # only its own dispatchers; hints from the kernel's streams go to all.
-        self.request_senders: dict[str, set[int]] = {}
-        self.entropy_senders: dict[str, set[int]] = {}     # the same, per entropy modality
+        self.request_senders: dict[str, OrderedDict[int, None]] = {}
+        self.entropy_senders: dict[str, OrderedDict[int, None]] = {}   # per entropy modality
         self.anomalies: list[dict] = []
         self.hints_sent = 0
         self.recent_hints: deque[dict] = deque(maxlen=status_view.MAX_HINTS)
@@ -467,9 +467,7 @@ class Daemon:
             for name in {v["modality"] for v in msg["values"]}:
                 known = name in self.entropy_senders
                 if known or len(self.entropy_senders) < self.modalities.limit:
-                    senders = self.entropy_senders.setdefault(name, set())
-                    if len(senders) < MAX_SENDERS_PER_SERIES:
-                        senders.add(getattr(client, "peer_pid", 0))
+                    _heard(self.entropy_senders.setdefault(name, OrderedDict()), client)
             if modality in self.entropy_latest or len(self.entropy_latest) < self.modalities.limit:
                 values = [v["value"] for v in msg["values"]]
                 self.entropy_latest[modality] = sum(values) / len(values)
@@ -481,9 +479,7 @@ class Daemon:
                 self.server.error(client, f"more than {MAX_CLIENT_SERIES} request series; "
                                   f"{name} ignored")
                 return
-            senders = self.request_senders.setdefault(name, set())
-            if len(senders) < MAX_SENDERS_PER_SERIES:
-                senders.add(getattr(client, "peer_pid", 0))
+            _heard(self.request_senders.setdefault(name, OrderedDict()), client)
             requests.append((self.p99.series_id(name), ts, msg["value_ms"] / 1e3, sid))
 
     def _observe_requests(self, requests: list):
@@ -675,15 +671,25 @@ class Daemon:
             return None
         series, modality = evidence.get("series"), evidence.get("entropy_modality")
         if isinstance(series, str) and series in self.request_series.ids:
-            return self.request_senders.get(series, set())
+            return set(self.request_senders.get(series, ()))
         if isinstance(modality, str):
-            return self.entropy_senders.get(modality, set())
+            return set(self.entropy_senders.get(modality, ()))
         return None
 
     def _device_weights(self) -> dict | None:
         """The GPUs' weights by ordinal (the gpu label of the metrics), where NVML answers."""
         gpus = self.nvml.devices() if self.nvml is not None else []
         return {str(d.index): d.weight for d in gpus} or None
+
+
+def _heard(senders: "OrderedDict[int, None]", client):
+    """The client's process (SO_PEERCRED) as the latest sender; the longest
+    silent go first past MAX_SENDERS_PER_SERIES (recycled workers age out)."""
+    pid = getattr(client, "peer_pid", 0)
+    senders[pid] = None
+    senders.move_to_end(pid)
+    while len(senders) > MAX_SENDERS_PER_SERIES:
+        senders.popitem(last=False)
 
 
 def _otlp_traces(config: DaemonConfig, describe_rows):

@@ -138,7 +138,10 @@ class HintPolicy:
         wanted: dict = {}
 
         def press(kind, target, reason, evidence):
-            if (kind, target) not in wanted:
+            # The first reason holds, unless a client's word came first and
+            # the kernel's evidence presses too: then the hint is everyone's.
+            held = wanted.get((kind, target))
+            if held is None or (client_scoped(held[2]) and not client_scoped(evidence)):
                 wanted[(kind, target)] = (True, reason, evidence)
 
         for anomaly in obs.firing:
@@ -179,6 +182,8 @@ class HintPolicy:
     def _move(self, lever: Lever, pressed: bool, reason: str, evidence: dict, now: int) -> list:
         s = self.settings
         if pressed:
+            if client_scoped(lever.why[1]) and not client_scoped(evidence):
+                lever.why = (reason, evidence)      # refreshes go to everyone from now on
             lever.calm_since_ns = None
             if lever.pressure_since_ns is None:
                 lever.pressure_since_ns = now
@@ -195,8 +200,9 @@ class HintPolicy:
                 lever.calm_since_ns = now
             calm = now - max(lever.calm_since_ns, lever.changed_ns)
             if lever.level > 0 and calm >= _ns(s.relax_dwell_s):
+                # with the evidence it moved on: a step back goes where the steps went
                 return self._step(lever, -1, f"{lever.kind} {lever.target}: calm for "
-                                  f"{s.relax_dwell_s:g} s, one step back", {}, now)
+                                  f"{s.relax_dwell_s:g} s, one step back", lever.why[1], now)
         if lever.level > 0 and lever.sent_ns is not None and \
                 now - lever.sent_ns >= _ns(s.ttl_s / 2):
             return self._emit(lever.kind, lever.target, lever.value, *lever.why, now,
@@ -282,6 +288,14 @@ class HintPolicy:
     def _log(self, entry: dict):
         self.audit.append(entry)
         self.counts[(entry["kind"], entry["outcome"])] += 1
+
+
+def client_scoped(evidence) -> bool:
+    """Whether a hint rests on a client's own word (its request latencies or
+    its entropy samples): the agent sends such a hint to that client only."""
+    return isinstance(evidence, dict) and (
+        str(evidence.get("series", "")).startswith("request_latency{")
+        or "entropy_modality" in evidence)
 
 
 def _steps(kind: str) -> tuple:

@@ -156,3 +156,26 @@ def test_a_load_hovering_at_the_threshold_does_not_make_levers_oscillate(flips):
             assert t1 - t0 >= s.relax_dwell_s - 1e-6
         elif v0 != 8:                                 # escalated again
             assert t1 - t0 >= max(s.cooldown_s, s.escalate_dwell_s) - 1e-6
+
+
+def test_a_lever_a_clients_word_moved_steps_back_with_that_word_and_kernel_evidence_wins():
+    """What a client's own request latencies raised carries its series (the
+    agent sends such a hint to that client only): the steps back too. A
+    run-queue alarm pressing the same lever makes its hints everyone's."""
+    from mmtrace.dispatch.policy import client_scoped
+    p = HintPolicy(PolicySettings(escalate_dwell_s=2, relax_dwell_s=5, cooldown_s=1, ttl_s=10))
+    pressed = run(p, 4, firing=[request("text")], active_modalities={"vision"},
+                  cpu_utilisation=0.9)
+    assert [h["value"] for h in pressed if h["kind"] == "modality_batch"] == [4, 2]
+    assert all(client_scoped(h["evidence"]) for h in pressed)
+    relaxed = run(p, 12, start_s=4, active_modalities={"vision"}, cpu_utilisation=0.9)
+    steps = [h for h in relaxed if h["kind"] == "modality_batch"]
+    # a refresh of 2 at half its TTL, then a step back every 5 s calm
+    assert [h["value"] for h in steps] == [2, 4, 8] and all(client_scoped(h["evidence"])
+                                                            for h in steps)
+    q = HintPolicy(PolicySettings(escalate_dwell_s=2, relax_dwell_s=5, cooldown_s=1, ttl_s=4))
+    run(q, 4, firing=[request("text")], active_modalities={"vision"}, cpu_utilisation=0.9)
+    both = run(q, 6, start_s=4, firing=[request("text"), runq(70)], served={70: {"vision"}},
+               active_modalities={"vision"}, cpu_utilisation=0.9)
+    refreshed = [h for h in both if h["kind"] == "modality_batch"]
+    assert refreshed and not any(client_scoped(h["evidence"]) for h in refreshed)
