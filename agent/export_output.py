@@ -9,7 +9,7 @@ import stat
 import sys
 from pathlib import Path
 
-from .safe_files import DirFile, UnsafePathError, refuse_link
+from .safe_files import DirFile, UnsafePathError, refuse_link, stream_in_place
 
 BUFFER_BYTES = 1 << 20
 
@@ -43,10 +43,16 @@ class ExportOutput:
         final = Path(self.output)
         try:
             existing = os.lstat(final)
+            # A pipe or a device (/dev/null, /dev/stdout, >(gzip)), a link to
+            # one too: written in place, nothing created or replaced.
+            fd = stream_in_place(final) if existing is not None else None
         except FileNotFoundError:
-            existing = None
+            existing = fd = None
         except OSError as exc:
             raise OutputError(f"cannot write {self.output}: {exc.strerror}") from None
+        if fd is not None:
+            self.stream = os.fdopen(fd, "wb", buffering=BUFFER_BYTES)
+            return self
         try:
             refuse_link(final, existing)
         except UnsafePathError as exc:
@@ -56,12 +62,10 @@ class ExportOutput:
                               "refusing to overwrite it")
         if existing is not None and stat.S_ISDIR(existing.st_mode):
             raise OutputError(f"cannot write {self.output}: it is a directory")
+        if existing is not None and not stat.S_ISREG(existing.st_mode):
+            raise OutputError(f"cannot write {self.output}: expected a regular file, a pipe "
+                              "or a device, got a socket or another special file")
         try:
-            if existing is not None and not stat.S_ISREG(existing.st_mode):
-                # A device or FIFO (/dev/null, a pipe): written in place, never replaced.
-                fd = os.open(final, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                self.stream = os.fdopen(fd, "wb", buffering=BUFFER_BYTES)
-                return self
             # a file replaced keeps its permissions; a new one takes the umask's
             self._file = DirFile(final, stat.S_IMODE(existing.st_mode) if existing else None)
         except OSError as exc:
@@ -84,7 +88,10 @@ class ExportOutput:
             except OSError as rename_exc:
                 failure = rename_exc
             finally:
-                self._file.close()
+                try:
+                    self._file.close()
+                except OSError as close_exc:    # the temporary file could not be removed
+                    failure = failure or close_exc
         if isinstance(failure, OSError):
             raise OutputError(f"cannot write {self.output}: "
                               f"{failure.strerror or failure}") from None

@@ -213,7 +213,8 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
     reported on that socket are recorded too (see socket_telemetry)."""
     options = options or probe_loader.ProbeOptions(pids=tuple(pids))
     try:
-        refuse_link(Path(output))       # said before the probes load; the writer checks again
+        if not Path(output).is_fifo() and not Path(output).is_char_device():
+            refuse_link(Path(output))   # said before the probes load; the writer checks again
     except UnsafePathError as exc:
         raise MmtraceError(f"-o {exc}") from None
     began = time.monotonic()

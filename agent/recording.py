@@ -25,7 +25,7 @@ import numpy as np
 
 from .bounded_json import loads_bounded
 from .recording_checks import check_footer, check_header, check_meta
-from .safe_files import create_new, replace_file
+from .safe_files import create_new, replace_file, stream_in_place
 
 MAGIC = b"MMTRACE\x00"
 MAJOR = 1
@@ -74,9 +74,13 @@ class RecordingWriter:
         self._schema_ids = {name: i for i, name in enumerate(self.schemas)}
         # Unbuffered: a write the disk refuses leaves nothing pending that a
         # later write or close would push after a partial chunk.
-        fd = create_new(self.path) if exclusive else replace_file(self.path)
+        # A pipe or a device (/dev/null, >(zstd > r.mmtr)) is written in place.
+        fd = None if exclusive else stream_in_place(self.path)
+        if fd is None:
+            fd = create_new(self.path) if exclusive else replace_file(self.path)
         st = os.fstat(fd)
         self._identity = (st.st_dev, st.st_ino)
+        self._regular = stat.S_ISREG(st.st_mode)     # only a file is synced
         self._file = open(fd, "wb", buffering=0)
         self.failed: OSError | None = None      # the write error that ended the recording
         # fsync runs in a thread of its own: on a loaded host one took 2.6 s,
@@ -103,7 +107,7 @@ class RecordingWriter:
         """Bound what a host crash can lose to about `interval_s` of chunks;
         a killed process loses nothing written (the page cache keeps it)."""
         synced = 0
-        while not self._closing.wait(interval_s):
+        while self._regular and not self._closing.wait(interval_s):
             written = self.bytes_written
             if written != synced:
                 try:
@@ -168,7 +172,8 @@ class RecordingWriter:
             self._chunk(KIND_END, 0, 0, json.dumps(footer or {}, sort_keys=True).encode())
             self._closing.set()
             self._syncer.join()
-            os.fsync(self._file.fileno())
+            if self._regular:
+                os.fsync(self._file.fileno())
         finally:
             self._closing.set()
             self._syncer.join()

@@ -31,19 +31,27 @@ def private_dir(path: Path, mode: int, *, sticky_ok: bool = False) -> Path:
     `sticky_ok`, a sticky directory of root's that all may write into
     (/tmp) passes: nobody can remove or rename what another made there."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    os.makedirs(path.parent, mode=0o755, exist_ok=True)
     try:
         os.mkdir(path, mode)
+        made = True
     except FileExistsError:
-        pass
-    else:
-        os.chmod(path, mode, follow_symlinks=False)     # the umask took bits from mode
+        made = False
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
         raise UnsafePathError(f"{path}: expected a directory, got a symbolic link "
                               f"(to {os.readlink(path)}); refusing to write through it")
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafePathError(f"{path}: expected a directory, got {_kind(st.st_mode)}")
+    # Through a descriptor of the directory itself: a link swapped in since
+    # the lstat is not followed (O_NOFOLLOW fails on it).
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if made:
+            os.fchmod(fd, mode)                 # the umask took bits from mode
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
     if st.st_uid not in (os.geteuid(), 0):
         owner = "root" if os.geteuid() == 0 else f"uid {os.geteuid()} or root"
         raise UnsafePathError(f"{path}: owned by uid {st.st_uid}, expected {owner}; "
@@ -91,6 +99,22 @@ def replace_file(path: Path, mode: int = 0o600) -> int:
                               "replaced; refusing to write to it") from None
 
 
+def stream_in_place(path: Path) -> int | None:
+    """A descriptor to write `path` in place where it is a pipe or a
+    character device (/dev/null, /dev/stdout, a shell's >(gzip)), links
+    followed: nothing is created or replaced there. None for anything else."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if not (stat.S_ISFIFO(st.st_mode) or stat.S_ISCHR(st.st_mode)):
+        return None
+    # O_NONBLOCK: a FIFO nobody reads fails at once (ENXIO) instead of hanging
+    fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    os.set_blocking(fd, True)
+    return fd
+
+
 def refuse_link(path: Path, st: os.stat_result | None = None):
     """UnsafePathError where the final component of `path` is a symbolic link."""
     if st is None:
@@ -115,12 +139,16 @@ class DirFile:
         self.name = path.name
         self.dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.tmp = f".{self.name}.{secrets.token_hex(4)}.tmp"
+        self.fd = None
         try:
             self.fd = os.open(self.tmp, _CREATE, 0o666 if mode is None else mode,
                               dir_fd=self.dir_fd)
             if mode is not None:
                 os.fchmod(self.fd, mode)
         except BaseException:
+            if self.fd is not None:
+                os.close(self.fd)
+                os.unlink(self.tmp, dir_fd=self.dir_fd)
             os.close(self.dir_fd)
             raise
 

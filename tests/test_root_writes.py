@@ -224,3 +224,23 @@ def test_record_says_so_when_its_file_was_removed_while_it_wrote(tmp_path):
                                 "was written; the ")
     assert errors[0].endswith(" events recorded are lost with it")
     assert "wrote " not in err
+
+
+def test_an_export_to_a_pipe_or_a_device_is_written_in_place(tmp_path):
+    """/dev/stdout (a link to the pipe here) and /dev/null: nothing is
+    created or replaced, so a link to either is taken."""
+    rec = write_sample(tmp_path / "r.mmtr")
+    result = subprocess.run([MMTRACE, "export", rec, "--format", "jsonl", "-o", "/dev/stdout"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.splitlines()) == 40
+    assert subprocess.run([MMTRACE, "export", rec, "--format", "perfetto", "-o", "/dev/null"],
+                          capture_output=True, timeout=120).returncode == 0
+
+
+@pytest.mark.bpf
+def test_record_to_dev_null_runs(tmp_path):
+    result = subprocess.run([MMTRACE, "record", "-o", "/dev/null", "--duration", "0.5"],
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert "wrote /dev/null:" in result.stderr
