@@ -433,8 +433,12 @@ def main():
     """The console script: every error is one line on stderr and exit
     status 2, a usage error too (click's own would print the usage and a
     hint around it)."""
+    no_args_help = getattr(click.exceptions, "NoArgsIsHelpError", ())
     try:
         code = cli.main(prog_name="mmtrace", standalone_mode=False)
+    except no_args_help as exc:        # plain `mmtrace`: the help, as click prints it
+        exc.show()
+        sys.exit(exc.exit_code)
     except click.UsageError as exc:
         where = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
         click.echo(f"mmtrace: error: {exc.format_message()}{where}", err=True)

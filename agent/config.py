@@ -14,7 +14,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from mmtrace.dispatch.durations import MIN_DURATION_S, expected_duration, is_duration
+from mmtrace.dispatch.durations import MIN_DURATION_S, expected_duration, is_duration, range_end
 from mmtrace.dispatch.policy import DURATIONS as POLICY_DURATIONS
 
 from .errors import MmtraceError
@@ -44,13 +44,8 @@ class Number:
     @property
     def expected(self) -> str:
         kind = "an integer" if self.integer else "a number"
-        low = f"more than {_bound(self.low)}" if self.low_open else _bound(self.low)
-        return f"{kind} in {low}..{_bound(self.high)}"
-
-
-def _bound(value: float) -> str:
-    """A range's end as written: whole numbers in full (16777216, not 1.67772e+07)."""
-    return str(int(value)) if float(value).is_integer() and abs(value) < 1e15 else f"{value:g}"
+        low = f"more than {range_end(self.low)}" if self.low_open else range_end(self.low)
+        return f"{kind} in {low}..{range_end(self.high)}"
 
 
 @dataclass(frozen=True)

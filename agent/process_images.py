@@ -22,7 +22,8 @@ from .symbols import ElfError, ElfSymbols, FileKey
 LOAD_FRAMES = 8
 # Files whose build ids are remembered, the most recently seen first: the
 # probed files come and go (each copy of a library is a file of its own).
-MAX_INDEXED_FILES = 256
+# Above what may need decoding at once: 128 probed and 256 released files.
+MAX_INDEXED_FILES = 512
 BUILD_ID_VALID = 1          # enum bpf_stack_build_id_status: BPF_STACK_BUILD_ID_VALID
 # Mirrors struct load_frames (bpf/device.h): struct bpf_stack_build_id is
 # {s32 status; u8 build_id[20]; u64 offset-or-ip}.

@@ -18,7 +18,7 @@ MIN_DURATION_S = 1e-6        # the floor of a setting that names none: one micro
 def expected_duration(low: float, high: float, *, unit: str = "s", zero: bool = False) -> str:
     """The range as an error message says it: 'a number of seconds in 0.000001..10'."""
     name = {"s": "seconds", "ms": "milliseconds"}[unit]
-    text = f"a number of {name} in {_bound(low)}..{_bound(high)}"
+    text = f"a number of {name} in {range_end(low)}..{range_end(high)}"
     return f"0 or {text}" if zero else text
 
 
@@ -43,7 +43,7 @@ def check_duration(value, where: str, low: float, high: float, *, unit: str = "s
     return float(value)
 
 
-def _bound(value: float) -> str:
+def range_end(value: float) -> str:
     """A range's end as written: 16777216, 0.5, 0.000001 (never 1e-06)."""
     if float(value).is_integer() and abs(value) < 1e15:
         return str(int(value))

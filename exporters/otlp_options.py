@@ -69,16 +69,19 @@ def options_from(endpoint: str = "", headers: str = "", sample_ratio: float = 0.
         raise ValueError(f"OTEL_BSP_MAX_QUEUE_SIZE: expected a positive integer, got {queue!r}")
     timeout = env.get("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT") or env.get("OTEL_EXPORTER_OTLP_TIMEOUT")
     timeout_s = _timeout_s(timeout) if timeout else 10.0
-    for where, url in (("[otlp] endpoint", endpoint), ("OTEL_EXPORTER_OTLP_*ENDPOINT",
-                                                        env_endpoint)):
-        if url:
-            _check_url(where, url)
+    enabled = bool(endpoint or env_endpoint) and not disabled
+    # the one that is used, and only when it is: a host-wide OTEL_* meant for
+    # other programs must not stop a daemon that exports nothing
+    where, url = ("[otlp] endpoint", endpoint) if endpoint else \
+        ("OTEL_EXPORTER_OTLP_*ENDPOINT", env_endpoint)
+    if enabled:
+        _check_url(where, url)
     return OtlpOptions(endpoint=endpoint or env_endpoint,
                        headers=parse_headers(headers) if headers else None,
                        sample_ratio=ratio,
                        max_submission_spans_per_s=max_submission_spans_per_s,
                        timeout_s=timeout_s, max_queue=int(queue),
-                       enabled=bool(endpoint or env_endpoint) and not disabled)
+                       enabled=enabled)
 
 
 def _timeout_s(text: str) -> float:

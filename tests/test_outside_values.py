@@ -58,8 +58,17 @@ def test_environment_hints_in_other_digits_are_ignored(tmp_path):
 ])
 def test_bad_otlp_variables_are_refused_by_name(env, words):
     with pytest.raises(ValueError) as err:
-        options_from(endpoint="http://collector:4318/v1/traces", env=env)
+        options_from(endpoint="" if "ENDPOINT" in str(env) else "http://collector:4318/x",
+                     env=env)
     assert words in str(err.value)
+
+
+def test_an_otlp_endpoint_that_is_not_used_is_not_checked():
+    """A host-wide OTEL_* meant for other programs, with OTLP off here."""
+    assert not options_from(env={"OTEL_EXPORTER_OTLP_ENDPOINT": "collector:4317",
+                                 "OTEL_SDK_DISABLED": "true"}).enabled
+    assert options_from(endpoint="http://c:4318/v1/traces",
+                        env={"OTEL_EXPORTER_OTLP_ENDPOINT": "collector:4317"}).enabled
 
 
 @pytest.mark.parametrize("endpoint", ["not a url", "ftp://host/x", "http://", "collector:4318"])
