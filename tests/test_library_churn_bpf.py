@@ -178,8 +178,11 @@ def test_library_churn_gives_back_every_descriptor_and_its_memory(daemon, built,
     assert answered > 10
 
     def settled() -> bool:
+        # released files stay open 5 s for decoding (retired): those closed too
         fds, rss = daemon.held()
-        return fds <= base_fds * (1 + TOLERANCE) and rss <= base_rss * (1 + TOLERANCE)
+        probes = daemon.probes()
+        return fds <= base_fds * (1 + TOLERANCE) and rss <= base_rss * (1 + TOLERANCE) \
+            and (probes["libraries"], probes["retired"]) == (at_rest["libraries"], 0)
     wait_until(settled, SETTLE_S, lambda: (
         f"{SETTLE_S} s after the churn the daemon holds {daemon.held()} (descriptors, "
         f"RssAnon KiB); before it: {(base_fds, base_rss)}; probes: {daemon.probes()}"))
