@@ -28,14 +28,6 @@ from library_churn import open_fds, rss_anon_kib  # noqa: E402
 
 from mmtrace.exporters.daemon_client import ask  # noqa: E402
 
-CONFIG = """tick_s = 0.025
-metrics_address = "127.0.0.1:0"
-state_dir = "{work}/state"
-socket = "{work}/s.sock"
-discover_interval_s = {interval}
-adaptive_launches = false
-ring_seconds = 5
-"""
 
 
 def main() -> int:
@@ -57,8 +49,8 @@ def main() -> int:
         copies = work / "copies"
         copies.mkdir()
         shutil.chown(copies, user=user)
-        (work / "mmtrace.toml").write_text(CONFIG.format(work=work,
-                                                         interval=args.discover_interval))
+        config = library_churn.DAEMON_CONFIG.format(work=work, interval=args.discover_interval)
+        (work / "mmtrace.toml").write_text(config)
         log = work / "daemon.log"
         daemon = subprocess.Popen([sys.executable, "-m", "mmtrace.agent", "run", "--config",
                                    str(work / "mmtrace.toml")], stdout=open(log, "w"),

@@ -17,6 +17,19 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+# The daemon's settings for a churn: every probe on (the most links per
+# copy), and rings that keep 5 s of events (the churn's scheduler events
+# too), so that what is measured once it settles is what the probes hold.
+DAEMON_CONFIG = """
+tick_s = 0.025
+metrics_address = "127.0.0.1:0"
+state_dir = "{work}/state"
+socket = "{work}/s.sock"
+discover_interval_s = {interval}
+adaptive_launches = false
+ring_seconds = 5
+"""
+
 LIBRARY = r"""
 #include <stddef.h>
 typedef struct { unsigned x, y, z; } dim3;

@@ -38,18 +38,6 @@ SETTLE_S = 10.0         # back to the baseline within this, once the churn is ov
 TOLERANCE = 0.05
 STOP_WITHIN_S = 5.0
 
-# Every probe on (the most links per copy). The rings keep ring_seconds of
-# events, the churn's scheduler events too: 5 s, so that what is measured
-# after SETTLE_S is what the probes hold, not the recent past.
-CONFIG = """
-tick_s = 0.025
-metrics_address = "127.0.0.1:0"
-state_dir = "{work}/state"
-socket = "{work}/s.sock"
-discover_interval_s = {interval}
-adaptive_launches = false
-ring_seconds = 5
-"""
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +66,8 @@ def user(work):
 
 class Daemon:
     def __init__(self, work: Path):
-        (work / "mmtrace.toml").write_text(CONFIG.format(work=work,
-                                                         interval=DISCOVER_INTERVAL_S))
+        config = library_churn.DAEMON_CONFIG.format(work=work, interval=DISCOVER_INTERVAL_S)
+        (work / "mmtrace.toml").write_text(config)
         self.log_path = work / "daemon.log"
         self.sock = work / "s.sock"
         self._log = open(self.log_path, "w")
