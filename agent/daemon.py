@@ -67,7 +67,10 @@ MAX_SENDERS_PER_SERIES = 256   # processes a request series' hints may reach
 MAX_MODALITIES = 8
 MAX_CLIENT_SERIES = 64     # request series from dispatchers (~25 KiB each in P99Drift)
 MAX_FUTURE_NS = 10**9       # how far a client's ts_ns may run ahead of the agent's clock
-SWEEP_INTERVAL_S = 10.0
+SWEEP_INTERVAL_S = 10.0        # an idle agent's heap trim
+# Exited processes' series go this often: ~23 KiB each, and with 16
+# processes of 400 ms at a time, 10 s held some 400 processes' series.
+EXITED_SWEEP_INTERVAL_S = 2.0
 HEAP_TRIM_INTERVAL_S = 0.5
 TRIM_AFTER_RECORDS = 5000      # records drained since the last trim that call for one
 STATUS_MIN_INTERVAL_S = 0.5
@@ -153,6 +156,7 @@ class Daemon:
         self._devices = None                # DeviceCompile while the GPU/NPU programs compile
         self._began = 0.0
         self._next_sweep = 0.0
+        self._next_exited_sweep = 0.0
         self._next_trim = 0.0
         self._since_trim = 0
         self.forgotten_series = 0
@@ -352,9 +356,11 @@ class Daemon:
                 self._message_failed("poll")
             self._on_messages(messages)
         now_ns = now_ns or time.monotonic_ns()
+        if time.monotonic() >= self._next_exited_sweep:
+            self._next_exited_sweep = time.monotonic() + EXITED_SWEEP_INTERVAL_S
+            self.forget_exited()
         if time.monotonic() >= self._next_sweep:
             self._next_sweep = time.monotonic() + SWEEP_INTERVAL_S
-            self.forget_exited()
             self._trim_heap()
         elif self._since_trim >= TRIM_AFTER_RECORDS and time.monotonic() >= self._next_trim:
             self._trim_heap()
@@ -373,15 +379,18 @@ class Daemon:
         self._next_trim = time.monotonic() + HEAP_TRIM_INTERVAL_S
 
     def forget_exited(self):
-        """Series of processes that have exited are reset: a pid's alarm must
-        not stay firing for ever, nor greet the next process given that pid."""
+        """Series of processes that have exited are dropped: a pid's alarm
+        must not stay firing for ever, nor greet the next process given that
+        pid, and each series holds ~23 KiB of windows (kept, those of 2 000
+        short-lived processes that called the runtime took RssAnon from 58 to
+        184 MB)."""
+        gone = []
         for name in self.p99.names:
             match = PID_IN_SERIES.search(name)
-            if match and self.p99.state(name) != "normal" and \
-                    not (self.proc_root / match.group(1)).exists():
-                self.p99.reset(name)
+            if match and not (self.proc_root / match.group(1)).exists():
+                gone.append(name)
                 self.steering.inputs.forget(("series", name))
-                self.forgotten_series += 1
+        self.forgotten_series += self.p99.drop(gone)
         self.counts.forget_exited()
 
     def _device(self):

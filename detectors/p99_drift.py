@@ -261,6 +261,37 @@ class P99Drift:
         self._clear_n[sid] = 0
         self._incident[sid].clear()
 
+    def drop(self, names) -> int:
+        """Forget series for good (their process exited): their windows,
+        baseline and counters are freed, and the remaining series are packed
+        so the arrays shrink with them. Ids given out before are void after
+        a drop; names stay. Emits nothing. Returns how many were dropped."""
+        gone = {self._ids[n] for n in names if n in self._ids}
+        if not gone:
+            return 0
+        keep = np.array([i for i in range(len(self._names)) if i not in gone], np.int64)
+        new_id = np.full(len(self._names), -1, np.int64)
+        new_id[keep] = np.arange(keep.size)
+        self._names = [self._names[i] for i in keep.tolist()]
+        self._ids = {name: i for i, name in enumerate(self._names)}
+        self._incident = [self._incident[i] for i in keep.tolist()]
+        for window, parts in list(self._tails.items()):
+            moved = []
+            for series, contrib, counts in parts:
+                ids = new_id[series]
+                mine = ids >= 0
+                if mine.any():
+                    moved.append((ids[mine], contrib[mine], counts[mine]))
+            if moved:
+                self._tails[window] = moved
+            else:
+                del self._tails[window]
+        capacity = self._capacity
+        while capacity > 8 and keep.size <= capacity // 4:
+            capacity //= 2
+        self._resize(capacity, keep)
+        return len(gone)
+
     # ------------------------------------------------------------------ input
 
     def observe(
@@ -611,38 +642,42 @@ class P99Drift:
 
     def _grow(self, capacity: int) -> None:
         """(Re)allocate per-series state for ``capacity`` series, keeping what exists."""
-        old = self._capacity
+        self._resize(capacity, np.arange(self._capacity))
 
-        def grown(name: str, shape_tail: tuple, dtype, fill) -> None:
+    def _resize(self, capacity: int, keep: np.ndarray) -> None:
+        """Per-series state for ``capacity`` series; row ``i`` of the new
+        arrays is row ``keep[i]`` of the old ones, the rest is fresh. Fresh
+        arrays, not views: what is dropped goes back to the allocator."""
+
+        def moved(name: str, shape_tail: tuple, dtype, fill) -> None:
             fresh = np.full((capacity,) + shape_tail, fill, dtype=dtype)
-            if old:
-                fresh[:old] = getattr(self, name)
+            if keep.size:
+                fresh[: keep.size] = getattr(self, name)[keep]
             setattr(self, name, fresh)
 
-        grown("_state", (), np.int8, NORMAL)
-        grown("_hist", (self.baseline_windows,), np.float64, np.nan)
-        grown("_hist_pos", (), np.int64, 0)
-        grown("_hist_len", (), np.int64, 0)
-        grown("_base", (), np.float64, np.nan)
-        grown("_sigma", (), np.float64, np.nan)
+        moved("_state", (), np.int8, NORMAL)
+        moved("_hist", (self.baseline_windows,), np.float64, np.nan)
+        moved("_hist_pos", (), np.int64, 0)
+        moved("_hist_len", (), np.int64, 0)
+        moved("_base", (), np.float64, np.nan)
+        moved("_sigma", (), np.float64, np.nan)
         for prefix, length in (("_streak", self.consecutive), ("_clear", self.clear_windows)):
-            grown(prefix + "_n", (), np.int64, 0)
-            grown(prefix + "_p99", (length,), np.float64, np.nan)
-            grown(prefix + "_count", (length,), np.int64, 0)
-            grown(prefix + "_start", (length,), np.int64, 0)
-        grown("_streak_log", (self.consecutive,), np.float64, np.nan)
-        grown("_fired_ns", (), np.int64, 0)
-        grown("_last_p99", (), np.float64, np.nan)
-        grown("_last_count", (), np.int64, 0)
+            moved(prefix + "_n", (), np.int64, 0)
+            moved(prefix + "_p99", (length,), np.float64, np.nan)
+            moved(prefix + "_count", (length,), np.int64, 0)
+            moved(prefix + "_start", (length,), np.int64, 0)
+        moved("_streak_log", (self.consecutive,), np.float64, np.nan)
+        moved("_fired_ns", (), np.int64, 0)
+        moved("_last_p99", (), np.float64, np.nan)
+        moved("_last_count", (), np.int64, 0)
         for counter in ("_accepted", "_rejected", "_late"):
-            grown(counter, (), np.int64, 0)
+            moved(counter, (), np.int64, 0)
         # int32: a bucket of one series would need 2**31 events in one window to wrap.
         ring = np.zeros((self.max_open_windows, capacity, self._columns), dtype=np.int32)
-        if old:
-            ring[:, :old] = self._ring
+        if keep.size:
+            ring[:, : keep.size] = self._ring[:, keep]
         self._ring = ring
         self._capacity = capacity
-
 
 def _require(ok: bool, name: str, expected: str, got) -> None:
     if not ok:

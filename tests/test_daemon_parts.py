@@ -243,7 +243,7 @@ def test_report_lists_the_anomaly_with_its_evidence(tmp_path):
     assert "p99_drift runq_delay{pid=70} firing" in text and "top threads 77" in text
 
 
-def test_alarms_of_exited_processes_are_reset(tmp_path):
+def test_series_of_exited_processes_are_dropped(tmp_path):
     from mmtrace.agent.daemon import Daemon
     cfg = config_mod.DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "s.sock")
     daemon = Daemon(cfg)
@@ -260,8 +260,11 @@ def test_alarms_of_exited_processes_are_reset(tmp_path):
     assert daemon.p99.state("runq_delay{pid=70}") == "firing"
     (daemon.proc_root / "70").rmdir()
     daemon.forget_exited()
-    assert daemon.p99.state("runq_delay{pid=70}") == "normal"
+    assert "runq_delay{pid=70}" not in daemon.p99.names
     assert daemon.forgotten_series == 1
+    daemon._on_runq(runq[runq["tid"] == 77][:1])   # the pid given again: a fresh series
+    assert daemon.p99.state("runq_delay{pid=70}") == "normal"
+    assert daemon.p99.baseline("runq_delay{pid=70}") is None
 
 
 def test_niceness_outside_the_kernels_range_is_refused(tmp_path):

@@ -226,6 +226,55 @@ def test_reset_forgets_baseline_and_alarm():
     assert detector.state("s") == "normal" and detector.baseline("s") is None
 
 
+def test_dropped_series_free_their_windows_and_a_returning_name_starts_afresh():
+    detector = small_detector()
+    names = [f"runq_delay{{pid={i}}}" for i in range(1000)]
+    ids = np.array([detector.series_id(n) for n in names])
+    ts = np.full(ids.size, T0_WINDOW * WINDOW_NS)
+    detector.observe(ids, ts, np.full(ids.size, 0.01))       # every series holds an open window
+    held = detector._ring.nbytes
+    assert detector.drop(names[10:]) == 990
+    assert detector.drop(names[10:] + ["never seen"]) == 0
+    assert detector.names == ["s"] + names[:10]
+    assert detector._ring.nbytes <= held // 32                # 1024 slots down to at most 32
+    detector.advance((T0_WINDOW + 1) * WINDOW_NS)
+    assert detector.snapshot(names[3])["last_count"] == 1     # the kept ones keep their events
+    sid = detector.series_id(names[500])
+    assert detector.snapshot(sid) == {"series": names[500], "state": "normal", "baseline": None,
+                                      "last_p99": None, "last_count": 0,
+                                      "accepted": 0, "rejected": 0, "late": 0}
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_a_drop_in_the_middle_of_an_incident_changes_no_other_verdict(drop):
+    """40 of 64 series are dropped while their events sit in open windows and
+    among the tails; the slow series fires just as when nothing is dropped."""
+    rng = np.random.default_rng(4)
+    detector = P99Drift()
+    names = [f"runq_delay{{pid={1000 + i}}}" for i in range(64)]
+    gone = [n for i, n in enumerate(names) if i % 8 not in (0, 1)]   # pid 1017 stays
+    anomalies = []
+    for window in range(60):
+        live = names if window <= 42 else [n for n in names if n not in gone]
+        ids = np.array([detector.series_id(n) for n in live])
+        n = len(live) * 1000
+        series = np.repeat(ids, 1000)
+        pids = np.repeat([names.index(name) for name in live], 1000)
+        ts = (T0_WINDOW + window) * WINDOW_NS + rng.integers(0, WINDOW_NS, n)
+        threads = rng.integers(0, 10, n) + 100 * pids
+        values = lognormal_ms(rng, n)
+        if window >= 40:
+            values[threads == 1707] *= 5.0
+        anomalies += detector.observe(series, ts, values, threads)
+        if window == 42 and drop:
+            assert detector.drop(gone) == len(gone)
+        anomalies += detector.advance((T0_WINDOW + window + 1) * WINDOW_NS)
+    fired = [a for a in anomalies if a["series"] not in gone]
+    assert [(a["series"], a["state"]) for a in fired] == [(names[17], "firing")]
+    assert fired[0]["evidence"]["top_contributors"][0][0] == 1707
+    assert detector.names == (names if not drop else [n for n in names if n not in gone])
+
+
 # ------------------------------------------------------------------ batching
 
 
