@@ -404,7 +404,7 @@ class Daemon:
     def probe_footprint(self) -> dict:
         """What the GPU/NPU probes hold now (files, links, descriptors) and
         what discovery counted: files released, over the cap, processes
-        gone before they could be probed."""
+        gone while being read or before any scan read them."""
         device = self._device()
         out = device.footprint() if device is not None else {}
         # The first scan runs in a thread of its own: its counters once it is over.
@@ -412,6 +412,9 @@ class Daemon:
             else {}
         for name in ("probed", "waiting", "over_cap", "released", "vanished"):
             out[f"discovery_{name}"] = found.get(name, 0)
+        if device is not None:
+            # Lived less than a scan: whatever only they loaded went unprobed.
+            out["discovery_exited_unread"] = self.loaded.counters().get("exited_unread", 0)
         return out
 
     def _on_runq(self, batch):

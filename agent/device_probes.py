@@ -639,6 +639,19 @@ class DeviceProbes:
                     "library_failures": self.counters["library_failures"],
                     "exited_before_attach": self.counters["exited_before_attach"]}
 
+    def note_read(self, pids) -> None:
+        """Tell the kernel these processes were read by discovery: the rest
+        are counted when they exit (exited_unread)."""
+        if not pids:
+            return
+        try:
+            table = self.bpf["processes_read"]
+        except KeyError:            # a program built without it (tests' stand-ins)
+            return
+        seen = table.Leaf(1)
+        for pid in pids:
+            table[table.Key(pid)] = seen
+
     def symbol_names(self) -> dict[int, str]:
         """Symbol id (in an event's symbol_id) -> aclnn symbol."""
         with self._lock:

@@ -188,6 +188,8 @@ class Discoverer:
         # Processes read whole: what they ran then, and the site-packages
         # they use (host -> as seen).
         self._settled: dict[int, tuple[str, dict[str, str]]] = {}
+        # Processes whose maps were read since the last take_read().
+        self._read: _Recent = _Recent(MAX_REMEMBERED_FILES)
 
     @property
     def targets(self) -> list[LibraryTarget]:
@@ -199,6 +201,13 @@ class Discoverer:
         return {"parsed_files": len(self._wanted_by_file), "mapped_files": len(self._maps_seen),
                 "processes": len(self._held_by_pid), "targets": len(self._returned),
                 "waiting": len(self._waiting)}
+
+    def take_read(self) -> list[int]:
+        """The processes whose maps were read since the last call: the
+        kernel counts those that exit unread (bpf/device.h)."""
+        pids = list(self._read)
+        self._read.clear()
+        return pids
 
     def take_released(self) -> list[LibraryTarget]:
         """The targets released since the last call: no live process maps
@@ -335,6 +344,7 @@ class Discoverer:
             self._note("unreadable_proc", pid)
             return
         self._note("maps_malformed_lines", pid, maps.malformed_lines)
+        self._read[pid] = None
         origin = f"maps:{pid}"
         looked_at: set[tuple[str, int]] = set()
         holding: set[tuple[int, int]] = set()

@@ -182,6 +182,10 @@ class DeviceSources:
         process maps them any more): their probes should go."""
         return self.discoverer.take_released() if self.discoverer is not None else []
 
+    def read_pids(self) -> list[int]:
+        """The processes discovery read since the last call."""
+        return self.discoverer.take_read() if self.discoverer is not None else []
+
     def _warn_untraceable(self):
         for path, why in self.untraceable().items():
             if path not in self._warned:
@@ -439,6 +443,7 @@ def attach_and_release(device, sources, names: DeviceNames | None = None) -> lis
     for target in sources.targets():
         states += [state.as_dict() for state in device.add(target)]
     device.release(sources.released())
+    device.note_read(sources.read_pids())
     if names is not None and names.resolver is not None:
         names.resolver.forget_exited()
     return states

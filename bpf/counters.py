@@ -15,6 +15,7 @@ COUNTER_NAMES = (
     "name_truncated",
     "op_seq_map_full",
     "switch_in_unseen",
+    "exited_unread",
 )
 
 # Counters that mean an event or a fact was lost, not merely counted.

@@ -146,6 +146,25 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
     return 0;
 }
 
+/* The processes discovery has read (their /proc/PID/maps), marked by the
+ * agent. One that exits unmarked lived less than a scan: a library only it
+ * loaded was never probed, and the kernel is the one place that sees it go. */
+#ifndef MMTRACE_MAX_PROCESSES_READ
+#define MMTRACE_MAX_PROCESSES_READ 16384
+#endif
+BPF_TABLE("lru_hash", u32, u8, processes_read, MMTRACE_MAX_PROCESSES_READ);
+
+TRACEPOINT_PROBE(sched, sched_process_exit)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    if ((u32)id != tgid || !tgid_in_scope(tgid))
+        return 0;               /* a thread other than the leader: not the process */
+    if (processes_read.delete(&tgid) != 0)
+        count(CNT_EXITED_UNREAD);
+    return 0;
+}
+
 static __always_inline u64 call_key(u32 tid, u32 slot)
 {
     return ((u64)tid << 8) | slot;

@@ -153,6 +153,20 @@ def test_a_library_dlopened_later_by_a_known_process_is_found_within_rescan_ever
     assert sum(len(p) for p in polls) == 1           # found once, within 3 polls
 
 
+def test_the_processes_read_are_handed_over_once_and_the_gone_are_not(children):
+    alive = children([sys.executable, "-c",
+                      "import sys; print('ready', flush=True); sys.stdin.read()"])
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    discoverer = Discoverer(wanted, pids=[alive.pid, gone.pid], search_paths=[], rescan_every=2)
+    discoverer.poll()
+    assert discoverer.take_read() == [alive.pid]     # the kernel counts the other's exit
+    assert discoverer.take_read() == []
+    discoverer.poll()                                # settled: not read this poll
+    discoverer.poll()
+    assert discoverer.take_read() == [alive.pid]     # read again: its mark is renewed
+
+
 @NEEDS_GCC
 def test_a_known_process_that_execs_a_traced_program_is_read_again_at_once(tmp_path, children):
     exe = compile_text(tmp_path / "encoder_server", STATIC_RUNTIME_C)
