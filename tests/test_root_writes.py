@@ -158,6 +158,56 @@ def test_no_entry_of_the_state_directory_stops_the_recorder(tmp_path):
     assert odd <= {p.name for p in state.iterdir()}
 
 
+def test_odd_entries_of_the_state_directory_stop_no_anomaly_or_dump_of_the_daemon(tmp_path):
+    """The daemon as it runs (its socket, its recorder, `mmtrace dump` from
+    the command line): a dangling link, a directory and a FIFO named
+    flight-*.mmtr sit in its state directory through six anomalies and two
+    dumps; every recording is written, the newest are kept, the odd
+    entries are left alone and the daemon answers to the end."""
+    from mmtrace.agent.config import DaemonConfig
+    from mmtrace.agent.daemon import Daemon
+    from mmtrace.agent.hint_socket import HintServer
+
+    state = private_dir(tmp_path / "state", 0o700)
+    (state / "flight-0-dangling.mmtr").symlink_to(tmp_path / "nonexistent")
+    (state / "flight-1-dir.mmtr").mkdir()
+    os.mkfifo(state / "flight-2-fifo.mmtr")
+    odd = sorted(p.name for p in state.iterdir())
+    cfg = DaemonConfig(state_dir=state, socket=tmp_path / "s.sock", flight_min_interval_s=0)
+    daemon = Daemon(cfg)
+    daemon.flight.keep = 3
+    daemon.server = HintServer(cfg.socket)
+    written = []
+    try:
+        for n in range(6):
+            daemon._act([{"detector": "p99_drift", "series": f"runq_delay{{pid={n}}}",
+                          "state": "firing", "ts_ns": n, "evidence": {"p99": 0.1}}])
+            written.append(daemon.anomalies[-1]["flight_recording"])
+            daemon.tick()
+            if n in (2, 5):
+                asked = subprocess.Popen([MMTRACE, "dump", "--socket", cfg.socket],
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         text=True)
+                deadline = time.monotonic() + 60
+                while asked.poll() is None:
+                    assert time.monotonic() < deadline, "mmtrace dump got no answer"
+                    daemon.tick()
+                out, err = asked.communicate()
+                assert asked.returncode == 0, err
+                written.append(out.strip())
+                if n == 2:
+                    time.sleep(5.1)             # past the dump's reuse: a file of its own
+        status = daemon.status()
+    finally:
+        daemon.close()
+    assert len(set(written)) == 8 and daemon.flight.failed == 0, written
+    assert [str(p) for p in daemon.flight.recordings()] == written[-3:]
+    assert sorted(p.name for p in state.iterdir() if p.name in odd) == odd
+    assert (state / "flight-0-dangling.mmtr").is_symlink() and \
+        not (tmp_path / "nonexistent").exists()
+    assert status["type"] == "status" and len(status["anomalies"]) == 6, status
+
+
 def test_what_root_creates_is_not_readable_by_another_user(attacker, sticky_tmp):
     """Outside systemd, with a permissive umask: the state directory 0700,
     the socket's directory 0750, recordings 0600; the user cannot read them."""
