@@ -264,9 +264,13 @@ def test_prometheus_scrapes_what_the_streams_produced(natives, tmp_path):  # noq
         missed = min(measured, prom.value(unseen, after_forced) - prom.value(unseen, before_forced))
         assert measured - missed <= forced_delays <= measured + 5, \
             (measured, forced_delays, missed, waits)
+        # and each wait the workload measured within 4.2..8.192 ms lies in
+        # that bucket: the kernel's delay is the part of it before the
+        # switch-in, never more (a CI run on a busy host saw one at 8.2+)
+        in_bucket = sum(4_200_000 <= w <= 8_192_000 for w in waits)
         assert prom.value('sum(mmtrace_runq_delay_seconds_bucket{le="0.008192"}) - '
                           'sum(mmtrace_runq_delay_seconds_bucket{le="0.004096"})',
-                          after_forced) >= measured - missed
+                          after_forced) >= in_bucket - missed, (in_bucket, missed, waits)
         submitters = {r["metric"]["process"]
                       for r in prom.query('mmtrace_submitter_runq_delay_seconds_count')}
         assert "launch_loop" in submitters, submitters
