@@ -21,6 +21,7 @@ Work is per batch and per distinct key; every failure is counted by reason.
 
 import os
 import re
+import time
 from collections import Counter, OrderedDict
 from pathlib import Path
 
@@ -29,6 +30,7 @@ import numpy as np
 from mmtrace.bpf import device as device_stream
 
 READ_LIMIT = 4096
+FORGET_EVERY_S = 1.0        # how often exited processes are looked for (a stat each)
 # nvcc names the host stub of kernel K (mangled _Z...) __device_stub__Z...:
 # demangled, the stub's name starts with that text.
 _DEVICE_STUB = re.compile(r"^__device_stub__(Z\w+)")
@@ -63,7 +65,11 @@ class DeviceNames:
         self.resolver = resolver if resolver is not None else _default_resolver()
         self.max_cached = max_cached
         self.counters: Counter[str] = Counter()
-        self._seen: OrderedDict[tuple[int, int], None] = OrderedDict()
+        # pid -> the addresses of it named (or found nameless) so far, the
+        # processes seen last at the end; max_cached addresses in all.
+        self._seen: OrderedDict[int, set[int]] = OrderedDict()
+        self._seen_count = 0
+        self._next_forget = 0.0
         by_symbol = {info.symbol: info for info in infos.values()}
         cudart = {i: info for i, info in infos.items() if info.library == "cudart"}
         # Launches take the host function, or a cudaKernel_t named through
@@ -132,7 +138,8 @@ class DeviceNames:
             return
         for pid in np.unique(pids).tolist():
             distinct = np.unique(addrs[pids == pid]).tolist()
-            fresh = [a for a in distinct if (pid, a) not in self._seen]
+            known = self._seen.get(pid, ())
+            fresh = [a for a in distinct if a not in known]
             if fresh:
                 yield pid, np.array(fresh, np.uint64)
 
@@ -166,9 +173,34 @@ class DeviceNames:
         return rows
 
     def _remember(self, key):
-        self._seen[key] = None
-        if len(self._seen) > self.max_cached:
-            self._seen.popitem(last=False)
+        pid, addr = key
+        known = self._seen.get(pid)
+        if known is None:
+            known = self._seen[pid] = set()
+        self._seen.move_to_end(pid)
+        if addr in known:
+            return
+        known.add(addr)
+        self._seen_count += 1
+        while self._seen_count > self.max_cached:
+            if len(self._seen) == 1:                # one process named them all
+                self._seen_count -= len(known)
+                known.clear()
+                break
+            self._seen_count -= len(self._seen.popitem(last=False)[1])
+
+    def forget_exited(self):
+        """Drop what is kept about processes that have exited: the addresses
+        named here (every FORGET_EVERY_S), the resolver's maps and images."""
+        forget = getattr(self.resolver, "forget_exited", None)
+        if forget is not None:
+            forget()
+        now = time.monotonic()
+        if now < self._next_forget:
+            return
+        self._next_forget = now + FORGET_EVERY_S
+        for pid in [p for p in self._seen if not (self.proc_root / str(p)).exists()]:
+            self._seen_count -= len(self._seen.pop(pid))
 
     # ----- strings the kernel could not read ----------------------------
 

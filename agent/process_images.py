@@ -94,6 +94,17 @@ class ProcessImages:
             self._images.popitem(last=False)
         return found
 
+    def forget(self, proc_root) -> None:
+        """Drop the images of processes that have exited (their build ids
+        stay indexed: names of their events still come from them)."""
+        alive: dict[int, bool] = {}
+        for key in list(self._images):
+            pid = key[0]
+            if pid not in alive:
+                alive[pid] = (proc_root / str(pid)).exists()
+            if not alive[pid]:
+                del self._images[key]
+
     def _count(self, name: str):
         self.counters[name] = self.counters.get(name, 0) + 1
 

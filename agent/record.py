@@ -444,8 +444,8 @@ def attach_and_release(device, sources, names: DeviceNames | None = None) -> lis
         states += [state.as_dict() for state in device.add(target)]
     device.release(sources.released())
     device.note_read(sources.read_pids())
-    if names is not None and names.resolver is not None:
-        names.resolver.forget_exited()
+    if names is not None:
+        names.forget_exited()
     return states
 
 

@@ -834,6 +834,9 @@ class AddressResolver:
         with self._lock:
             for pid in gone:
                 self._maps.pop(pid, None)
+        forget = getattr(self.images, "forget", None)
+        if forget is not None:
+            forget(self.proc_root)
         return len(gone)
 
     def resolve(self, pid: int, addr: int) -> str | None:

@@ -71,6 +71,24 @@ def test_host_stub_names_are_resolved_once_per_address():
     assert names.counters["unresolved"] == 1
 
 
+def test_what_is_kept_of_a_process_goes_when_it_exits_and_the_cache_stays_bounded(tmp_path):
+    resolver = FakeResolver({(42, 0x1000): "vector_add(float*)", (43, 0x1000): "other(int)"})
+    (tmp_path / "42").mkdir()
+    (tmp_path / "43").mkdir()
+    names = DeviceNames(device.default_infos(), resolver=resolver, proc_root=tmp_path,
+                        max_cached=3)
+    names.process(launch_events(2, pid=42))
+    names.process(launch_events(2, pid=43))
+    (tmp_path / "42").rmdir()
+    names.forget_exited()
+    assert list(names._seen) == [43]
+    assert names.process(launch_events(1, pid=42)) == [[42, 0x1000, "vector_add(float*)"]]
+    assert names.process(launch_events(1, pid=43)) == []           # kept: still running
+    for addr in (0x2000, 0x3000, 0x4000):                         # over max_cached
+        names.process(launch_events(1, pid=43, handle=addr))
+    assert names._seen_count <= 3 and list(names._seen) == [43]
+
+
 def test_a_cudakernel_handle_takes_the_name_of_its_host_function():
     """nvcc 13's <<<>>>: __cudaGetKernel(&handle, host function) once, then
     launches with the handle (a driver's opaque cudaKernel_t)."""

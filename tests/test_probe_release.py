@@ -219,6 +219,22 @@ def test_build_ids_stay_indexed_after_their_file_goes_for_the_latest_files_only(
     assert images.indexed_files() == 3
 
 
+def test_the_images_of_exited_processes_go_their_build_ids_stay(tmp_path):
+    lib = compile_text(tmp_path / "lib0.so", "int f0(void) { return 0; }\n", "-shared", "-fPIC",
+                       "-Wl,--build-id")
+    proc = FakeProc(tmp_path / "proc")
+    proc.start(100, lib)
+    proc.start(101, lib)
+    tables = {"load_frames": _FramesTable(True), "exe_paths": _FramesTable(False)}
+    images = ProcessImages(tables, lambda: [str(lib)])
+    images.images(100)
+    images.images(101)
+    proc.exit(100)
+    images.forget(proc.root)
+    assert [key[0] for key in images._images] == [101]
+    assert images.indexed_files() == 1
+
+
 # ----- a recording's meta ----------------------------------------------------------
 
 def probe_rows(libraries: int, per_library: int = 25) -> list[dict]:
