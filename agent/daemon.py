@@ -130,6 +130,7 @@ class Daemon:
         self.names = DeviceNames(infos)
         self.op_names: list[list] = []
         self.op_name_of: dict[tuple[int, int], str] = {}
+        self._names_exited_ns: dict[int, int] = {}   # pid -> when its exit was seen
         self.submitters = ls.Submitters()
         self.threads = ThreadProcesses()
         self.flight = FlightRecorder(config.state_dir, config.ring_seconds,
@@ -392,6 +393,25 @@ class Daemon:
                 self.steering.inputs.forget(("series", name))
         self.forgotten_series += self.p99.drop(gone)
         self.counts.forget_exited()
+        self._forget_names_of_exited(time.monotonic_ns())
+
+    def _forget_names_of_exited(self, now_ns: int):
+        """The kernel names of a process outlive it by ring_seconds, while
+        the rings hold its events and a flight recording may name them."""
+        named = {row[0] for row in self.op_names}
+        exited = self._names_exited_ns
+        for pid in [p for p in exited if p not in named]:
+            del exited[pid]
+        for pid in named - exited.keys():
+            if not (self.proc_root / str(pid)).exists():
+                exited[pid] = now_ns
+        expired = {pid for pid, at in exited.items()
+                   if now_ns - at >= self.config.ring_seconds * 1e9}
+        if expired:
+            self.op_names = [row for row in self.op_names if row[0] not in expired]
+            self.op_name_of = {(pid, addr): name for pid, addr, name in self.op_names}
+            for pid in expired:
+                del exited[pid]
 
     def _device(self):
         return self.loaded.device if self.loaded is not None else None

@@ -267,6 +267,26 @@ def test_series_of_exited_processes_are_dropped(tmp_path):
     assert daemon.p99.baseline("runq_delay{pid=70}") is None
 
 
+def test_kernel_names_of_an_exited_process_outlive_it_by_the_rings_reach(tmp_path):
+    from mmtrace.agent.daemon import Daemon
+    cfg = config_mod.DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "s.sock",
+                                  ring_seconds=30)
+    daemon = Daemon(cfg)
+    daemon.proc_root = tmp_path / "proc"
+    (daemon.proc_root / "70").mkdir(parents=True)
+    (daemon.proc_root / "71").mkdir()
+    daemon.op_names = [[70, 0x1000, "vision::patch(int)"], [71, 0x1000, "text::embed(int)"]]
+    daemon.op_name_of = {(pid, addr): name for pid, addr, name in daemon.op_names}
+    (daemon.proc_root / "70").rmdir()
+    daemon._forget_names_of_exited(100 * 10**9)             # its exit is seen
+    daemon._forget_names_of_exited(129 * 10**9)             # its events may still be held
+    assert [row[0] for row in daemon.op_names] == [70, 71]
+    daemon._forget_names_of_exited(130 * 10**9)
+    assert daemon.op_names == [[71, 0x1000, "text::embed(int)"]]
+    assert daemon.op_name_of == {(71, 0x1000): "text::embed(int)"}
+    assert daemon._names_exited_ns == {}
+
+
 def test_niceness_outside_the_kernels_range_is_refused(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text("nice = -40")
