@@ -6,9 +6,11 @@ released after: the daemon's descriptors and anonymous memory come back to
 where they were, its metrics and socket answer all along, and it stops
 promptly.
 
-The churn processes only map their copy (CALLS=0): a process that submits
-GPU work also gets latency series of its own in the P99 detector, which
-outlive it; that is process churn, not library churn, and not bounded here."""
+The churn processes only map their copy (CALLS=0). A process that calls
+the runtime also leaves latency series, names and images behind; those go
+when it exits (tests/test_p99_drift.py, test_daemon_parts.py), and
+bench_library_churn.py with CALLS=1 measures that churn (BENCHMARKS.md).
+A process that exits before any scan reads it is counted."""
 
 import re
 import secrets
