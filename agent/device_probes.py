@@ -574,8 +574,9 @@ class DeviceProbes:
         """Per-launch probes off; everything else keeps tracing."""
         with self._lock:
             self._cancel_window()
-            self._launches = False
             self._detach([p for p in self._probes if p.api.per_launch], reason)
+            # Read without the lock (status): off once they are detached.
+            self._launches = False
 
     def attach_launches(self, duration_s: float | None = None):
         """Per-launch probes on; for `duration_s` seconds when given, then
@@ -586,9 +587,9 @@ class DeviceProbes:
             if self._closed:
                 return
             self._cancel_window()
-            self._launches = True
             self._attach([p for p in self._probes
                           if p.api.per_launch and p.state == DETACHED])
+            self._launches = True
             if duration_s is not None:
                 self._window_end = time.monotonic() + duration_s
                 self._timer = threading.Timer(duration_s, self._end_window)

@@ -364,3 +364,19 @@ def test_released_files_give_back_links_and_descriptors_and_many_links_close_fas
         assert library_churn.open_fds(os.getpid()) - at_rest == 0
     finally:
         loaded.close()
+
+
+def test_the_launch_probes_flag_turns_once_they_are_attached_or_detached():
+    """`launches_attached` is read without the probes' lock (status): it
+    says off only when the per-launch probes are detached, on only when
+    they are attached, not while either is under way."""
+    from mmtrace.agent.device_probes import DeviceProbes
+    probes = DeviceProbes(bpf=None)
+    seen = []
+    probes._detach = lambda targets, reason: seen.append(("detach", probes.launches_attached))
+    probes._attach = lambda targets: seen.append(("attach", probes.launches_attached))
+    probes.detach_launches()
+    assert not probes.launches_attached
+    probes.attach_launches()
+    assert probes.launches_attached
+    assert seen == [("detach", True), ("attach", False)]
