@@ -43,11 +43,13 @@ class ExportOutput:
         final = Path(self.output)
         try:
             existing = os.lstat(final)
-            # A pipe or a device (/dev/null, /dev/stdout, >(gzip)), a link to
-            # one too: written in place, nothing created or replaced.
+            # A pipe or a device (/dev/null, /dev/stdout, >(gzip)): written
+            # in place, nothing created or replaced (safe_files says whose).
             fd = stream_in_place(final) if existing is not None else None
         except FileNotFoundError:
             existing = fd = None
+        except UnsafePathError as exc:
+            raise OutputError(f"cannot write {exc}") from None
         except OSError as exc:
             raise OutputError(f"cannot write {self.output}: {exc.strerror}") from None
         if fd is not None:

@@ -99,20 +99,46 @@ def replace_file(path: Path, mode: int = 0o600) -> int:
                               "replaced; refusing to write to it") from None
 
 
+# Names of the caller's own descriptors (a shell's >(gzip) is /dev/fd/63):
+# links, but to what the caller already holds, so they are followed.
+OWN_DESCRIPTORS = ("/dev/stdout", "/dev/stderr", "/dev/fd/", "/proc/self/fd/")
+
+
 def stream_in_place(path: Path) -> int | None:
     """A descriptor to write `path` in place where it is a pipe or a
-    character device (/dev/null, /dev/stdout, a shell's >(gzip)), links
-    followed: nothing is created or replaced there. None for anything else."""
+    character device (/dev/null, /dev/stdout, a shell's >(gzip)): nothing is
+    created or replaced there. None for anything else. A link is followed
+    only where it names one of the caller's own descriptors, and a named
+    pipe or device must belong to root or the caller: root must not stream
+    into another user's FIFO (or a device behind a user's link)."""
+    path = Path(path)
     try:
         st = os.stat(path)
+        lst = os.lstat(path)
     except OSError:
         return None
     if not (stat.S_ISFIFO(st.st_mode) or stat.S_ISCHR(st.st_mode)):
         return None
+    own = str(path) in OWN_DESCRIPTORS[:2] or str(path).startswith(OWN_DESCRIPTORS[2:])
+    if not own:
+        refuse_link(path, lst)
+        if st.st_uid not in _callers():
+            raise UnsafePathError(f"{path}: {_kind(st.st_mode)} owned by uid {st.st_uid}; "
+                                  "refusing to write into another user's pipe or device "
+                                  "(expected root's or yours)")
     # O_NONBLOCK: a FIFO nobody reads fails at once (ENXIO) instead of hanging
     fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     os.set_blocking(fd, True)
     return fd
+
+
+def _callers() -> set[int]:
+    """root, the real user, and the user sudo ran us for."""
+    uids = {0, os.getuid()}
+    sudo = os.environ.get("SUDO_UID", "")
+    if sudo.isascii() and sudo.isdigit():
+        uids.add(int(sudo))
+    return uids
 
 
 def refuse_link(path: Path, st: os.stat_result | None = None):

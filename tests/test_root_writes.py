@@ -118,6 +118,43 @@ def windows(now_ns):
     return {"x": np.array([(now_ns - 1000, 1.0)], dtype=SCHEMA)}
 
 
+def test_export_never_streams_into_another_users_pipe_or_a_device_behind_a_link(
+        attacker, sticky_tmp, tmp_path):
+    """A FIFO the user made in /tmp, with a reader of theirs waiting on it,
+    and the user's link to a device: root writes into neither. Its own
+    FIFO and its own descriptors (/dev/stdout) it still streams into."""
+    rec = write_sample(tmp_path / "r.mmtr")
+    fifo = sticky_tmp / "trace.json"
+    assert attacker.run("mkfifo", fifo).returncode == 0
+    reader = subprocess.Popen(["setpriv", f"--reuid={attacker.name}", "--regid=nogroup",
+                               "--clear-groups", "cat", str(fifo)], stdout=subprocess.PIPE)
+    try:
+        result = subprocess.run([MMTRACE, "export", rec, "--format", "jsonl", "-o", fifo],
+                                capture_output=True, text=True, timeout=120)
+        assert f"{fifo}: a FIFO owned by uid " in one_line(result)
+        assert "another user's pipe or device" in result.stderr
+    finally:
+        reader.kill()
+        leaked, _ = reader.communicate()
+    assert leaked == b""
+    device = sticky_tmp / "out.json"
+    plant_link(attacker, device, Path("/dev/null"))
+    result = subprocess.run([MMTRACE, "export", rec, "--format", "jsonl", "-o", device],
+                            capture_output=True, text=True, timeout=120)
+    assert "is a symbolic link" in one_line(result)
+    own = tmp_path / "own.fifo"
+    os.mkfifo(own)
+    reader = subprocess.Popen(["cat", str(own)], stdout=subprocess.PIPE)
+    held = os.open(own, os.O_WRONLY)        # waits for cat's open: a reader is there
+    try:
+        result = subprocess.run([MMTRACE, "export", rec, "--format", "jsonl", "-o", own],
+                                capture_output=True, text=True, timeout=120)
+    finally:
+        os.close(held)
+    assert result.returncode == 0, result.stderr
+    assert len(reader.communicate(timeout=60)[0].splitlines()) == 40
+
+
 def test_flight_names_taken_beforehand_are_passed_over(victim, tmp_path):
     """Predictable names (flight-<time>-dump-dump.mmtr) planted for the next
     seconds: each dump goes under a name of its own, the victim untouched."""
