@@ -76,7 +76,9 @@ TRIM_AFTER_RECORDS = 5000      # records drained since the last trim that call f
 STATUS_MIN_INTERVAL_S = 0.5
 DUMP_REUSE_S = 5.0          # socket dump requests this close share one file
 MAX_IDLE_WAIT_S = 0.25      # the longest sleep without data (see Daemon.idle_wait_s)
-PID_IN_SERIES = re.compile(r"\bpid=(\d+)")
+# The kernel streams' per-process series (agent/latency_series.py); a
+# dispatcher's request series may hold "pid=" in its own name, and is not one.
+PID_IN_SERIES = re.compile(r"^(?:runq_delay|sync_wait|submit_to_retire)\{pid=(\d+)[,}]")
 
 
 def p99_detector(p: P99Settings) -> P99Drift:

@@ -267,6 +267,21 @@ def test_series_of_exited_processes_are_dropped(tmp_path):
     assert daemon.p99.baseline("runq_delay{pid=70}") is None
 
 
+def test_a_dispatchers_series_named_like_a_pid_is_not_swept_with_exited_processes(tmp_path):
+    from mmtrace.agent.daemon import Daemon
+    cfg = config_mod.DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "s.sock")
+    daemon = Daemon(cfg)
+    daemon.proc_root = tmp_path / "proc"
+    daemon.proc_root.mkdir()
+    names = ["request_latency{series=pid=424242,modality=text}",
+             "request_latency{series=e2e,modality=pid=424242}", "runq_delay{pid=424242}",
+             "sync_wait{pid=424243,stream=0x0}"]
+    for name in names:
+        daemon.p99.series_id(name)
+    daemon.forget_exited()
+    assert daemon.p99.names == names[:2]
+
+
 def test_kernel_names_of_an_exited_process_outlive_it_by_the_rings_reach(tmp_path):
     from mmtrace.agent.daemon import Daemon
     cfg = config_mod.DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "s.sock",
