@@ -21,7 +21,7 @@ from . import probes as probe_loader
 from .dev_names import DeviceNames
 from .errors import MmtraceError
 from .recording import MAX_META_BYTES, RecordingWriter
-from .safe_files import UnsafePathError, refuse_link
+from .safe_files import UnsafePathError, refuse_unsafe_output
 from .threads import ThreadProcesses
 
 # GPU and NPU events share one layout; each event's API says its stream.
@@ -182,9 +182,18 @@ class DeviceSources:
         process maps them any more): their probes should go."""
         return self.discoverer.take_released() if self.discoverer is not None else []
 
-    def read_pids(self) -> list[int]:
-        """The processes discovery read since the last call."""
-        return self.discoverer.take_read() if self.discoverer is not None else []
+    def mark_reads_in(self, device) -> None:
+        """From now on, each process discovery reads is marked in the
+        kernel as it is read (those read before the programs loaded, at
+        once): the device program counts the processes that exit unread."""
+        if self.discoverer is None or self.discoverer.on_read is not None:
+            return
+        mark = device.unread_exits()
+        if mark is None:
+            return
+        for pid in self.discoverer.take_read():
+            mark(pid)
+        self.discoverer.on_read = mark
 
     def _warn_untraceable(self):
         for path, why in self.untraceable().items():
@@ -217,8 +226,7 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
     reported on that socket are recorded too (see socket_telemetry)."""
     options = options or probe_loader.ProbeOptions(pids=tuple(pids))
     try:
-        if not Path(output).is_fifo() and not Path(output).is_char_device():
-            refuse_link(Path(output))   # said before the probes load; the writer checks again
+        refuse_unsafe_output(output)    # said before the probes load; the writer checks again
     except UnsafePathError as exc:
         raise MmtraceError(f"-o {exc}") from None
     began = time.monotonic()
@@ -440,10 +448,11 @@ def attach_and_release(device, sources, names: DeviceNames | None = None) -> lis
     and let `names` forget the processes that have exited; the states of
     the new probes."""
     states = [state.as_dict() for state in device.check_rewritten()]
-    for target in sources.targets():
+    found = sources.targets()
+    sources.mark_reads_in(device)
+    for target in found:
         states += [state.as_dict() for state in device.add(target)]
     device.release(sources.released())
-    device.note_read(sources.read_pids())
     if names is not None:
         names.forget_exited()
     return states

@@ -12,7 +12,9 @@ there already must be ours (or root's) and writable by nobody else.
 The kernel's fs.protected_symlinks is not relied on: it is off on hosts.
 """
 
+import fcntl
 import os
+import re
 import secrets
 import stat
 from pathlib import Path
@@ -100,36 +102,83 @@ def replace_file(path: Path, mode: int = 0o600) -> int:
 
 
 # Names of the caller's own descriptors (a shell's >(gzip) is /dev/fd/63):
-# links, but to what the caller already holds, so they are followed.
-OWN_DESCRIPTORS = ("/dev/stdout", "/dev/stderr", "/dev/fd/", "/proc/self/fd/")
+# what the caller already holds, so they are taken as they are, not opened.
+_OWN_DESCRIPTOR = re.compile(r"^/(?:dev/fd|proc/self/fd)/(\d+)$")
+_STANDARD = {"/dev/stdout": 1, "/dev/stderr": 2}
+_IN_PLACE = os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
 
 
 def stream_in_place(path: Path) -> int | None:
-    """A descriptor to write `path` in place where it is a pipe or a
-    character device (/dev/null, /dev/stdout, a shell's >(gzip)): nothing is
-    created or replaced there. None for anything else. A link is followed
-    only where it names one of the caller's own descriptors, and a named
-    pipe or device must belong to root or the caller: root must not stream
-    into another user's FIFO (or a device behind a user's link)."""
-    path = Path(path)
+    """A descriptor to write `path` in place, where it is one of the
+    caller's own descriptors (/dev/stdout, /dev/fd/N: a copy of it, if it
+    is open for writing), or a pipe or character device of root's or the
+    caller's that is no link (/dev/null, a FIFO): nothing is created or
+    replaced there. None for anything else. Root must not stream into
+    another user's FIFO, nor a device behind a user's link; what is
+    checked is what was opened (fstat of the descriptor), so swapping the
+    name after the check changes nothing."""
+    name = str(path)
+    if is_own_descriptor(name):
+        found = _OWN_DESCRIPTOR.match(name)
+        return _own_descriptor(name, int(found.group(1)) if found else _STANDARD[name])
     try:
-        st = os.stat(path)
-        lst = os.lstat(path)
+        st = os.lstat(path)
     except OSError:
         return None
     if not (stat.S_ISFIFO(st.st_mode) or stat.S_ISCHR(st.st_mode)):
-        return None
-    own = str(path) in OWN_DESCRIPTORS[:2] or str(path).startswith(OWN_DESCRIPTORS[2:])
-    if not own:
-        refuse_link(path, lst)
-        if st.st_uid not in _callers():
-            raise UnsafePathError(f"{path}: {_kind(st.st_mode)} owned by uid {st.st_uid}; "
-                                  "refusing to write into another user's pipe or device "
-                                  "(expected root's or yours)")
+        return None             # a regular file, a link, nothing: the caller decides
     # O_NONBLOCK: a FIFO nobody reads fails at once (ENXIO) instead of hanging
-    fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    os.set_blocking(fd, True)
+    fd = os.open(path, _IN_PLACE)
+    try:
+        st = os.fstat(fd)
+        if not (stat.S_ISFIFO(st.st_mode) or stat.S_ISCHR(st.st_mode)):
+            raise UnsafePathError(f"{path}: replaced while it was opened (now "
+                                  f"{_kind(st.st_mode)}); refusing to write to it")
+        _refuse_others(path, st)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
+
+
+def is_own_descriptor(path) -> bool:
+    """/dev/stdout, /dev/stderr, /dev/fd/N or /proc/self/fd/N."""
+    return str(path) in _STANDARD or _OWN_DESCRIPTOR.match(str(path)) is not None
+
+
+def refuse_unsafe_output(path) -> None:
+    """The checks of stream_in_place and refuse_link, without opening
+    anything: a link (not one of the caller's descriptors), or another
+    user's pipe or device, raises UnsafePathError. For saying so early; the
+    writer checks again on what it opens."""
+    if is_own_descriptor(path):
+        return
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    refuse_link(Path(path), st)
+    if stat.S_ISFIFO(st.st_mode) or stat.S_ISCHR(st.st_mode):
+        _refuse_others(path, st)
+
+
+def _refuse_others(path, st: os.stat_result) -> None:
+    if st.st_uid not in _callers():
+        raise UnsafePathError(f"{path}: {_kind(st.st_mode)} owned by uid {st.st_uid}; "
+                              "refusing to write into another user's pipe or device "
+                              "(expected root's or yours)")
+
+
+def _own_descriptor(name: str, number: int) -> int:
+    try:
+        flags = fcntl.fcntl(number, fcntl.F_GETFL)
+    except OSError:
+        raise UnsafePathError(f"{name}: descriptor {number} is not open") from None
+    if flags & os.O_ACCMODE == os.O_RDONLY:
+        raise UnsafePathError(f"{name}: descriptor {number} is open for reading only; "
+                              "refusing to write to it")
+    return os.dup(number)
 
 
 def _callers() -> set[int]:

@@ -155,6 +155,50 @@ def test_export_never_streams_into_another_users_pipe_or_a_device_behind_a_link(
     assert len(reader.communicate(timeout=60)[0].splitlines()) == 40
 
 
+def test_in_place_writes_check_what_they_opened_and_take_only_own_writable_descriptors(
+        tmp_path, monkeypatch):
+    from mmtrace.agent import safe_files
+    others = tmp_path / "others.fifo"
+    os.mkfifo(others)
+    os.chown(others, 54321, -1)
+    keep_open = os.open(others, os.O_RDONLY | os.O_NONBLOCK)      # a reader: open succeeds
+    try:
+        with pytest.raises(UnsafePathError, match="a FIFO owned by uid 54321; refusing"):
+            safe_files.stream_in_place(others)
+        # a "descriptor" path that climbs out of /dev/fd is a path like any other
+        climbing = Path("/dev/fd/../../../" + str(others).lstrip("/"))
+        assert os.stat(climbing).st_ino == os.stat(others).st_ino
+        with pytest.raises(UnsafePathError, match="owned by uid 54321"):
+            safe_files.stream_in_place(climbing)
+    finally:
+        os.close(keep_open)
+    # the name swapped for a link after it was looked at: the open refuses it
+    mine = tmp_path / "mine.fifo"
+    os.mkfifo(mine)
+    link = tmp_path / "swapped"
+    link.symlink_to(mine)
+    real_lstat = os.lstat
+    monkeypatch.setattr(safe_files.os, "lstat",
+                        lambda p: real_lstat(mine) if str(p) == str(link) else real_lstat(p))
+    with pytest.raises(OSError, match="symbolic links"):
+        safe_files.stream_in_place(link)
+    monkeypatch.undo()
+    # the caller's own descriptors: a copy, writable ones only
+    reading = os.open(tmp_path / "r", os.O_RDONLY | os.O_CREAT)
+    writing = os.open(tmp_path / "w", os.O_WRONLY | os.O_CREAT)
+    try:
+        with pytest.raises(UnsafePathError, match="open for reading only"):
+            safe_files.stream_in_place(f"/dev/fd/{reading}")
+        copy = safe_files.stream_in_place(f"/proc/self/fd/{writing}")
+        assert copy not in (None, writing)
+        os.write(copy, b"in place\n")
+        os.close(copy)
+        assert (tmp_path / "w").read_text() == "in place\n"
+    finally:
+        os.close(reading)
+        os.close(writing)
+
+
 def test_flight_names_taken_beforehand_are_passed_over(victim, tmp_path):
     """Predictable names (flight-<time>-dump-dump.mmtr) planted for the next
     seconds: each dump goes under a name of its own, the victim untouched."""
