@@ -387,10 +387,15 @@ class Daemon:
         pid, and each series holds ~23 KiB of windows (kept, those of 2 000
         short-lived processes that called the runtime took RssAnon from 58 to
         184 MB)."""
-        gone = []
+        gone, alive = [], {}
         for name in self.p99.names:
             match = PID_IN_SERIES.search(name)
-            if match and not (self.proc_root / match.group(1)).exists():
+            if match is None:
+                continue
+            pid = match.group(1)
+            if pid not in alive:
+                alive[pid] = (self.proc_root / pid).exists()
+            if not alive[pid]:
                 gone.append(name)
                 self.steering.inputs.forget(("series", name))
         self.forgotten_series += self.p99.drop(gone)
@@ -409,6 +414,9 @@ class Daemon:
                 exited[pid] = now_ns
         expired = {pid for pid, at in exited.items()
                    if now_ns - at >= self.config.ring_seconds * 1e9}
+        for pid in [p for p in expired if (self.proc_root / str(p)).exists()]:
+            expired.discard(pid)            # the pid given to a new process: its names stay
+            del exited[pid]
         if expired:
             self.op_names = [row for row in self.op_names if row[0] not in expired]
             self.op_name_of = {(pid, addr): name for pid, addr, name in self.op_names}
@@ -434,7 +442,7 @@ class Daemon:
             else {}
         for name in ("probed", "waiting", "over_cap", "released", "vanished"):
             out[f"discovery_{name}"] = found.get(name, 0)
-        if device is not None:
+        if device is not None and found:
             # Lived less than a scan: whatever only they loaded went unprobed.
             out["discovery_exited_unread"] = self.loaded.counters().get("exited_unread", 0)
         return out

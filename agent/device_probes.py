@@ -640,18 +640,20 @@ class DeviceProbes:
                     "library_failures": self.counters["library_failures"],
                     "exited_before_attach": self.counters["exited_before_attach"]}
 
-    def note_read(self, pids) -> None:
-        """Tell the kernel these processes were read by discovery: the rest
-        are counted when they exit (exited_unread)."""
-        if not pids:
-            return
+    def unread_exits(self):
+        """Turn on the count of processes that exit before discovery read
+        them (exited_unread); what marks a process read, or None for a
+        program without the count."""
         try:
-            table = self.bpf["processes_read"]
+            marks, on = self.bpf["processes_read"], self.bpf["unread_exits_on"]
         except KeyError:            # a program built without it (tests' stand-ins)
-            return
-        seen = table.Leaf(1)
-        for pid in pids:
-            table[table.Key(pid)] = seen
+            return None
+        on[on.Key(0)] = on.Leaf(1)
+        read = marks.Leaf(1)
+
+        def mark(pid: int):
+            marks[marks.Key(pid)] = read
+        return mark
 
     def symbol_names(self) -> dict[int, str]:
         """Symbol id (in an event's symbol_id) -> aclnn symbol."""

@@ -188,7 +188,10 @@ class Discoverer:
         # Processes read whole: what they ran then, and the site-packages
         # they use (host -> as seen).
         self._settled: dict[int, tuple[str, dict[str, str]]] = {}
-        # Processes whose maps were read since the last take_read().
+        # Each process whose maps are read is told to on_read(pid) as it is
+        # read (the kernel counts those that exit unread); until there is
+        # one, kept for take_read().
+        self.on_read: Callable[[int], None] | None = None
         self._read: _Recent = _Recent(MAX_REMEMBERED_FILES)
 
     @property
@@ -203,8 +206,8 @@ class Discoverer:
                 "waiting": len(self._waiting)}
 
     def take_read(self) -> list[int]:
-        """The processes whose maps were read since the last call: the
-        kernel counts those that exit unread (bpf/device.h)."""
+        """The processes whose maps were read since the last call while
+        there was no on_read."""
         pids = list(self._read)
         self._read.clear()
         return pids
@@ -344,7 +347,10 @@ class Discoverer:
             self._note("unreadable_proc", pid)
             return
         self._note("maps_malformed_lines", pid, maps.malformed_lines)
-        self._read[pid] = None
+        if self.on_read is not None:
+            self.on_read(pid)
+        else:
+            self._read[pid] = None
         origin = f"maps:{pid}"
         looked_at: set[tuple[str, int]] = set()
         holding: set[tuple[int, int]] = set()

@@ -44,8 +44,9 @@ enum mmtrace_counter {
     CNT_OP_SEQ_MAP_FULL,        /* submission without op_id: process map full */
     CNT_SWITCH_IN_UNSEEN,       /* a waiting thread ran, but the kernel did not
                                  * report its switch-in: one runq event lost */
-    CNT_EXITED_UNREAD,          /* a process exited before discovery read its maps:
-                                 * a library only it loaded went unprobed */
+    CNT_EXITED_UNREAD,          /* a process (or program exec'd) exited before
+                                 * discovery read its maps: what only it loaded
+                                 * was not probed */
     MMTRACE_N_COUNTERS
 };
 

@@ -131,6 +131,17 @@ static __always_inline void capture_load_frames(struct pt_regs *ctx, u32 tgid)
     load_frames.update(&tgid, f);
 }
 
+/* The processes discovery has read (their /proc/PID/maps), marked by the
+ * agent as it reads them. One that exits unmarked lived less than a scan:
+ * a library only it loaded was not probed, and the kernel is the one place
+ * that sees it go. A new task or a new program is unread again (fork and
+ * exec drop the mark). Counted only while discovery runs (unread_exits_on). */
+#ifndef MMTRACE_MAX_PROCESSES_READ
+#define MMTRACE_MAX_PROCESSES_READ 16384
+#endif
+BPF_TABLE("lru_hash", u32, u8, processes_read, MMTRACE_MAX_PROCESSES_READ);
+BPF_ARRAY(unread_exits_on, u32, 1);
+
 TRACEPOINT_PROBE(sched, sched_process_exec)
 {
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
@@ -143,23 +154,24 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
     __builtin_memset(p, 0, sizeof(*p));
     TP_DATA_LOC_READ_STR(p->path, filename, sizeof(p->path));
     exe_paths.update(&tgid, p);
+    processes_read.delete(&tgid);   /* a new program: not read yet */
     return 0;
 }
 
-/* The processes discovery has read (their /proc/PID/maps), marked by the
- * agent. One that exits unmarked lived less than a scan: a library only it
- * loaded was never probed, and the kernel is the one place that sees it go. */
-#ifndef MMTRACE_MAX_PROCESSES_READ
-#define MMTRACE_MAX_PROCESSES_READ 16384
-#endif
-BPF_TABLE("lru_hash", u32, u8, processes_read, MMTRACE_MAX_PROCESSES_READ);
+TRACEPOINT_PROBE(sched, sched_process_fork)
+{
+    u32 child = args->child_pid;
+    processes_read.delete(&child);
+    return 0;
+}
 
 TRACEPOINT_PROBE(sched, sched_process_exit)
 {
     u64 id = bpf_get_current_pid_tgid();
-    u32 tgid = id >> 32;
-    if ((u32)id != tgid || !tgid_in_scope(tgid))
-        return 0;               /* a thread other than the leader: not the process */
+    u32 tgid = id >> 32, zero = 0;
+    u32 *on = unread_exits_on.lookup(&zero);
+    if (!on || !*on || (u32)id != tgid || !tgid_in_scope(tgid))
+        return 0;               /* off, or a thread other than the leader */
     if (processes_read.delete(&tgid) != 0)
         count(CNT_EXITED_UNREAD);
     return 0;

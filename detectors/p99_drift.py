@@ -269,7 +269,8 @@ class P99Drift:
         gone = {self._ids[n] for n in names if n in self._ids}
         if not gone:
             return 0
-        keep = np.array([i for i in range(len(self._names)) if i not in gone], np.int64)
+        used = len(self._names)
+        keep = np.array([i for i in range(used) if i not in gone], np.int64)
         new_id = np.full(len(self._names), -1, np.int64)
         new_id[keep] = np.arange(keep.size)
         self._names = [self._names[i] for i in keep.tolist()]
@@ -289,7 +290,7 @@ class P99Drift:
         capacity = self._capacity
         while capacity > 8 and keep.size <= capacity // 4:
             capacity //= 2
-        self._resize(capacity, keep)
+        self._resize(capacity, keep, used)
         return len(gone)
 
     # ------------------------------------------------------------------ input
@@ -644,39 +645,53 @@ class P99Drift:
         """(Re)allocate per-series state for ``capacity`` series, keeping what exists."""
         self._resize(capacity, np.arange(self._capacity))
 
-    def _resize(self, capacity: int, keep: np.ndarray) -> None:
-        """Per-series state for ``capacity`` series; row ``i`` of the new
-        arrays is row ``keep[i]`` of the old ones, the rest is fresh. Fresh
-        arrays, not views: what is dropped goes back to the allocator."""
-
-        def moved(name: str, shape_tail: tuple, dtype, fill) -> None:
-            fresh = np.full((capacity,) + shape_tail, fill, dtype=dtype)
-            if keep.size:
-                fresh[: keep.size] = getattr(self, name)[keep]
-            setattr(self, name, fresh)
-
-        moved("_state", (), np.int8, NORMAL)
-        moved("_hist", (self.baseline_windows,), np.float64, np.nan)
-        moved("_hist_pos", (), np.int64, 0)
-        moved("_hist_len", (), np.int64, 0)
-        moved("_base", (), np.float64, np.nan)
-        moved("_sigma", (), np.float64, np.nan)
+    def _series_arrays(self):
+        """(attribute, row shape, dtype, fresh value) of each per-series array."""
+        yield "_state", (), np.int8, NORMAL
+        yield "_hist", (self.baseline_windows,), np.float64, np.nan
+        yield "_hist_pos", (), np.int64, 0
+        yield "_hist_len", (), np.int64, 0
+        yield "_base", (), np.float64, np.nan
+        yield "_sigma", (), np.float64, np.nan
         for prefix, length in (("_streak", self.consecutive), ("_clear", self.clear_windows)):
-            moved(prefix + "_n", (), np.int64, 0)
-            moved(prefix + "_p99", (length,), np.float64, np.nan)
-            moved(prefix + "_count", (length,), np.int64, 0)
-            moved(prefix + "_start", (length,), np.int64, 0)
-        moved("_streak_log", (self.consecutive,), np.float64, np.nan)
-        moved("_fired_ns", (), np.int64, 0)
-        moved("_last_p99", (), np.float64, np.nan)
-        moved("_last_count", (), np.int64, 0)
+            yield prefix + "_n", (), np.int64, 0
+            yield prefix + "_p99", (length,), np.float64, np.nan
+            yield prefix + "_count", (length,), np.int64, 0
+            yield prefix + "_start", (length,), np.int64, 0
+        yield "_streak_log", (self.consecutive,), np.float64, np.nan
+        yield "_fired_ns", (), np.int64, 0
+        yield "_last_p99", (), np.float64, np.nan
+        yield "_last_count", (), np.int64, 0
         for counter in ("_accepted", "_rejected", "_late"):
-            moved(counter, (), np.int64, 0)
+            yield counter, (), np.int64, 0
+
+    def _resize(self, capacity: int, keep: np.ndarray, used: int = 0) -> None:
+        """Per-series state for ``capacity`` series; row ``i`` of the new
+        arrays is row ``keep[i]`` of the old ones (``used`` of which were in
+        use), the rest is fresh. Fresh arrays where the capacity changes
+        (what is dropped goes back to the allocator), else packed in place."""
+        in_place = capacity == self._capacity
+        # keep is sorted: a prefix is taken as a slice, without a copy
+        rows_kept = slice(0, keep.size) if keep.size == 0 or keep[-1] == keep.size - 1 else keep
+        for name, shape_tail, dtype, fill in self._series_arrays():
+            if in_place:
+                rows = getattr(self, name)
+                rows[: keep.size] = rows[rows_kept]
+                rows[keep.size:used] = fill
+            else:
+                fresh = np.full((capacity,) + shape_tail, fill, dtype=dtype)
+                if keep.size:
+                    fresh[: keep.size] = getattr(self, name)[rows_kept]
+                setattr(self, name, fresh)
         # int32: a bucket of one series would need 2**31 events in one window to wrap.
-        ring = np.zeros((self.max_open_windows, capacity, self._columns), dtype=np.int32)
-        if keep.size:
-            ring[:, : keep.size] = self._ring[:, keep]
-        self._ring = ring
+        if in_place:
+            self._ring[:, : keep.size] = self._ring[:, rows_kept]
+            self._ring[:, keep.size:used] = 0
+        else:
+            ring = np.zeros((self.max_open_windows, capacity, self._columns), dtype=np.int32)
+            if keep.size:
+                ring[:, : keep.size] = self._ring[:, rows_kept]
+            self._ring = ring
         self._capacity = capacity
 
 def _require(ok: bool, name: str, expected: str, got) -> None:

@@ -290,15 +290,20 @@ def test_kernel_names_of_an_exited_process_outlive_it_by_the_rings_reach(tmp_pat
     daemon.proc_root = tmp_path / "proc"
     (daemon.proc_root / "70").mkdir(parents=True)
     (daemon.proc_root / "71").mkdir()
-    daemon.op_names = [[70, 0x1000, "vision::patch(int)"], [71, 0x1000, "text::embed(int)"]]
+    (daemon.proc_root / "72").mkdir()
+    daemon.op_names = [[70, 0x1000, "vision::patch(int)"], [71, 0x1000, "text::embed(int)"],
+                       [72, 0x1000, "audio::fft(int)"]]
     daemon.op_name_of = {(pid, addr): name for pid, addr, name in daemon.op_names}
     (daemon.proc_root / "70").rmdir()
-    daemon._forget_names_of_exited(100 * 10**9)             # its exit is seen
-    daemon._forget_names_of_exited(129 * 10**9)             # its events may still be held
-    assert [row[0] for row in daemon.op_names] == [70, 71]
+    (daemon.proc_root / "72").rmdir()
+    daemon._forget_names_of_exited(100 * 10**9)             # their exits are seen
+    (daemon.proc_root / "72").mkdir()                       # 72 given to a new process
+    daemon._forget_names_of_exited(129 * 10**9)             # their events may still be held
+    assert [row[0] for row in daemon.op_names] == [70, 71, 72]
     daemon._forget_names_of_exited(130 * 10**9)
-    assert daemon.op_names == [[71, 0x1000, "text::embed(int)"]]
-    assert daemon.op_name_of == {(71, 0x1000): "text::embed(int)"}
+    assert [row[0] for row in daemon.op_names] == [71, 72]
+    assert daemon.op_name_of == {(71, 0x1000): "text::embed(int)",
+                                 (72, 0x1000): "audio::fft(int)"}
     assert daemon._names_exited_ns == {}
 
 

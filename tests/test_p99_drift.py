@@ -233,26 +233,32 @@ def test_dropped_series_free_their_windows_and_a_returning_name_starts_afresh():
     ts = np.full(ids.size, T0_WINDOW * WINDOW_NS)
     detector.observe(ids, ts, np.full(ids.size, 0.01))       # every series holds an open window
     held = detector._ring.nbytes
-    assert detector.drop(names[10:]) == 990
-    assert detector.drop(names[10:] + ["never seen"]) == 0
-    assert detector.names == ["s"] + names[:10]
+    kept = names[::100]                                       # ids 1, 101, 201, ... move
+    assert detector.drop([n for n in names if n not in kept]) == 990
+    assert detector.drop(names[1:100] + ["never seen"]) == 0
+    assert detector.names == ["s"] + kept
     assert detector._ring.nbytes <= held // 32                # 1024 slots down to at most 32
+    detector.observe(np.array([detector.series_id(kept[3])]), ts[:1], [0.02])
     detector.advance((T0_WINDOW + 1) * WINDOW_NS)
-    assert detector.snapshot(names[3])["last_count"] == 1     # the kept ones keep their events
-    sid = detector.series_id(names[500])
-    assert detector.snapshot(sid) == {"series": names[500], "state": "normal", "baseline": None,
+    assert detector.snapshot(kept[3])["last_count"] == 2      # its own event, and this one
+    assert detector.snapshot(kept[4])["last_count"] == 1
+    sid = detector.series_id(names[550])                     # dropped, then back
+    assert detector.snapshot(sid) == {"series": names[550], "state": "normal", "baseline": None,
                                       "last_p99": None, "last_count": 0,
                                       "accepted": 0, "rejected": 0, "late": 0}
 
 
-@pytest.mark.parametrize("drop", [False, True])
-def test_a_drop_in_the_middle_of_an_incident_changes_no_other_verdict(drop):
-    """40 of 64 series are dropped while their events sit in open windows and
-    among the tails; the slow series fires just as when nothing is dropped."""
+def incident_with_a_drop(drop: bool, kept_of_8: tuple = (0, 1)):
+    """64 series, pid 1017's thread 1707 slow from window 40; with `drop`,
+    the series whose index modulo 8 is not in `kept_of_8` (not a prefix:
+    every id after the first few moves) are dropped at window 42 while their events sit in open windows and
+    among the tails: 48 leave 16, and the arrays shrink; 40 leave 24, and
+    they are packed in place. The anomalies of the series kept, and the
+    detector."""
     rng = np.random.default_rng(4)
     detector = P99Drift()
     names = [f"runq_delay{{pid={1000 + i}}}" for i in range(64)]
-    gone = [n for i, n in enumerate(names) if i % 8 not in (0, 1)]   # pid 1017 stays
+    gone = [n for i, n in enumerate(names) if i % 8 not in kept_of_8]   # 1009, 1017 stay
     anomalies = []
     for window in range(60):
         live = names if window <= 42 else [n for n in names if n not in gone]
@@ -262,17 +268,37 @@ def test_a_drop_in_the_middle_of_an_incident_changes_no_other_verdict(drop):
         pids = np.repeat([names.index(name) for name in live], 1000)
         ts = (T0_WINDOW + window) * WINDOW_NS + rng.integers(0, WINDOW_NS, n)
         threads = rng.integers(0, 10, n) + 100 * pids
-        values = lognormal_ms(rng, n)
+        values = lognormal_ms(rng, n) * np.where((pids == 9) & (window >= 44), 3.0, 1.0)
         if window >= 40:
             values[threads == 1707] *= 5.0
         anomalies += detector.observe(series, ts, values, threads)
         if window == 42 and drop:
             assert detector.drop(gone) == len(gone)
         anomalies += detector.advance((T0_WINDOW + window + 1) * WINDOW_NS)
-    fired = [a for a in anomalies if a["series"] not in gone]
-    assert [(a["series"], a["state"]) for a in fired] == [(names[17], "firing")]
-    assert fired[0]["evidence"]["top_contributors"][0][0] == 1707
-    assert detector.names == (names if not drop else [n for n in names if n not in gone])
+    return [a for a in anomalies if a["series"] not in gone], detector, names, gone
+
+
+@pytest.mark.parametrize("kept_of_8", [(0, 1), (0, 1, 2)], ids=["arrays-shrink", "in-place"])
+def test_a_drop_in_the_middle_of_an_incident_changes_no_other_verdict(kept_of_8):
+    """Pid 1009 steps up 3x just after the drop, so its baseline, streak
+    and windows from before the drop all decide: every anomaly of a kept
+    series, evidence and all, is the same whether the others were dropped
+    or not."""
+    kept, detector, names, gone = incident_with_a_drop(True, kept_of_8)
+    control, undropped, _, _ = incident_with_a_drop(False, kept_of_8)
+    assert detector._capacity == (32 if kept_of_8 == (0, 1) else 64)
+    assert kept == control
+    fired = [(a["series"], a["state"]) for a in kept]
+    assert (names[17], "firing") in fired and (names[9], "firing") in fired, fired
+    slow = next(a for a in kept if a["series"] == names[17])
+    assert slow["evidence"]["top_contributors"][0][0] == 1707
+    assert detector.names == [n for n in names if n not in gone]
+    assert [detector.snapshot(n) for n in detector.names] == \
+        [undropped.snapshot(n) for n in detector.names]
+    newcomer = "runq_delay{pid=4242}"                  # takes a row a dropped series left
+    assert detector.snapshot(detector.series_id(newcomer)) == {
+        "series": newcomer, "state": "normal", "baseline": None, "last_p99": None,
+        "last_count": 0, "accepted": 0, "rejected": 0, "late": 0}
 
 
 # ------------------------------------------------------------------ batching
