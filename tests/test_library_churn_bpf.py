@@ -195,7 +195,9 @@ def test_processes_that_exit_before_any_scan_reads_them_are_counted(daemon, user
 def test_library_churn_gives_back_every_descriptor_and_its_memory(daemon, built, user, work):
     at_rest = daemon.probes()
     assert finished(churn(built, work, user, WARM_UP)) == f"done {WARM_UP} failed 0"
-    wait_until(lambda: daemon.probes()["libraries"] == at_rest["libraries"]
+    # A file the host's own processes held may go too (fewer than at rest):
+    # what is checked is that no copy stays.
+    wait_until(lambda: daemon.probes()["libraries"] <= at_rest["libraries"]
                and daemon.probes()["retired"] == 0, 30,
                lambda: f"warm-up copies still probed: {daemon.probes()}")
     base_fds, base_rss = daemon.held()
@@ -217,7 +219,7 @@ def test_library_churn_gives_back_every_descriptor_and_its_memory(daemon, built,
         fds, rss = daemon.held()
         probes = daemon.probes()
         return fds <= base_fds * (1 + TOLERANCE) and rss <= base_rss * (1 + TOLERANCE) \
-            and (probes["libraries"], probes["retired"]) == (at_rest["libraries"], 0)
+            and probes["libraries"] <= at_rest["libraries"] and probes["retired"] == 0
     wait_until(settled, SETTLE_S, lambda: (
         f"{SETTLE_S} s after the churn the daemon holds {daemon.held()} (descriptors, "
         f"RssAnon KiB); before it: {(base_fds, base_rss)}; probes: {daemon.probes()}"))
@@ -226,9 +228,9 @@ def test_library_churn_gives_back_every_descriptor_and_its_memory(daemon, built,
     # The copies were probed (not missed by discovery) and every one released.
     assert probes["released_libraries"] - released_before >= COPIES // 2, probes
     assert most_probed > at_rest["libraries"], probes
-    assert (probes["libraries"], probes["retired"]) == (at_rest["libraries"], 0), probes
+    assert probes["libraries"] <= at_rest["libraries"] and probes["retired"] == 0, probes
     assert probes["discovery_over_cap"] == 0, probes
-    assert f"mmtrace_probed_files {float(at_rest['libraries'])}" in daemon.scrape()
+    assert f"mmtrace_probed_files {float(probes['libraries'])}" in daemon.scrape()
     assert "Too many open files" not in daemon.text()
 
     began = time.monotonic()
