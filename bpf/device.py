@@ -14,10 +14,15 @@ A recording stores the table it was made with (ApiTable.to_json), so it
 decodes without this module's version.
 """
 
-import re
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from . import ascend, cuda
+# Api and the field names live in api.py (cuda.py and ascend.py fill their
+# tables from there); named here too, as the device stream's.
+from .api import (BLOCK, BYTES, DIRECTION, GRID, HANDLE, LAUNCH_FIELDS,  # noqa: F401
+                  MEMCPY_FIELDS, SHARED_MEM, STREAM, Api, base_name)
 
 HEADER = "device.h"
 RINGBUF = "dev_events"
@@ -80,66 +85,6 @@ def cookie(api_id: int, slot: int = 0, symbol_id: int = 0) -> int:
 
 NO_DIRECTION = 0xFF
 NO_DEVICE = -1
-
-# Optional jsonl fields an API fills; the rest are null for its events.
-HANDLE, STREAM, GRID, BLOCK, SHARED_MEM, BYTES, DIRECTION = (
-    "handle", "stream_handle", "grid", "block", "shared_mem_bytes", "bytes", "direction")
-LAUNCH_FIELDS = frozenset({HANDLE, STREAM, GRID, BLOCK, SHARED_MEM})
-MEMCPY_FIELDS = frozenset({STREAM, BYTES, DIRECTION})
-
-
-@dataclass(frozen=True)
-class Api:
-    """One probed symbol (or, for `pattern`, a family of symbols)."""
-    id: int
-    symbol: str                 # exported name; for a pattern, a label
-    stream: str                 # "gpu" | "npu"
-    kind: str                   # a KINDS value, or "set_device"
-    library: str                # family: "cudart", "cuda", "ascendcl", "opapi"
-    entry_impl: str             # decoder in cuda.c / ascend.c: impl(ctx, api, slot)
-    return_impl: str | None = None  # at the uretprobe, when the call is timed
-    fields: frozenset = frozenset()
-    per_launch: bool = False    # detached in the adaptive (cheap) mode
-    sync_scope: str | None = None   # "stream" | "device" | "event"
-    blocking: bool = False      # a submission that is complete when the call returns
-    pattern: str | None = None  # regex of the symbols this one program serves
-    exclude: str | None = None  # regex of pattern matches that are not probed
-
-    @property
-    def name(self) -> str:
-        """The spec's `api`: the symbol without _ptsz / _ptds / _v2 suffixes."""
-        return base_name(self.symbol)
-
-    @property
-    def entry_fn(self) -> str:
-        return f"on_{self.symbol}"
-
-    @property
-    def return_fn(self) -> str | None:
-        return f"ret_{self.symbol}" if self.return_impl else None
-
-    @property
-    def multi_entry_fn(self) -> str:
-        return f"m_{self.entry_impl}"
-
-    @property
-    def multi_return_fn(self) -> str | None:
-        return f"mr_{self.return_impl}" if self.return_impl else None
-
-    def matches(self, symbol: str) -> bool:
-        if self.pattern is None:
-            return symbol == self.symbol
-        if not re.fullmatch(self.pattern, symbol):
-            return False
-        return not (self.exclude and re.fullmatch(self.exclude, symbol))
-
-
-_SUFFIXES = re.compile(r"(_v2)?(_ptsz|_ptds)?$")
-
-
-def base_name(symbol: str) -> str:
-    return _SUFFIXES.sub("", symbol) or symbol
-
 
 @dataclass
 class ApiTable:
@@ -222,7 +167,6 @@ class ApiInfo:
 
 
 def default_table() -> ApiTable:
-    from . import ascend, cuda
     return ApiTable(list(cuda.APIS) + list(ascend.APIS))
 
 
@@ -231,5 +175,4 @@ def default_infos() -> dict[int, ApiInfo]:
 
 
 def direction_names(stream: str) -> dict[int, str]:
-    from . import ascend, cuda
     return cuda.DIRECTIONS if stream == "gpu" else ascend.DIRECTIONS
