@@ -246,8 +246,5 @@ class DeviceNames:
 
 
 def _default_resolver():
-    try:
-        from .symbols import AddressResolver
-    except ImportError:
-        return None
+    from .symbols import AddressResolver
     return AddressResolver()

@@ -6,7 +6,7 @@ here attaches when tracing."""
 from collections import Counter
 from pathlib import Path
 
-from .doctor import Check
+from .checks import Check
 
 NAME = "gpu_npu_probes"
 UNTRACEABLE = "untraceable_cuda"
@@ -20,10 +20,7 @@ def device_checks(host, ready: bool) -> list[Check]:
     if Path(host.proc) != Path("/proc") or Path(host.sys) != Path("/sys"):
         return [Check(NAME, False, False, "not tried on an injected host root")]
     from .device_probes import wanted
-    try:
-        from .discovery import Discoverer
-    except ImportError:
-        return [check_device_probes([])]
+    from .discovery import Discoverer
     discoverer = Discoverer(wanted)
     targets = discoverer.poll()
     return [check_device_probes(targets), check_untraceable(discoverer.untraceable)]

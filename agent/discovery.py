@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .doctor import Check
+from .checks import Check
 from .glob_cache import GlobCache
 from .symbols import (DELETED_SUFFIX, ElfError, ElfSymbols, FileKey, NotElfError,
                       ProcessMaps, in_process_root, read_maps)

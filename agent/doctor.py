@@ -5,22 +5,11 @@ import ctypes
 import os
 import platform
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
+from .checks import Check
 from .privileges import CAP_BPF, CAP_PERFMON, CAP_SYS_ADMIN, effective_caps
-
-
-@dataclass
-class Check:
-    name: str
-    ok: bool
-    required: bool
-    detail: str
-    fix: str = ""
-
-    def as_dict(self):
-        return asdict(self)
 
 
 @dataclass
@@ -144,10 +133,7 @@ def run_checks(host: Host | None = None) -> list[Check]:
     checks = [check_privileges(host), check_tracefs(host), check_btf(host),
               check_uprobes(host), check_bcc(), check_kernel_headers(host), check_ringbuf(),
               check_tools()]
-    try:
-        from . import discovery
-    except ImportError:
-        return checks
+    from . import discovery
     checks += discovery.doctor_checks(host)
     from .device_doctor import device_checks
     return checks + device_checks(host, tracing_ready(checks))

@@ -125,11 +125,8 @@ class DeviceSources:
         self.warn = warn
         self._warned: set[str] = set()
         self.libs = tuple(str(p) for p in libs)
-        try:
-            from . import discovery
-        except ImportError:     # discovery not installed: --lib paths only
-            discovery = None
-        if discover and discovery is not None:
+        from . import discovery
+        if discover:
             try:
                 self.discoverer = discovery.Discoverer(wanted, pids=pids or None,
                                                        extra_paths=self.libs,
