@@ -48,24 +48,20 @@ from .record import (CPU_PROBE_STATE, DeviceCompile, DeviceSources, StopFlag,
 from .reload import ReloadRequest, reload
 from .sd_notify import Notifier
 from .signals import DumpRequest
+from .socket_telemetry import (ENTROPY_SAMPLE, MAX_CLIENT_SERIES, MAX_LAYERS, MAX_MODALITIES,
+                               REQUEST_SAMPLE, Names)
 from .steering import Steering
 from .threads import ThreadProcesses
 from .wakeups import Waiter
 
 log = logging.getLogger("mmtrace.daemon")
 
-ENTROPY_SAMPLE = np.dtype([("ts_ns", "<u8"), ("value", "<f8"), ("head", "<u4"),
-                           ("layer", "<u4"), ("modality", "<u4"), ("reserved", "<u4")])
-REQUEST_SAMPLE = np.dtype([("ts_ns", "<u8"), ("value_s", "<f8"), ("series", "<u4"),
-                           ("reserved", "<u4")])
 SCHEMAS = {"cpu.runq": sched_stream.RUNQ_EVENT, "dev.event": device_stream.DEV_EVENT,
            "model.entropy": ENTROPY_SAMPLE, "request.latency": REQUEST_SAMPLE,
            "gpu.state": GPU_STATE}
 GPU_SAMPLE_INTERVAL_NS = 10**9
 MAX_ENTROPY_HEADS = 8192   # (layer, head) pairs per modality
 MAX_SENDERS_PER_SERIES = 256   # processes a request series' hints may reach
-MAX_MODALITIES = 8
-MAX_CLIENT_SERIES = 64     # request series from dispatchers (~25 KiB each in P99Drift)
 MAX_FUTURE_NS = 10**9       # how far a client's ts_ns may run ahead of the agent's clock
 SWEEP_INTERVAL_S = 10.0        # an idle agent's heap trim
 # Exited processes' series go this often: ~23 KiB each, and with 16
@@ -96,23 +92,6 @@ def entropy_detector(e: EntropySettings) -> EntropyDriftDetector:
                                 max_heads=MAX_ENTROPY_HEADS, max_modalities=MAX_MODALITIES)
 
 
-class Names:
-    """String tables for the sample schemas (bounded)."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.ids: dict[str, int] = {}
-
-    def id(self, name: str) -> int | None:
-        got = self.ids.get(name)
-        if got is None and len(self.ids) < self.limit:
-            got = self.ids[name] = len(self.ids)
-        return got
-
-    def table(self) -> list[str]:
-        return list(self.ids)
-
-
 class Daemon:
     def __init__(self, config: DaemonConfig, stop: StopFlag | None = None):
         self.config = config
@@ -137,7 +116,7 @@ class Daemon:
         self.threads = ThreadProcesses()
         self.flight = FlightRecorder(config.state_dir, config.ring_seconds,
                                      config.flight_min_interval_s)
-        self.layers = Names(4096)
+        self.layers = Names(MAX_LAYERS)
         self.modalities = Names(MAX_MODALITIES)
         self.request_series = Names(MAX_CLIENT_SERIES)
         # Who may be steered by each request series: the processes (by the

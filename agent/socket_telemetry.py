@@ -10,10 +10,35 @@ from pathlib import Path
 
 import numpy as np
 
-from .daemon import ENTROPY_SAMPLE, MAX_CLIENT_SERIES, REQUEST_SAMPLE, Names
 from .hint_socket import HintServer
 
+# What a dispatcher's samples become, in the daemon's rings and flight
+# recordings and in `record --socket`'s file alike; names go in tables.
+ENTROPY_SAMPLE = np.dtype([("ts_ns", "<u8"), ("value", "<f8"), ("head", "<u4"),
+                           ("layer", "<u4"), ("modality", "<u4"), ("reserved", "<u4")])
+REQUEST_SAMPLE = np.dtype([("ts_ns", "<u8"), ("value_s", "<f8"), ("series", "<u4"),
+                           ("reserved", "<u4")])
 SCHEMAS = {"model.entropy": ENTROPY_SAMPLE, "request.latency": REQUEST_SAMPLE}
+MAX_LAYERS = 4096
+MAX_MODALITIES = 8
+MAX_CLIENT_SERIES = 64     # request series from dispatchers (~25 KiB each in P99Drift)
+
+
+class Names:
+    """String tables for the sample schemas (bounded)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.ids: dict[str, int] = {}
+
+    def id(self, name: str) -> int | None:
+        got = self.ids.get(name)
+        if got is None and len(self.ids) < self.limit:
+            got = self.ids[name] = len(self.ids)
+        return got
+
+    def table(self) -> list[str]:
+        return list(self.ids)
 
 
 class SocketTelemetry:
@@ -24,8 +49,8 @@ class SocketTelemetry:
         self.server = HintServer(path)
         self.writer = writer
         self.clock = clock
-        self.layers = Names(4096)
-        self.modalities = Names(64)
+        self.layers = Names(MAX_LAYERS)
+        self.modalities = Names(MAX_MODALITIES)
         self.request_series = Names(MAX_CLIENT_SERIES)
         self.ignored = 0
         self._tables_written = (0, 0, 0)

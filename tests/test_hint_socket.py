@@ -525,7 +525,7 @@ def test_a_last_line_without_a_newline_is_read_at_eof(server):
 def test_request_series_are_capped_per_daemon(daemon):
     """Each series costs the P99 detector memory: past the cap, a new one
     is refused with an error, and the ones it has are still taken."""
-    from mmtrace.agent.daemon import MAX_CLIENT_SERIES
+    from mmtrace.agent.socket_telemetry import MAX_CLIENT_SERIES
     served = serve_daemon(daemon)
     c = connect(daemon.config.socket)
     for i in range(MAX_CLIENT_SERIES + 1):

@@ -319,7 +319,7 @@ def test_request_latency_entropy_and_hints_are_in_the_trace(tmp_path):
     from click.testing import CliRunner
     from mmtrace.agent import recording
     from mmtrace.agent.cli import cli
-    from mmtrace.agent.daemon import ENTROPY_SAMPLE, REQUEST_SAMPLE
+    from mmtrace.agent.socket_telemetry import ENTROPY_SAMPLE, REQUEST_SAMPLE
     requests = np.zeros(4, REQUEST_SAMPLE)
     requests["ts_ns"] = [10**9, 2 * 10**9, 3 * 10**9, 4 * 10**9]
     requests["value_s"] = [0.010, 0.020, 0.250, 0.030]
