@@ -21,50 +21,18 @@ from mmtrace.bpf.device import SUBMISSION_KINDS
 from mmtrace.agent.replay import first_per_thread
 from mmtrace.bpf.sched import wait_start_ns
 
+from .perfetto_anomalies import anomaly_packets, recorded_anomalies
+from .perfetto_fields import (  # noqa: F401 (the field numbers, as tests read them)
+    TRACE_PACKET, TP_TIMESTAMP, TP_SEQUENCE_ID, TP_TRACK_EVENT, TP_SEQUENCE_FLAGS,
+    TP_TRACK_DESCRIPTOR, SEQ_INCREMENTAL_STATE_CLEARED, TD_UUID, TD_NAME, TD_PROCESS,
+    TD_THREAD, TD_PARENT_UUID, TD_COUNTER, CD_UNIT, UNIT_SIZE_BYTES, PD_PID, PD_NAME,
+    THD_PID, THD_TID, THD_NAME, TE_TYPE, TE_TRACK_UUID, TE_CATEGORIES, TE_NAME,
+    TE_COUNTER_VALUE, TE_DOUBLE_COUNTER_VALUE, TE_FLOW_IDS, TE_TERMINATING_FLOW_IDS,
+    SLICE_BEGIN, SLICE_END, INSTANT, COUNTER, SEQUENCE_ID, packet as _packet)
+from .perfetto_telemetry import Telemetry, hint_packets
 from .protowire import field_bytes, field_fixed64, field_str, field_varint, varint
 from .rowtext import BATCH, Rows, split, varint_lengths, write_merged
 from .rowtext import codes as rowtext_codes
-
-# Trace
-TRACE_PACKET = 1
-# TracePacket
-TP_TIMESTAMP = 8
-TP_SEQUENCE_ID = 10
-TP_TRACK_EVENT = 11
-TP_SEQUENCE_FLAGS = 13
-TP_TRACK_DESCRIPTOR = 60
-SEQ_INCREMENTAL_STATE_CLEARED = 1
-# TrackDescriptor
-TD_UUID = 1
-TD_NAME = 2
-TD_PROCESS = 3
-TD_THREAD = 4
-TD_PARENT_UUID = 5
-TD_COUNTER = 8
-# CounterDescriptor
-CD_UNIT = 3
-UNIT_SIZE_BYTES = 3
-# ProcessDescriptor / ThreadDescriptor
-PD_PID = 1
-PD_NAME = 6
-THD_PID = 1
-THD_TID = 2
-THD_NAME = 5
-# TrackEvent
-TE_TYPE = 9
-TE_TRACK_UUID = 11
-TE_CATEGORIES = 22
-TE_NAME = 23
-TE_COUNTER_VALUE = 30
-TE_DOUBLE_COUNTER_VALUE = 44
-TE_FLOW_IDS = 47
-TE_TERMINATING_FLOW_IDS = 48
-SLICE_BEGIN = 1
-SLICE_END = 2
-INSTANT = 3
-COUNTER = 4
-
-SEQUENCE_ID = 7
 
 
 @dataclass(frozen=True)
@@ -88,8 +56,6 @@ class Counter:
     value: int
 
 
-def _packet(*fields: bytes) -> bytes:
-    return field_bytes(TRACE_PACKET, field_varint(TP_SEQUENCE_ID, SEQUENCE_ID) + b"".join(fields))
 
 
 def process_uuid(pid: int) -> int:
@@ -572,8 +538,6 @@ def write_recording(steps, out, source=None) -> int:
     the detectors find over the same steps, as `report` lists them; then
     its hint audit log. Request latencies and entropy that dispatchers
     reported are counter tracks."""
-    from .perfetto_anomalies import anomaly_packets, recorded_anomalies
-    from .perfetto_telemetry import Telemetry, hint_packets
     writer = PerfettoWriter(out)
     telemetry = Telemetry(source)
     detectors = None

@@ -6,8 +6,9 @@ import struct
 
 from .protowire import field_bytes, field_str, field_varint, varint
 
-from .perfetto import (INSTANT, TD_NAME, TD_UUID, TE_CATEGORIES, TE_NAME, TE_TRACK_UUID,
-                       TE_TYPE, TP_TIMESTAMP, TP_TRACK_DESCRIPTOR, TP_TRACK_EVENT, _packet)
+from .perfetto_fields import (INSTANT, TD_NAME, TD_UUID, TE_CATEGORIES, TE_NAME, TE_TRACK_UUID,
+                              TE_TYPE, TP_TIMESTAMP, TP_TRACK_DESCRIPTOR, TP_TRACK_EVENT,
+                              packet)
 
 TE_DEBUG_ANNOTATIONS = 4
 # DebugAnnotation
@@ -76,8 +77,8 @@ def anomaly_packets(anomalies: list[dict]):
     if not anomalies:
         return
     desc = field_varint(TD_UUID, ANOMALY_TRACK) + field_str(TD_NAME, TRACK_NAME)
-    yield _packet(field_bytes(TP_TRACK_DESCRIPTOR, desc))
+    yield packet(field_bytes(TP_TRACK_DESCRIPTOR, desc))
     for a in anomalies:
         ts = min(max(0, int(a.get("ts_ns", 0))), INT64 - 1)    # a crafted file's too
-        yield _packet(field_varint(TP_TIMESTAMP, ts),
+        yield packet(field_varint(TP_TIMESTAMP, ts),
                      field_bytes(TP_TRACK_EVENT, anomaly_event(a)))

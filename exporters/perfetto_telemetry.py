@@ -6,9 +6,9 @@ import struct
 
 import numpy as np
 
-from .perfetto import (COUNTER, INSTANT, TD_COUNTER, TD_NAME, TD_UUID, TE_CATEGORIES,
-                       TE_DOUBLE_COUNTER_VALUE, TE_NAME, TE_TRACK_UUID, TE_TYPE, TP_TIMESTAMP,
-                       TP_TRACK_DESCRIPTOR, TP_TRACK_EVENT, _packet)
+from .perfetto_fields import (COUNTER, INSTANT, TD_COUNTER, TD_NAME, TD_UUID, TE_CATEGORIES,
+                              TE_DOUBLE_COUNTER_VALUE, TE_NAME, TE_TRACK_UUID, TE_TYPE,
+                              TP_TIMESTAMP, TP_TRACK_DESCRIPTOR, TP_TRACK_EVENT, packet)
 from .perfetto_anomalies import INT64, annotation
 from .protowire import field_bytes, field_str, field_varint, varint
 
@@ -59,10 +59,10 @@ class Telemetry:
                 self.tracks.add(uuid)
                 desc = (field_varint(TD_UUID, uuid) + field_str(TD_NAME, name(int(i)))
                         + field_bytes(TD_COUNTER, b""))
-                yield _packet(field_bytes(TP_TRACK_DESCRIPTOR, desc))
+                yield packet(field_bytes(TP_TRACK_DESCRIPTOR, desc))
             event = (field_varint(TE_TYPE, COUNTER) + field_varint(TE_TRACK_UUID, uuid)
                      + varint(TE_DOUBLE_COUNTER_VALUE << 3 | 1) + struct.pack("<d", v))
-            yield _packet(field_varint(TP_TIMESTAMP, int(t)), field_bytes(TP_TRACK_EVENT, event))
+            yield packet(field_varint(TP_TIMESTAMP, int(t)), field_bytes(TP_TRACK_EVENT, event))
 
 
 def hint_packets(source):
@@ -76,7 +76,7 @@ def hint_packets(source):
     if not entries:
         return
     desc = field_varint(TD_UUID, HINT_TRACK) + field_str(TD_NAME, "mmtrace hints")
-    yield _packet(field_bytes(TP_TRACK_DESCRIPTOR, desc))
+    yield packet(field_bytes(TP_TRACK_DESCRIPTOR, desc))
     for e in entries:
         body = (field_varint(TE_TYPE, INSTANT) + field_varint(TE_TRACK_UUID, HINT_TRACK)
                 + field_str(TE_CATEGORIES, "mmtrace.hint")
@@ -85,7 +85,7 @@ def hint_packets(source):
             if key in e:
                 body += annotation(key, e[key])
         ts = min(max(0, e["ts_ns"]), INT64 - 1)
-        yield _packet(field_varint(TP_TIMESTAMP, ts), field_bytes(TP_TRACK_EVENT, body))
+        yield packet(field_varint(TP_TIMESTAMP, ts), field_bytes(TP_TRACK_EVENT, body))
 
 
 def _name(table: list[str], i: int) -> str:
