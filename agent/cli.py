@@ -284,7 +284,7 @@ def run(config_path, pids, libs, state_dir, socket_path, trace_launches, metrics
     from pathlib import Path
     from . import log_format
     from .config import check as check_config
-    from .config import load_layers
+    from .config_env import load_layers
     log_format.configure(log_level)
     log = logging.getLogger("mmtrace.daemon")
     path = Path(config_path) if config_path else None

@@ -5,7 +5,8 @@ Every setting carries its rule (type and range) beside its default. A file
 is checked whole before anything is built from it: every bad key is named,
 with its value and what was expected, in one error. The upper bounds keep
 the memory sized from these values (rings, baselines) within reason.
-The environment's variables follow the same rules (agent/config_env.py).
+The environment's variables follow the same rules, and the layers are put
+together there (agent/config_env.py).
 """
 
 import os
@@ -341,37 +342,11 @@ def load_config(path: Path | None) -> DaemonConfig:
     """The defaults, overridden by the file's keys; a bad file is one clear error."""
     if path is None:
         return DaemonConfig()
-    return _build_file(path, read_document(path))
+    return build_file(path, read_document(path))
 
 
-def _build_file(path, doc: dict) -> DaemonConfig:
+def build_file(path, doc: dict) -> DaemonConfig:
     try:
         return build(doc)
     except MmtraceError as exc:
         raise MmtraceError(f"config {path}: {exc.message}") from None
-
-
-def load_layers(path: Path | None, environ) -> tuple[DaemonConfig, list[str]]:
-    """The defaults, the file's keys over them, the MMTRACE_* variables of
-    `environ` over those: (the config, warnings about unknown MMTRACE_*
-    variables). Each layer's errors name where they are: the file, or the
-    variable."""
-    from .config_env import environment_document
-    doc = read_document(path) if path is not None else {}
-    cfg = _build_file(path, doc)        # the file's own errors, named as the file's
-    env_doc, warnings = environment_document(environ)
-    if not env_doc:
-        return cfg, warnings
-    merged = {**doc}
-    for key, value in env_doc.items():
-        if isinstance(value, dict):
-            section = merged.get(key)
-            merged[key] = {**(section if isinstance(section, dict) else {}), **value}
-        else:
-            merged[key] = value
-    try:
-        return build(merged), warnings
-    except MmtraceError as exc:         # only what the layers break together is left
-        where = f"config {path} with" if path is not None else "the"
-        raise MmtraceError(f"{where} MMTRACE_* variables: {exc.message}") from None
-

@@ -1,4 +1,5 @@
-"""The configuration's keys as environment variables.
+"""The configuration's keys as environment variables, and the layers put
+together: defaults, the file, the environment (load_layers).
 
 MMTRACE_<KEY> sets a top-level key and MMTRACE_<SECTION>_<KEY> a key of
 [p99], [entropy], [otlp] or [policy], the key's name upper-cased:
@@ -14,8 +15,10 @@ but names no key is reported, with the nearest name.
 import difflib
 import re
 from dataclasses import fields
+from pathlib import Path
 
-from .config import SECTIONS, DaemonConfig, Flag, ListOf, Number, Seconds, _plain, _show
+from .config import (SECTIONS, DaemonConfig, Flag, ListOf, Number, Seconds, _plain, _show, build,
+                     build_file, read_document)
 from .errors import MmtraceError
 
 PREFIX = "MMTRACE_"
@@ -101,4 +104,28 @@ def environment_document(environ) -> tuple[dict, list[str]]:
         raise MmtraceError(f"environment: {len(problems)} bad setting"
                            f"{'s' * (len(problems) > 1)}: " + "; ".join(problems))
     return doc, warnings
+
+
+def load_layers(path: Path | None, environ) -> tuple[DaemonConfig, list[str]]:
+    """The defaults, the file's keys over them, the MMTRACE_* variables of
+    `environ` over those: (the config, warnings about unknown MMTRACE_*
+    variables). Each layer's errors name where they are: the file, or the
+    variable."""
+    doc = read_document(path) if path is not None else {}
+    cfg = build_file(path, doc)         # the file's own errors, named as the file's
+    env_doc, warnings = environment_document(environ)
+    if not env_doc:
+        return cfg, warnings
+    merged = {**doc}
+    for key, value in env_doc.items():
+        if isinstance(value, dict):
+            section = merged.get(key)
+            merged[key] = {**(section if isinstance(section, dict) else {}), **value}
+        else:
+            merged[key] = value
+    try:
+        return build(merged), warnings
+    except MmtraceError as exc:         # only what the layers break together is left
+        where = f"config {path} with" if path is not None else "the"
+        raise MmtraceError(f"{where} MMTRACE_* variables: {exc.message}") from None
 

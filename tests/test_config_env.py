@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from mmtrace.agent import config as config_mod
-from mmtrace.agent.config import SECTIONS, DaemonConfig, load_layers
+from mmtrace.agent.config import SECTIONS, DaemonConfig
+from mmtrace.agent.config_env import load_layers
 from mmtrace.agent.config_env import environment_document, variables
 from mmtrace.agent.errors import MmtraceError
 
