@@ -39,7 +39,27 @@ def _streamed(rec, work):
         raise MmtraceError(str(exc)) from None
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class OneLineError(click.ClickException):
+    """What the CLI makes of a library's MmtraceError: one line, exit 2."""
+
+    exit_code = 2
+
+    def show(self, file=None):
+        click.echo(f"mmtrace: error: {self.format_message()}", err=True, file=file)
+
+
+class Commands(click.Group):
+    """mmtrace's commands: an MmtraceError from any of them (the library's
+    plain exception) ends it as one line and exit status 2."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except MmtraceError as exc:
+            raise OneLineError(exc.message) from None
+
+
+@click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-v", "--verbose", is_flag=True, help="Log more on stderr.")
 @click.version_option(package_name="mmtrace")
 @click.pass_context

@@ -1,12 +1,13 @@
 """Errors that end a command with one clear line and exit status 2."""
 
-import click
 
-
-class MmtraceError(click.ClickException):
-    """Bad input or an environment that cannot run the command."""
+class MmtraceError(Exception):
+    """Bad input or an environment that cannot run the command. A plain
+    exception, so that the library raising it needs no CLI: the CLI prints
+    `mmtrace: error: <message>` and exits 2 (agent/cli.py)."""
 
     exit_code = 2
 
-    def show(self, file=None):
-        click.echo(f"mmtrace: error: {self.format_message()}", err=True, file=file)
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
