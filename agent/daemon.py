@@ -10,7 +10,6 @@ latencies, attention entropy), and acts on what the detectors say.
 import logging
 import os
 import platform
-import re
 import threading
 import time
 from collections import Counter, OrderedDict, deque
@@ -47,6 +46,7 @@ from .record import (CPU_PROBE_STATE, DeviceCompile, DeviceSources, StopFlag,
                      fit_meta)
 from .reload import ReloadRequest, reload
 from .sd_notify import Notifier
+from .series_keys import REQUEST, SeriesKey
 from .signals import DumpRequest
 from .socket_telemetry import (ENTROPY_SAMPLE, MAX_CLIENT_SERIES, MAX_LAYERS, MAX_MODALITIES,
                                REQUEST_SAMPLE, Names)
@@ -72,9 +72,6 @@ TRIM_AFTER_RECORDS = 5000      # records drained since the last trim that call f
 STATUS_MIN_INTERVAL_S = 0.5
 DUMP_REUSE_S = 5.0          # socket dump requests this close share one file
 MAX_IDLE_WAIT_S = 0.25      # the longest sleep without data (see Daemon.idle_wait_s)
-# The kernel streams' per-process series (agent/latency_series.py); a
-# dispatcher's request series may hold "pid=" in its own name, and is not one.
-PID_IN_SERIES = re.compile(r"^(?:runq_delay|sync_wait|submit_to_retire)\{pid=(\d+)[,}]")
 
 
 def p99_detector(p: P99Settings) -> P99Drift:
@@ -109,6 +106,7 @@ class Daemon:
         self.aligner = Aligner(ApiRoles.from_infos(infos), capacity=config.device_ring_capacity,
                                max_age_ns=age, compress=True)
         self.names = DeviceNames(infos)
+        self.series_keys: dict[str, SeriesKey] = {}   # the P99 series' names -> their keys
         self.op_names: list[list] = []
         self.op_name_of: dict[tuple[int, int], str] = {}
         self._names_exited_ns: dict[int, int] = {}   # pid -> when its exit was seen
@@ -367,16 +365,16 @@ class Daemon:
         short-lived processes that called the runtime took RssAnon from 58 to
         184 MB)."""
         gone, alive = [], {}
-        for name in self.p99.names:
-            match = PID_IN_SERIES.search(name)
-            if match is None:
+        for name, key in self.series_keys.items():
+            if not key.per_process:
                 continue
-            pid = match.group(1)
-            if pid not in alive:
-                alive[pid] = (self.proc_root / pid).exists()
-            if not alive[pid]:
+            if key.pid not in alive:
+                alive[key.pid] = (self.proc_root / str(key.pid)).exists()
+            if not alive[key.pid]:
                 gone.append(name)
                 self.steering.inputs.forget(("series", name))
+        for name in gone:
+            del self.series_keys[name]
         self.forgotten_series += self.p99.drop(gone)
         self.counts.forget_exited()
         self._forget_names_of_exited(time.monotonic_ns())
@@ -426,10 +424,17 @@ class Daemon:
             out["discovery_exited_unread"] = self.loaded.counters().get("exited_unread", 0)
         return out
 
+    def _series_id(self, key: SeriesKey) -> int:
+        """The P99 detector's id of the series `key`; the key is kept by its
+        name, so that what is known of a series is read from it, not parsed."""
+        name = str(key)
+        self.series_keys.setdefault(name, key)
+        return self.p99.series_id(name)
+
     def _on_runq(self, batch):
         self.runq_ring.push(batch)
         self.counts.on_runq(batch, self.submitters)
-        self._observe(ls.runq_series(self.p99.series_id, batch, self.submitters))
+        self._observe(ls.runq_series(self._series_id, batch, self.submitters))
 
     def _on_device(self, batch):
         rows = self.names.process(batch)
@@ -441,8 +446,8 @@ class Daemon:
         self.submitters.learn(batch)
         aligned = self.aligner.push(batch)
         self.counts.on_device(aligned, self.aligner.last_retired)
-        self._observe(ls.sync_series(self.p99.series_id, aligned))
-        self._observe(ls.retire_series(self.p99.series_id, self.aligner.last_retired))
+        self._observe(ls.sync_series(self._series_id, aligned))
+        self._observe(ls.retire_series(self._series_id, self.aligner.last_retired))
         if self.otlp is not None:
             self.otlp.submissions(self.aligner.last_retired)
 
@@ -494,14 +499,15 @@ class Daemon:
                 self.entropy_latest[modality] = sum(values) / len(values)
             self._act(self.entropy.update(msg["values"], ts_ns=ts))
         elif msg["type"] == "sample":
-            name = f"request_latency{{series={msg['series']},modality={msg['modality']}}}"
+            key = SeriesKey(REQUEST, series=msg["series"], modality=msg["modality"])
+            name = str(key)
             sid = self.request_series.id(name)
             if sid is None:
                 self.server.error(client, f"more than {MAX_CLIENT_SERIES} request series; "
                                   f"{name} ignored")
                 return
             _heard(self.request_senders.setdefault(name, OrderedDict()), client)
-            requests.append((self.p99.series_id(name), ts, msg["value_ms"] / 1e3, sid))
+            requests.append((self._series_id(key), ts, msg["value_ms"] / 1e3, sid))
 
     def _observe_requests(self, requests: list):
         ids, ts, values, sids = (np.array(c) for c in zip(*requests))
@@ -574,6 +580,9 @@ class Daemon:
 
     def _act(self, anomalies: list[dict]):
         for anomaly in anomalies:
+            key = self.series_keys.get(anomaly.get("series"))
+            if key is not None:             # what the series is about, for the policy
+                anomaly["key"] = key.as_dict()
             self.steering.inputs.on_anomaly(anomaly)
             self.anomalies.append(anomaly)
             del self.anomalies[:-1000]

@@ -1,5 +1,7 @@
 """The latency series the P99-drift detector watches, cut from batches of
-events with numpy (one name lookup per distinct group, none per event).
+events with numpy (one key lookup per distinct group, none per event).
+`series_id(key)` is the caller's: it gives the detector's id of a
+SeriesKey (agent/series_keys.py).
 
 - runq_delay{pid=P}: run-queue delay of the threads of P that do GPU/NPU
   work (the threads whose starvation delays the device);
@@ -14,6 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from mmtrace.bpf import device as device_stream
+
+from . import series_keys
+from .series_keys import SeriesKey
 
 SYNC = device_stream.KIND_IDS["sync"]
 SUBMISSIONS = np.array([device_stream.KIND_IDS[k] for k in device_stream.SUBMISSION_KINDS])
@@ -44,10 +49,10 @@ def concat(parts: list[Series]) -> Series:
                     for f in ("ids", "ts_ns", "values_s", "contributors")))
 
 
-def _named(series_id, name_of, keys: np.ndarray) -> np.ndarray:
-    """Dense ids for each row's key: the name is built once per distinct key."""
+def _named(series_id, key_of, keys: np.ndarray) -> np.ndarray:
+    """Dense ids for each row's key: the key is built once per distinct one."""
     uniq, inverse = np.unique(keys, return_inverse=True)
-    ids = np.array([series_id(name_of(k)) for k in uniq.tolist()], np.int64)
+    ids = np.array([series_id(key_of(k)) for k in uniq.tolist()], np.int64)
     return ids[inverse]
 
 
@@ -78,7 +83,7 @@ def runq_series(series_id, runq: np.ndarray, submitters: Submitters) -> Series:
     mine = runq[submitters.mask(runq["tid"])] if len(runq) else runq
     if not len(mine):
         return Series.empty()
-    ids = _named(series_id, lambda pid: f"runq_delay{{pid={pid}}}", mine["pid"])
+    ids = _named(series_id, lambda pid: SeriesKey(series_keys.RUNQ, pid=pid), mine["pid"])
     return Series(ids, mine["ts_ns"].astype(np.int64), mine["delay_ns"] / 1e9,
                   mine["tid"].astype(np.int64))
 
@@ -93,7 +98,7 @@ def sync_series(series_id, device_events: np.ndarray) -> Series:
     if not len(syncs):
         return Series.empty()
     keys = np.rec.fromarrays([syncs["pid"], syncs["stream_handle"]], names="pid,stream")
-    ids = _named(series_id, lambda k: f"sync_wait{{pid={k[0]},stream={k[1]:#x}}}", keys)
+    ids = _named(series_id, lambda k: SeriesKey(series_keys.SYNC, pid=k[0], stream=k[1]), keys)
     return Series(ids, syncs["ts_ns"].astype(np.int64), syncs["duration_ns"] / 1e9,
                   syncs["tid"].astype(np.int64))
 
@@ -108,5 +113,5 @@ def retire_series(series_id, aligned: np.ndarray) -> Series:
         return Series.empty()
     ts = subs["ts_ns"].astype(np.int64)
     latency = np.maximum(subs["retired_ns"] - ts, 0) / 1e9
-    ids = _named(series_id, lambda pid: f"submit_to_retire{{pid={pid}}}", subs["pid"])
+    ids = _named(series_id, lambda pid: SeriesKey(series_keys.RETIRE, pid=pid), subs["pid"])
     return Series(ids, ts, latency, subs["tid"].astype(np.int64))

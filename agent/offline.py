@@ -65,7 +65,9 @@ class P99Replay:
         self._last_ts = None
         self.found: list[dict] = []
 
-    def sid(self, name: str) -> int:
+    def sid(self, key) -> int:
+        """The detector's id of a SeriesKey (or a recorded series' name)."""
+        name = str(key)
         if name not in self.detector._ids and len(self.detector._names) >= MAX_SERIES:
             self.skipped_series += 1
             return -1

@@ -27,7 +27,6 @@ evidence.
 """
 
 import math
-import re
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -38,8 +37,9 @@ VISION, TEXT = "vision", "text"
 BATCH_STEPS = (8, 4, 2)
 PRIORITY_STEPS = ("high", "low")
 DEGRADE_STEPS = (0, 1)
-RUNQ_SERIES = re.compile(r"^runq_delay\{pid=(\d+)\}$")
-REQUEST_SERIES = re.compile(r"^request_latency\{series=(.*),modality=(.*)\}$")
+# An anomaly's `key` says what its series is about (agent/series_keys.py);
+# its `series` is a name for people, never parsed.
+RUNQ, REQUEST = "runq_delay", "request_latency"
 MAX_AUDIT = 1024
 
 
@@ -147,21 +147,21 @@ class HintPolicy:
         for anomaly in obs.firing:
             series = anomaly.get("series") or ""
             evidence = anomaly.get("evidence") or {}
-            runq = RUNQ_SERIES.match(series)
-            request = REQUEST_SERIES.match(series)
-            if runq:
-                served = obs.served.get(int(runq.group(1)), set())
+            key = _key(anomaly)
+            pid = _runq_pid(key)
+            if pid is not None:
+                served = obs.served.get(pid, set())
                 if VISION in served:
-                    press("modality_batch", VISION, f"run-queue delay of pid {runq.group(1)}, "
+                    press("modality_batch", VISION, f"run-queue delay of pid {pid}, "
                           "which serves vision, drifted up: smaller vision batches", evidence)
                 if TEXT in served:
-                    press("priority", VISION, f"run-queue delay of pid {runq.group(1)}, which "
+                    press("priority", VISION, f"run-queue delay of pid {pid}, which "
                           "serves text, drifted up: vision yields to text", evidence)
-            elif request:
+            elif key.get("kind") == REQUEST and isinstance(key.get("modality"), str):
                 # the series rides in the evidence: the agent sends what a
                 # client's own samples raised only to that client
-                evidence = {**evidence, "series": series}
-                modality = request.group(2)
+                evidence = {**evidence, "series": series, "key": key}
+                modality = key["modality"]
                 if modality == TEXT and VISION in obs.active_modalities:
                     press("modality_batch", VISION, "text-stream P99 drifted up while vision "
                           "work is in flight: smaller vision batches", evidence)
@@ -223,10 +223,9 @@ class HintPolicy:
         out = []
         now = obs.now_ns
         for anomaly in obs.firing:
-            runq = RUNQ_SERIES.match(anomaly.get("series") or "")
-            if not runq:
+            pid = _runq_pid(_key(anomaly))
+            if pid is None:
                 continue
-            pid = int(runq.group(1))
             last = self.contention.get(pid)
             if last is not None and now - last["sent_ns"] < _ns(self.settings.ttl_s / 2):
                 continue
@@ -237,8 +236,7 @@ class HintPolicy:
                               outcome="escalate" if last is None else "refresh",
                               on_sent=lambda pid=pid: self.contention.__setitem__(
                                   pid, {"sent_ns": now}))
-        firing = {int(m.group(1)) for a in obs.firing
-                  if (m := RUNQ_SERIES.match(a.get("series") or ""))}
+        firing = {pid for a in obs.firing if (pid := _runq_pid(_key(a))) is not None}
         for pid in [p for p in self.contention if p not in firing]:
             del self.contention[pid]          # its hint runs out by its TTL
         return out
@@ -294,8 +292,19 @@ def client_scoped(evidence) -> bool:
     """Whether a hint rests on a client's own word (its request latencies or
     its entropy samples): the agent sends such a hint to that client only."""
     return isinstance(evidence, dict) and (
-        str(evidence.get("series", "")).startswith("request_latency{")
-        or "entropy_modality" in evidence)
+        _key(evidence).get("kind") == REQUEST or "entropy_modality" in evidence)
+
+
+def _key(record: dict) -> dict:
+    key = record.get("key")
+    return key if isinstance(key, dict) else {}
+
+
+def _runq_pid(key: dict) -> int | None:
+    pid = key.get("pid")
+    if key.get("kind") == RUNQ and isinstance(pid, int) and not isinstance(pid, bool):
+        return pid
+    return None
 
 
 def _steps(kind: str) -> tuple:

@@ -413,11 +413,10 @@ def _detector_rows(d) -> dict:
     """(detector, series kind, state) -> number of series; zeros included,
     so that alert expressions always have series to evaluate."""
     rows = {}
-    for name in d.p99.names:
-        kind = name.split("{", 1)[0]
+    for name, key in d.series_keys.items():     # the kind from the key, not the name
         for state in DETECTOR_STATES:
-            rows.setdefault(("p99_drift", kind, state), 0)
-        rows[("p99_drift", kind, d.p99.state(name))] += 1
+            rows.setdefault(("p99_drift", key.kind, state), 0)
+        rows[("p99_drift", key.kind, d.p99.state(name))] += 1
     for kind in entropy_drift.KINDS:
         for state in ("normal", "firing"):
             rows[("attention_entropy", kind, state)] = 0

@@ -273,13 +273,18 @@ def test_a_dispatchers_series_named_like_a_pid_is_not_swept_with_exited_processe
     daemon = Daemon(cfg)
     daemon.proc_root = tmp_path / "proc"
     daemon.proc_root.mkdir()
-    names = ["request_latency{series=pid=424242,modality=text}",
-             "request_latency{series=e2e,modality=pid=424242}", "runq_delay{pid=424242}",
-             "sync_wait{pid=424243,stream=0x0}"]
-    for name in names:
-        daemon.p99.series_id(name)
+    from mmtrace.agent.series_keys import REQUEST, RUNQ, SYNC, SeriesKey
+    keys = [SeriesKey(REQUEST, series="pid=424242", modality="text"),
+            SeriesKey(REQUEST, series="e2e", modality="pid=424242"),
+            SeriesKey(RUNQ, pid=424242), SeriesKey(SYNC, pid=424243, stream=0)]
+    for key in keys:
+        daemon._series_id(key)
+    assert daemon.p99.names == ["request_latency{series=pid=424242,modality=text}",
+                                "request_latency{series=e2e,modality=pid=424242}",
+                                "runq_delay{pid=424242}", "sync_wait{pid=424243,stream=0x0}"]
     daemon.forget_exited()
-    assert daemon.p99.names == names[:2]
+    assert daemon.p99.names == [str(k) for k in keys[:2]]
+    assert list(daemon.series_keys.values()) == keys[:2]
 
 
 def test_kernel_names_of_an_exited_process_outlive_it_by_the_rings_reach(tmp_path):

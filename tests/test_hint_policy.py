@@ -12,11 +12,14 @@ S = 10**9
 
 def runq(pid, p99=0.004, baseline=0.001):
     return {"detector": "p99_drift", "series": f"runq_delay{{pid={pid}}}", "state": "firing",
+            "key": {"kind": "runq_delay", "pid": pid},
             "evidence": {"p99": p99, "baseline": baseline}}
 
 
 def request(modality, series="e2e"):
-    return {"detector": "p99_drift", "series": f"request_latency{{series={series},modality={modality}}}",
+    return {"detector": "p99_drift",
+            "series": f"request_latency{{series={series},modality={modality}}}",
+            "key": {"kind": "request_latency", "series": series, "modality": modality},
             "state": "firing", "evidence": {"p99": 0.3, "baseline": 0.1}}
 
 
@@ -37,6 +40,20 @@ def run(policy, seconds, step_s=0.5, start_s=0.0, **obs):
         out += policy.decide(Observations(now_ns=int(t * S), **obs))
         t += step_s
     return out
+
+
+def test_what_a_series_is_about_comes_from_its_key_never_from_its_name():
+    """A dispatcher may name its series and modality anything: the name a
+    person reads is not parsed, the anomaly's key is what counts."""
+    p = HintPolicy()
+    tricky = request("x,modality=vision", series="e2e")
+    assert tricky["series"] == "request_latency{series=e2e,modality=x,modality=vision}"
+    hints = p.decide(Observations(now_ns=0, firing=[tricky], active_modalities={"vision"},
+                                  cpu_utilisation=0.1))
+    assert [h["target"] for h in hints if h["kind"] == "degrade"] == ["x,modality=vision"]
+    named_only = {k: v for k, v in runq(70).items() if k != "key"}
+    assert HintPolicy().decide(Observations(now_ns=0, firing=[named_only],
+                                            served={70: {"vision"}})) == []
 
 
 def test_runq_drift_of_a_vision_server_steps_its_batches_down_fast_and_back_slowly():

@@ -14,6 +14,7 @@ from pathlib import Path
 from mmtrace.agent.config import DaemonConfig
 from mmtrace.agent.daemon import Daemon
 from mmtrace.agent.hint_socket import HintServer
+from mmtrace.agent.series_keys import RUNQ, SeriesKey
 
 VICTIM = """
 import json, socket, sys
@@ -79,7 +80,9 @@ def test_forged_samples_steer_only_the_forger_and_kernel_alarms_reach_everyone(t
         daemon._act([{"detector": "p99_drift", "series": forged, "state": "firing", "ts_ns": 1,
                       "evidence": {"p99": 0.9, "baseline": 0.01}}])
         daemon.tick()
-        daemon._act([{"detector": "p99_drift", "series": "runq_delay{pid=100}",
+        kernel = SeriesKey(RUNQ, pid=victim.pid)      # a kernel series, as ingest makes it
+        daemon._series_id(kernel)
+        daemon._act([{"detector": "p99_drift", "series": str(kernel),
                       "state": "firing", "ts_ns": 2, "evidence": {"p99": 0.004,
                                                                    "baseline": 0.001}}])
         daemon.tick()

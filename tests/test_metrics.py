@@ -3,6 +3,7 @@ batches as the ingest path feeds it (no eBPF here: the kernel families are
 tested against a real Prometheus in test_metrics_bpf.py), the exposition
 checked line for line and by promtool, and the endpoint over real HTTP."""
 
+import os
 import shutil
 import socket
 import subprocess
@@ -158,8 +159,9 @@ def test_detectors_anomalies_hints_and_entropy(daemon):
     assert 'mmtrace_hints_total{kind="cpu_contention"} 0.0' in lines
     assert ('mmtrace_detector_series{detector="attention_entropy",series="entropy_rise",'
             'state="firing"} 0.0') in lines
-    daemon.p99.series_id("runq_delay{pid=100}")
-    daemon.p99.series_id("sync_wait{pid=100,stream=0x7}")
+    from mmtrace.agent.series_keys import RUNQ, SYNC, SeriesKey
+    daemon._series_id(SeriesKey(RUNQ, pid=100))
+    daemon._series_id(SeriesKey(SYNC, pid=100, stream=7))
     daemon._act([{"detector": "p99_drift", "series": "runq_delay{pid=100}",
                   "state": "firing", "ts_ns": 1, "evidence": {}},
                  {"detector": "p99_drift", "series": "runq_delay{pid=100}",
@@ -305,7 +307,10 @@ def test_hints_count_what_subscribed_dispatchers_received(daemon, tmp_path):
         while sum(c.subscribed for c in daemon.server.clients.values()) < 2:
             assert time.monotonic() < deadline
             daemon.server.poll(0.02)
-        daemon._act([{"detector": "p99_drift", "series": "runq_delay{pid=100}",
+        from mmtrace.agent.series_keys import RUNQ, SeriesKey
+        me = SeriesKey(RUNQ, pid=os.getpid())          # a live process: the sweep keeps it
+        daemon._series_id(me)                           # the series, as ingest makes it
+        daemon._act([{"detector": "p99_drift", "series": str(me),
                       "state": "firing", "ts_ns": 1, "evidence": {"p99": 0.004,
                                                                    "baseline": 0.001}}])
         daemon.tick()                   # the hint policy decides at the tick

@@ -1,0 +1,39 @@
+"""What a latency series is about, as a value: its kind and the process,
+stream, dispatcher series and modality it belongs to. A key becomes a
+string (`runq_delay{pid=123}`) only to be shown or labelled, and that
+string is never parsed back: a dispatcher may name its series or modality
+anything, `pid=424242` or `x,modality=vision` included. Anomalies carry
+the key's fields as a dict (`key`), for the hint policy and whoever reads
+them."""
+
+from dataclasses import asdict, dataclass
+
+RUNQ = "runq_delay"                 # run-queue delay of the threads doing device work
+SYNC = "sync_wait"                  # time blocked in a sync call
+RETIRE = "submit_to_retire"         # a submission to the sync that covered it
+REQUEST = "request_latency"         # a dispatcher's own end-to-end latency
+# The kernel streams' series: one process each, gone when it exits.
+PER_PROCESS = (RUNQ, SYNC, RETIRE)
+
+
+@dataclass(frozen=True)
+class SeriesKey:
+    kind: str
+    pid: int | None = None
+    stream: int | None = None
+    series: str | None = None
+    modality: str | None = None
+
+    def __str__(self) -> str:
+        if self.kind == REQUEST:
+            return f"{REQUEST}{{series={self.series},modality={self.modality}}}"
+        if self.kind == SYNC:
+            return f"{SYNC}{{pid={self.pid},stream={self.stream:#x}}}"
+        return f"{self.kind}{{pid={self.pid}}}"
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @property
+    def per_process(self) -> bool:
+        return self.kind in PER_PROCESS and self.pid is not None
