@@ -40,6 +40,7 @@ from .event_ring import EventRing
 from .packed_ring import PackedRing
 from .flight import FlightRecorder
 from .hint_socket import HintServer
+from .ingest import Ingest
 from .log_limit import RateLimitedLog
 from .record import (CPU_PROBE_STATE, DeviceCompile, DeviceSources, StopFlag,
                      attach_and_release, device_programs_failed, exited_process_resolver,
@@ -48,8 +49,8 @@ from .reload import ReloadRequest, reload
 from .sd_notify import Notifier
 from .series_keys import REQUEST, SeriesKey
 from .signals import DumpRequest
-from .socket_telemetry import (ENTROPY_SAMPLE, MAX_CLIENT_SERIES, MAX_LAYERS, MAX_MODALITIES,
-                               REQUEST_SAMPLE, Names)
+from .socket_telemetry import (ENTROPY_SAMPLE, MAX_CLIENT_SERIES, MAX_MODALITIES,
+                               REQUEST_SAMPLE, Samples)
 from .steering import Steering
 from .threads import ThreadProcesses
 from .wakeups import Waiter
@@ -62,7 +63,6 @@ SCHEMAS = {"cpu.runq": sched_stream.RUNQ_EVENT, "dev.event": device_stream.DEV_E
 GPU_SAMPLE_INTERVAL_NS = 10**9
 MAX_ENTROPY_HEADS = 8192   # (layer, head) pairs per modality
 MAX_SENDERS_PER_SERIES = 256   # processes a request series' hints may reach
-MAX_FUTURE_NS = 10**9       # how far a client's ts_ns may run ahead of the agent's clock
 SWEEP_INTERVAL_S = 10.0        # an idle agent's heap trim
 # Exited processes' series go this often: ~23 KiB each, and with 16
 # processes of 400 ms at a time, 10 s held some 400 processes' series.
@@ -114,9 +114,7 @@ class Daemon:
         self.threads = ThreadProcesses()
         self.flight = FlightRecorder(config.state_dir, config.ring_seconds,
                                      config.flight_min_interval_s)
-        self.layers = Names(MAX_LAYERS)
-        self.modalities = Names(MAX_MODALITIES)
-        self.request_series = Names(MAX_CLIENT_SERIES)
+        self.samples = Samples(config.ring_seconds)     # dispatchers' samples, as records
         # Who may be steered by each request series: the processes (by the
         # kernel's SO_PEERCRED) whose samples make it. A client's word moves
         # only its own dispatchers; hints from the kernel's streams go to all.
@@ -152,7 +150,6 @@ class Daemon:
         self.metrics = None
         self.message_failures = 0       # hint socket messages whose handling raised
         self._log_failure = RateLimitedLog(log)
-        self._ts_past_ns = int(config.ring_seconds * 1e9)
         self._status_cache: tuple[int, dict] | None = None
         self._last_dump: tuple[float, Path] | None = None
         # The hint policy; steering.inputs.device_weights is where device weights go.
@@ -173,6 +170,8 @@ class Daemon:
         self.sources = DeviceSources(cfg.libs, cfg.pids, discover=True, warn=log.warning,
                                      interval_s=cfg.discover_interval_s)
         self.loaded = probe_loader.load_cpu(options)
+        # One round a tick: the tick's other work (socket, detectors) waits for it.
+        self.ingest = Ingest(self.loaded, self.threads, sinks=[self], max_rounds=1)
         self._counters_at_start = self.loaded.counters()
         log.info("cpu stream live (%.2f s)", time.monotonic() - began)
         try:
@@ -199,6 +198,7 @@ class Daemon:
         else:
             self.names = DeviceNames(device_stream.default_infos(), resolver=exited_process_resolver(
                 self.loaded, self.sources.known_files))
+            self.ingest.names = self.names
             self._attach_new()
             compiler_memory.release()       # what the first discovery scan left, too
             log.info("gpu/npu probes live (%.2f s)", time.monotonic() - self._began)
@@ -318,16 +318,8 @@ class Daemon:
             self._wire_devices()
         if self.sources is not None and self._device() is not None:
             self._attach_new()
-        batches = self.loaded.read() if self.loaded is not None else {}
-        for stream, batch in batches.items():
-            self._since_trim += len(batch)
-            learnt = self.threads.fill(batch)
-            if learnt:
-                self.loaded.learn_threads(learnt)
-            if stream == "cpu":
-                self._on_runq(batch)
-            else:
-                self._on_device(batch)
+        if self.loaded is not None:
+            self._since_trim += self.ingest.drain()
         if self.server is not None:
             try:
                 messages = self.server.poll(0)
@@ -436,8 +428,14 @@ class Daemon:
         self.counts.on_runq(batch, self.submitters)
         self._observe(ls.runq_series(self._series_id, batch, self.submitters))
 
-    def _on_device(self, batch):
-        rows = self.names.process(batch)
+    def batch(self, stream, events, op_names):
+        """The daemon's sink of the ingest path (agent/ingest.py)."""
+        if stream == "cpu":
+            self._on_runq(events)
+        else:
+            self._on_device(events, op_names)
+
+    def _on_device(self, batch, rows):
         if rows:
             self.op_names = (self.op_names + rows)[-(1 << 16):]
             self.op_name_of.update(((pid, addr), name) for pid, addr, name in rows)
@@ -476,32 +474,29 @@ class Daemon:
 
     def _on_message(self, client, msg: dict, now: int, requests: list):
         ts = msg.get("ts_ns", now)
-        if not now - self._ts_past_ns <= ts <= now + MAX_FUTURE_NS:
-            # A stamp far ahead would move the detectors' clocks past every
-            # real event; one far behind is past every window.
-            self.server.error(client, f"{msg['type']}: ts_ns {ts} is {(ts - now) / 1e9:+.3g} s "
-                              f"from the agent's CLOCK_MONOTONIC; expected within "
-                              f"-{self.config.ring_seconds:g} s .. +{MAX_FUTURE_NS / 1e9:g} s")
+        refused = self.samples.out_of_window(msg, ts, now)
+        if refused is not None:
+            self.server.error(client, refused)
             return
         if msg["type"] == "status":
             self.server.reply(client, self.status())
         elif msg["type"] == "dump":
             self._dump_reply(client)
         elif msg["type"] == "entropy":
-            self._keep_entropy(msg["values"], ts)
+            self.entropy_ring.push(self.samples.entropy(msg["values"], ts))
             modality = msg["modality"]
             for name in {v["modality"] for v in msg["values"]}:
                 known = name in self.entropy_senders
-                if known or len(self.entropy_senders) < self.modalities.limit:
+                if known or len(self.entropy_senders) < MAX_MODALITIES:
                     _heard(self.entropy_senders.setdefault(name, OrderedDict()), client)
-            if modality in self.entropy_latest or len(self.entropy_latest) < self.modalities.limit:
+            if modality in self.entropy_latest or len(self.entropy_latest) < MAX_MODALITIES:
                 values = [v["value"] for v in msg["values"]]
                 self.entropy_latest[modality] = sum(values) / len(values)
             self._act(self.entropy.update(msg["values"], ts_ns=ts))
         elif msg["type"] == "sample":
             key = SeriesKey(REQUEST, series=msg["series"], modality=msg["modality"])
             name = str(key)
-            sid = self.request_series.id(name)
+            sid = self.samples.request_id(key)
             if sid is None:
                 self.server.error(client, f"more than {MAX_CLIENT_SERIES} request series; "
                                   f"{name} ignored")
@@ -521,17 +516,6 @@ class Daemon:
         self._log_failure.log(logging.ERROR, "hint socket: acting on a %s message failed "
                               "(%d so far); carrying on", kind, self.message_failures,
                               exc_info=True)
-
-    def _keep_entropy(self, samples: list[dict], ts: int):
-        rec = np.zeros(len(samples), ENTROPY_SAMPLE)
-        kept = 0
-        for s in samples:
-            lid, mid = self.layers.id(s["layer"]), self.modalities.id(s["modality"])
-            if lid is None or mid is None:
-                continue
-            rec[kept] = (ts, s["value"], s["head"], lid, mid, 0)
-            kept += 1
-        self.entropy_ring.push(rec[:kept])
 
     # -------------------------------------------------------------- status
 
@@ -659,9 +643,7 @@ class Daemon:
             "symbol_names": {str(k): v for k, v in
                              (device.symbol_names().items() if device is not None else [])},
             "op_names": self.op_names,
-            "entropy_layers": self.layers.table(),
-            "modalities": self.modalities.table(),
-            "request_series": self.request_series.table(),
+            **self.samples.tables(),
             "hint_audit": self.steering.audit(),
             "host": platform.node(), "daemon_pid": os.getpid(),
             "config": _jsonable(asdict(self.config))})]
@@ -700,7 +682,7 @@ class Daemon:
         if not isinstance(evidence, dict):
             return None
         series, modality = evidence.get("series"), evidence.get("entropy_modality")
-        if isinstance(series, str) and series in self.request_series.ids:
+        if isinstance(series, str) and series in self.samples.request_series.ids:
             return set(self.request_senders.get(series, ()))
         if isinstance(modality, str):
             return set(self.entropy_senders.get(modality, ()))

@@ -20,6 +20,7 @@ from . import heap
 from . import probes as probe_loader
 from .dev_names import DeviceNames
 from .errors import MmtraceError
+from .ingest import Ingest
 from .recording import MAX_META_BYTES, RecordingWriter
 from .safe_files import UnsafePathError, refuse_unsafe_output
 from .threads import ThreadProcesses
@@ -256,6 +257,8 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
         except OSError as exc:
             raise MmtraceError(f"-o {output}: cannot write: {exc.strerror or exc}") from None
         device = _DeviceRecording(loaded, writer, None)
+        sink = RecordingSink(writer, device)
+        ingest = Ingest(loaded, threads, device.names, [sink])
         if socket_path is not None:
             try:
                 telemetry = socket_telemetry.SocketTelemetry(socket_path, writer)
@@ -274,7 +277,8 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
             while True:
                 if compiling is not None and compiling.done() and \
                         (sources is None or sources.ready()):
-                    device = compiling.wire(writer, sources, warn)
+                    device = sink.device = compiling.wire(writer, sources, warn)
+                    ingest.names = device.names
                     compiling = None
                     if progress and device.device is not None:
                         progress.live("gpu/npu", time.monotonic() - began)
@@ -282,7 +286,7 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
                     deadline = time.monotonic() + duration_s
                 finishing = bool(stop) or (deadline is not None and time.monotonic() >= deadline)
                 device.attach()
-                events += _drain(loaded, writer, threads, device)
+                events += ingest.drain()
                 if telemetry is not None:
                     telemetry.drain()
                 # The first progress line once every stream that is coming is live.
@@ -420,11 +424,6 @@ class _DeviceRecording:
         if len(symbols) != self._symbols_written:
             self.meta.symbols({str(k): v for k, v in symbols.items()})
             self._symbols_written = len(symbols)
-
-    def named(self, batch):
-        rows = self.names.process(batch)
-        if rows:
-            self.meta.table("op_names", rows)
 
     def footer(self) -> dict:
         omitted = {"meta_omitted": dict(self.meta.omitted)} if self.meta.omitted else {}
@@ -575,23 +574,19 @@ def exited_process_resolver(loaded, known_files):
     return AddressResolver(images=ProcessImages(loaded.bpf, files))
 
 
-def _drain(loaded, writer, threads, device=None, max_rounds: int = 8) -> int:
-    """What the rings hold now; a few rounds at most, so that a producer
-    faster than the disk cannot keep the loop from seeing a stop."""
-    total = 0
-    for _ in range(max_rounds):
-        batches = loaded.read()
-        if not batches:
-            break
-        for stream, batch in batches.items():
-            learnt = threads.fill(batch)
-            if learnt:
-                loaded.learn_threads(learnt)
-            if stream == "dev" and device is not None:
-                device.named(batch)
-            writer.write_events(STREAM_SCHEMA[stream], batch)
-            total += len(batch)
-    return total
+class RecordingSink:
+    """The recording's sink of the ingest path: each batch's events in the
+    file, the names it made in the op-name tables (of `device`, the
+    recording's GPU/NPU side as it is now)."""
+
+    def __init__(self, writer, device):
+        self.writer = writer
+        self.device = device
+
+    def batch(self, stream, events, op_names):
+        if op_names:
+            self.device.meta.table("op_names", op_names)
+        self.writer.write_events(STREAM_SCHEMA[stream], events)
 
 
 def _delta(now: dict, start: dict) -> dict:

@@ -536,7 +536,7 @@ def test_request_series_are_capped_per_daemon(daemon):
                                 "ignored")
     served.send(c, sample(series="s0"))
     assert served.until(lambda: len(daemon.request_ring) == MAX_CLIENT_SERIES + 1)
-    assert len(daemon.request_series.table()) == MAX_CLIENT_SERIES
+    assert len(daemon.samples.request_series.table()) == MAX_CLIENT_SERIES
 
 
 def test_entropy_heads_and_modalities_from_clients_are_bounded(daemon):

@@ -26,6 +26,11 @@ API = {a.symbol: a.id for a in device_stream.default_table().apis}
 KIND = device_stream.KIND_IDS
 
 
+def feed_device(daemon, events):
+    """A GPU/NPU batch through the daemon's sink, named as ingest names it."""
+    daemon.batch("dev", events, daemon.names.process(events))
+
+
 def dev_events(rows) -> np.ndarray:
     out = np.zeros(len(rows), device_stream.DEV_EVENT)
     for i, row in enumerate(rows):
@@ -79,12 +84,12 @@ def family(lines, name) -> list[str]:
 
 def feed_gpu_work(d):
     # pid 100: two launches, two memcpys, a sync of 3 ms retiring all four
-    d._on_device(dev_events([
+    feed_device(d, dev_events([
         launch(100, 101, 1000, 1), launch(100, 101, 2000, 2, "cudaLaunchKernel_ptsz"),
         memcpy(100, 101, 3000, 3, 4096, 1), memcpy(100, 101, 4000, 4, 1000, 2),
         sync(100, 101, 5000, 3_000_000)]))
     # pids 200 and 300 (both "decoder") and 400 ("tok") launch too
-    d._on_device(dev_events([launch(200, 201, 6000, 1, "cudaLaunchKernelExC"),
+    feed_device(d, dev_events([launch(200, 201, 6000, 1, "cudaLaunchKernelExC"),
                              launch(300, 301, 6500, 1), launch(400, 401, 7000, 1)]))
 
 
@@ -114,7 +119,7 @@ def test_a_garbled_copy_length_cannot_turn_the_bytes_counter_negative(daemon):
     """A length past 2^63 (a probe reading garbage) used to wrap an int64
     total negative: a counter must only grow."""
     h2d = 1   # cudaMemcpyKind cudaMemcpyHostToDevice
-    daemon._on_device(dev_events([memcpy(100, 101, 1000, 1, (1 << 64) - 5, h2d),
+    feed_device(daemon, dev_events([memcpy(100, 101, 1000, 1, (1 << 64) - 5, h2d),
                                   memcpy(100, 101, 2000, 2, 4096, h2d)]))
     [line] = family(scrape(daemon), "mmtrace_device_memcpy_bytes_total")
     assert float(line.split()[-1]) >= float(1 << 63)
@@ -146,7 +151,7 @@ def test_submitter_runq_is_per_process_name_capped_at_top_k(daemon):
 
 
 def test_a_process_gone_from_proc_is_named_by_its_threads(daemon):
-    daemon._on_device(dev_events([launch(600, 601, 1000, 1)]))
+    feed_device(daemon, dev_events([launch(600, 601, 1000, 1)]))
     daemon._on_runq(runq_events([(600, 601, 5_000, b"short_lived")]))
     assert family(scrape(daemon), "mmtrace_submitter_runq_delay_seconds_count") == [
         'mmtrace_submitter_runq_delay_seconds_count{process="short_lived"} 1.0']
@@ -261,7 +266,7 @@ def test_run_with_a_taken_port_exits_2_with_one_line(mmtrace_cli, tmp_path):
 
 def test_events_of_unknown_apis_are_not_counted(daemon):
     unknown = [dict(launch(100, 101, 1000, 1), api=api) for api in (30, 999, 65535)]
-    daemon._on_device(dev_events(unknown + [launch(100, 101, 2000, 2)]))
+    feed_device(daemon, dev_events(unknown + [launch(100, 101, 2000, 2)]))
     assert family(scrape(daemon), "mmtrace_device_submissions_total") == [
         'mmtrace_device_submissions_total{api="cudaLaunchKernel",kind="launch",stream="gpu"} 1.0']
 

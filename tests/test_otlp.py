@@ -35,6 +35,11 @@ P99_ANOMALY = {
 }
 
 
+def feed_device(daemon, events):
+    """A GPU/NPU batch through the daemon's sink, named as ingest names it."""
+    daemon.batch("dev", events, daemon.names.process(events))
+
+
 def traces(exporter=None, clock=time.monotonic, **kw):
     options = otlp.OtlpOptions(endpoint="http://unused", **kw)
     return otlp.OtlpTraces(options, exporter=exporter or InMemorySpanExporter(),
@@ -231,7 +236,7 @@ def test_the_daemon_exports_anomalies_and_submissions_over_otlp_http(tmp_path, m
         sync["ts_ns"], sync["duration_ns"], sync["pid"], sync["tid"] = 10**9 + 10**6, 1000, 70, 71
         sync["api"] = api_id("cudaDeviceSynchronize")
         sync["flags"] = device_stream.FLAG_RETURNED
-        daemon._on_device(batch)
+        feed_device(daemon, batch)
     finally:
         daemon.close()
         receiver.close()

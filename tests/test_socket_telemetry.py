@@ -112,3 +112,62 @@ def test_mmtrace_record_with_a_socket_keeps_the_dispatchers_reports(tmp_path):
     assert result.exit_code == 0, result.output
     [text] = json.loads(result.stdout)["telemetry"]["requests"]
     assert text["series"] == "request_latency{series=e2e,modality=text}" and text["count"] == 40
+
+
+def test_record_and_the_daemon_take_a_dispatchers_samples_by_the_same_rules(tmp_path):
+    """One implementation (socket_telemetry.Samples) for both: a stamp
+    outside the window is refused with the daemon's words, and modalities
+    are capped at the daemon's MAX_MODALITIES."""
+    from mmtrace.agent.config import DaemonConfig
+    from mmtrace.agent.daemon import Daemon
+    from mmtrace.agent.socket_telemetry import MAX_MODALITIES
+    now = time.monotonic_ns()
+    lines = [{"v": 1, "type": "sample", "series": "e2e", "modality": "text", "value_ms": 5,
+              "ts_ns": now + 60 * 10**9}]                            # a minute ahead
+    lines += [{"v": 1, "type": "entropy", "modality": f"m{i}",
+               "values": [{"layer": "enc.0", "head": 0, "value": 0.5}]} for i in range(12)]
+    payload = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+
+    def errors_of(sock) -> list[str]:
+        sock.settimeout(2)
+        got = b""
+        while got.count(b"\n") < 1:
+            got += sock.recv(65536)
+        replies = [json.loads(x) for x in got.splitlines()]
+        return [r["message"] for r in replies if r["type"] == "error"]
+
+    path = tmp_path / "rec.mmtr"
+    writer = recording.RecordingWriter(path, SCHEMAS)
+    telemetry = SocketTelemetry(tmp_path / "r.sock", writer)
+    client = socket.socket(socket.AF_UNIX)
+    try:
+        client.connect(str(tmp_path / "r.sock"))
+        client.sendall(payload)
+        deadline = time.monotonic() + 10
+        while telemetry.samples.sizes()[1] < MAX_MODALITIES and time.monotonic() < deadline:
+            telemetry.drain()
+            time.sleep(0.02)
+        recorded = errors_of(client)
+    finally:
+        client.close()
+        telemetry.close()
+        writer.close({})
+    assert telemetry.samples.modalities.table() == [f"m{i}" for i in range(MAX_MODALITIES)]
+
+    cfg = DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "d.sock")
+    daemon = Daemon(cfg)
+    daemon.server = HintServer(cfg.socket)
+    client = socket.socket(socket.AF_UNIX)
+    try:
+        client.connect(str(cfg.socket))
+        client.sendall(payload)
+        deadline = time.monotonic() + 10
+        while daemon.samples.sizes()[1] < MAX_MODALITIES and time.monotonic() < deadline:
+            daemon.tick()
+        served = errors_of(client)
+    finally:
+        client.close()
+        daemon.close()
+    assert daemon.samples.modalities.table() == telemetry.samples.modalities.table()
+    assert len(recorded) == 1 and recorded[0].startswith("sample: ts_ns ")
+    assert [e.split(" s from")[1] for e in recorded] == [e.split(" s from")[1] for e in served]

@@ -23,6 +23,11 @@ from test_daemon_parts import connect, send_entropy_rise
 PID, TID = 4321, 4322
 
 
+def feed_device(daemon, events):
+    """A GPU/NPU batch through the daemon's sink, named as ingest names it."""
+    daemon.batch("dev", events, daemon.names.process(events))
+
+
 def api_id(symbol):
     return next(i for i, info in device_stream.default_infos().items() if info.symbol == symbol)
 
@@ -124,7 +129,7 @@ def test_top_shows_the_live_figures_and_quits_on_q(tmp_path):
             now = time.monotonic_ns()
             daemon.submitters.learn(device_events(last, now))
             daemon._on_runq(runq_events(last, now))
-            daemon._on_device(device_events(last, now))
+            feed_device(daemon, device_events(last, now))
             last = now
             for _ in range(10):
                 daemon.tick()
