@@ -11,6 +11,8 @@ from mmtrace.detectors.p99_drift import P99Drift
 from . import latency_series as ls
 from .config import DaemonConfig, EntropySettings, P99Settings
 from .replay import Step, replay
+from .report_telemetry import latest_table, name_at
+from .series_keys import SeriesKey
 
 # A recording naming more (crafted pids, layers) gets the first ones: the
 # detectors' state is per series, about 23 KiB for a latency series.
@@ -55,7 +57,9 @@ class P99Replay:
             clear_factor=p.clear_factor, clear_windows=p.clear_windows)
         self.window_ns = max(1, int(p.window_s * 1e9))
         self.consecutive = p.consecutive
-        self.request_names = _table(rec, "request_series")
+        self.request_names = latest_table(rec, "request_series")
+        self.request_keys = _keys(rec)
+        self.keys: dict[str, dict] = {}     # series name -> what it is about
         self.submitters = ls.Submitters()
         for pieces in rec.pieces("dev.event"):      # threads that ever did device work
             self.submitters.learn(pieces)
@@ -71,7 +75,16 @@ class P99Replay:
         if name not in self.detector._ids and len(self.detector._names) >= MAX_SERIES:
             self.skipped_series += 1
             return -1
+        if isinstance(key, SeriesKey):
+            self.keys.setdefault(name, key.as_dict())
         return self.detector.series_id(name)
+
+    def _request_sid(self, i: int) -> int:
+        names = self.request_names
+        name = names[i] if i < len(names) else f"request_latency{{id={i}}}"
+        if i < len(self.request_keys) and name not in self.keys:
+            self.keys[name] = self.request_keys[i]
+        return self.sid(name)
 
     def feed(self, step: Step):
         parts = []
@@ -83,10 +96,8 @@ class P99Replay:
             parts.append(ls.runq_series(self.sid, runq, self.submitters))
         requests = step.records.get("request.latency")
         if requests is not None and len(requests):
-            names = self.request_names
-            keys = np.array([self.sid(names[i] if i < len(names)
-                                      else f"request_latency{{id={i}}}")
-                             for i in requests["series"].tolist()], np.int64)
+            keys = np.array([self._request_sid(i) for i in requests["series"].tolist()],
+                            np.int64)
             parts.append(ls.Series(keys, requests["ts_ns"].astype(np.int64),
                                    requests["value_s"], np.zeros(len(keys), np.int64)))
         series = _finite(ls.concat(parts))
@@ -127,6 +138,10 @@ class P99Replay:
         if self._last_ts is not None:
             self.found += self.detector.advance(
                 self._last_ts + (self.consecutive + 2) * self.window_ns)
+        for anomaly in self.found:          # what each series is about, as the daemon says
+            key = self.keys.get(anomaly.get("series"))
+            if key:
+                anomaly["key"] = dict(key)
         return self.found
 
 
@@ -134,7 +149,8 @@ class EntropyReplay:
     """Attention-entropy drift over the recorded samples, one round per stamp."""
 
     def __init__(self, rec, settings: EntropySettings):
-        self.layers, self.modalities = _table(rec, "entropy_layers"), _table(rec, "modalities")
+        self.layers = latest_table(rec, "entropy_layers")
+        self.modalities = latest_table(rec, "modalities")
         self.detector = EntropyDriftDetector(tau=settings.tau, consecutive=settings.consecutive,
                                              delta_sigma=settings.delta_sigma)
         self.found: list[dict] = []
@@ -150,9 +166,9 @@ class EntropyReplay:
         stamps, starts = np.unique(samples["ts_ns"], return_index=True)
         bounds = np.append(starts, len(samples))
         for ts, lo, hi in zip(stamps.tolist(), bounds[:-1], bounds[1:]):
-            batch = [{"layer": _at(self.layers, int(r["layer"])), "head": int(r["head"]),
+            batch = [{"layer": name_at(self.layers, int(r["layer"])), "head": int(r["head"]),
                       "value": float(r["value"]),
-                      "modality": _at(self.modalities, int(r["modality"]))}
+                      "modality": name_at(self.modalities, int(r["modality"]))}
                      for r in samples[lo:hi] if self._known(r)]
             if batch:
                 self.found += self.detector.update(batch, ts_ns=ts)
@@ -193,12 +209,9 @@ def detect(rec) -> list[dict]:
     return detectors.finish()
 
 
-def _table(rec, key: str) -> list[str]:
-    for doc in rec.meta:
-        if isinstance(doc.get(key), list):
-            return [str(x) for x in doc[key]]
+def _keys(rec) -> list[dict]:
+    """The request series' keys, in the order of their table."""
+    for doc in reversed(rec.meta):
+        if isinstance(doc.get("request_series_keys"), list):
+            return [k if isinstance(k, dict) else {} for k in doc["request_series_keys"]]
     return []
-
-
-def _at(table: list[str], i: int) -> str:
-    return table[i] if i < len(table) else str(i)

@@ -12,7 +12,7 @@ MAX_HEADS = 1 << 16
 EXACT_LIMIT = 1 << 16       # values held exactly per series before the sketch
 
 
-def _latest_table(rec, key: str) -> list[str]:
+def latest_table(rec, key: str) -> list[str]:
     """The last version of a name table (tables only grow)."""
     for doc in reversed(rec.meta):
         if isinstance(doc.get(key), list):
@@ -20,7 +20,7 @@ def _latest_table(rec, key: str) -> list[str]:
     return []
 
 
-def _name(table: list[str], i: int) -> str:
+def name_at(table: list[str], i: int) -> str:
     return table[i] if i < len(table) else str(i)
 
 
@@ -61,22 +61,22 @@ class Telemetry:
                 "hints": hint_summary(rec)}
 
     def _requests(self, rec) -> list[dict]:
-        names = _latest_table(rec, "request_series")
+        names = latest_table(rec, "request_series")
         out = []
         for sid, values in sorted(self.requests.items()):
             p50, p99 = values.p50_p99()
-            out.append({"series": _name(names, sid), "count": values.count,
+            out.append({"series": name_at(names, sid), "count": values.count,
                         "p50_ms": round(p50, 3), "p99_ms": round(p99, 3),
                         "max_ms": round(values.max, 3)})
         return out
 
     def _entropy(self, rec) -> list[dict]:
-        modalities = _latest_table(rec, "modalities")
+        modalities = latest_table(rec, "modalities")
         out = []
         for mid, s in sorted(self.entropy.items()):
             mean = s["sum"] / s["n"]
             std = max(0.0, s["sq"] / s["n"] - mean * mean) ** 0.5
-            out.append({"modality": _name(modalities, mid), "samples": s["n"],
+            out.append({"modality": name_at(modalities, mid), "samples": s["n"],
                         "heads": len(s["heads"]), "mean": round(mean, 4),
                         "std": round(std, 4), "min": round(s["min"], 4),
                         "max": round(s["max"], 4)})

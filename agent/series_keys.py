@@ -2,10 +2,13 @@
 stream, dispatcher series and modality it belongs to. A key becomes a
 string (`runq_delay{pid=123}`) only to be shown or labelled, and that
 string is never parsed back: a dispatcher may name its series or modality
-anything, `pid=424242` or `x,modality=vision` included. Anomalies carry
+anything, `pid=424242` or `x,modality=vision` included (in the string,
+`\\`, `,`, `=`, `{` and `}` of its names are escaped, so that no two keys
+read alike). Anomalies carry
 the key's fields as a dict (`key`), for the hint policy and whoever reads
 them."""
 
+import re
 from dataclasses import asdict, dataclass
 
 RUNQ = "runq_delay"                 # run-queue delay of the threads doing device work
@@ -26,7 +29,8 @@ class SeriesKey:
 
     def __str__(self) -> str:
         if self.kind == REQUEST:
-            return f"{REQUEST}{{series={self.series},modality={self.modality}}}"
+            series, modality = _escaped(self.series), _escaped(self.modality)
+            return f"{REQUEST}{{series={series},modality={modality}}}"
         if self.kind == SYNC:
             return f"{SYNC}{{pid={self.pid},stream={self.stream:#x}}}"
         return f"{self.kind}{{pid={self.pid}}}"
@@ -37,3 +41,12 @@ class SeriesKey:
     @property
     def per_process(self) -> bool:
         return self.kind in PER_PROCESS and self.pid is not None
+
+
+_SYNTAX = re.compile(r"([\\,={}])")
+
+
+def _escaped(value) -> str:
+    """A dispatcher's name within a series name: the characters that shape
+    the name (\\ , = { }) escaped, so no two keys give one name."""
+    return _SYNTAX.sub(r"\\\1", str(value))

@@ -55,6 +55,7 @@ class Samples:
         self.layers = Names(MAX_LAYERS)
         self.modalities = Names(MAX_MODALITIES)
         self.request_series = Names(MAX_CLIENT_SERIES)
+        self.request_keys: list[dict] = []      # each series' key, in the table's order
 
     def out_of_window(self, msg: dict, ts: int, now: int) -> str | None:
         """Why `ts` is refused, or None: a stamp far ahead would move the
@@ -68,7 +69,10 @@ class Samples:
 
     def request_id(self, key) -> int | None:
         """The request series' number in its table; None past the table's limit."""
-        return self.request_series.id(str(key))
+        sid = self.request_series.id(str(key))
+        if sid is not None and sid == len(self.request_keys):
+            self.request_keys.append(key.as_dict())
+        return sid
 
     def entropy(self, values: list[dict], ts: int) -> np.ndarray:
         """An entropy message's values, each of a known (or new, within the
@@ -85,7 +89,8 @@ class Samples:
 
     def tables(self) -> dict:
         return {"entropy_layers": self.layers.table(), "modalities": self.modalities.table(),
-                "request_series": self.request_series.table()}
+                "request_series": self.request_series.table(),
+                "request_series_keys": list(self.request_keys)}
 
     def sizes(self) -> tuple:
         return (len(self.layers.ids), len(self.modalities.ids), len(self.request_series.ids))

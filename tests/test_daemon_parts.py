@@ -238,6 +238,7 @@ def test_report_lists_the_anomaly_with_its_evidence(tmp_path):
     anomalies = json.loads(result.stdout)["anomalies"]
     firing = [a for a in anomalies if a["state"] == "firing"]
     assert firing[0]["series"] == "runq_delay{pid=70}"
+    assert firing[0]["key"] == {"kind": "runq_delay", "pid": 70}     # as the daemon's say
     assert firing[0]["evidence"]["p99"] > 3 * firing[0]["evidence"]["baseline"]
     text = CliRunner().invoke(cli, ["report", str(path)]).stdout
     assert "p99_drift runq_delay{pid=70} firing" in text and "top threads 77" in text
@@ -279,8 +280,8 @@ def test_a_dispatchers_series_named_like_a_pid_is_not_swept_with_exited_processe
             SeriesKey(RUNQ, pid=424242), SeriesKey(SYNC, pid=424243, stream=0)]
     for key in keys:
         daemon._series_id(key)
-    assert daemon.p99.names == ["request_latency{series=pid=424242,modality=text}",
-                                "request_latency{series=e2e,modality=pid=424242}",
+    assert daemon.p99.names == ["request_latency{series=pid\\=424242,modality=text}",
+                                "request_latency{series=e2e,modality=pid\\=424242}",
                                 "runq_delay{pid=424242}", "sync_wait{pid=424243,stream=0x0}"]
     daemon.forget_exited()
     assert daemon.p99.names == [str(k) for k in keys[:2]]

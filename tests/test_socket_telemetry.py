@@ -171,3 +171,31 @@ def test_record_and_the_daemon_take_a_dispatchers_samples_by_the_same_rules(tmp_
     assert daemon.samples.modalities.table() == telemetry.samples.modalities.table()
     assert len(recorded) == 1 and recorded[0].startswith("sample: ts_ns ")
     assert [e.split(" s from")[1] for e in recorded] == [e.split(" s from")[1] for e in served]
+
+
+def test_report_says_what_a_request_series_is_about_from_the_recorded_key(tmp_path):
+    """The recording keeps each request series' key beside its name; the
+    detectors over the recording hand it on, however the names read."""
+    from mmtrace.agent import offline
+    from mmtrace.agent.series_keys import REQUEST, SeriesKey
+    from mmtrace.agent.socket_telemetry import REQUEST_SAMPLE, Samples
+    samples = Samples(past_s=30)
+    key = SeriesKey(REQUEST, series="a,modality=b", modality="c")
+    assert samples.request_id(key) == 0 and samples.request_id(key) == 0
+    path = tmp_path / "r.mmtr"
+    writer = recording.RecordingWriter(path, SCHEMAS)
+    writer.write_meta(samples.tables())
+    windows = 60
+    rec = np.zeros(windows * 40, REQUEST_SAMPLE)
+    rec["ts_ns"] = np.repeat(np.arange(1000, 1000 + windows), 40) * 10**9 + \
+        np.tile(np.arange(40) * 10**7, windows)
+    rec["value_s"] = np.where(rec["ts_ns"] >= 1045 * 10**9, 0.1, 0.01) * \
+        (1 + np.tile(np.arange(40) % 5, windows) / 10)
+    writer.write_events("request.latency", rec)
+    writer.close({})
+    found = [a for a in offline.detect(recording.read_recording(path))
+             if a["state"] == "firing"]
+    # the name escapes what would make it read like another key
+    assert [a["series"] for a in found] == [r"request_latency{series=a\,modality\=b,modality=c}"]
+    assert found[0]["key"] == {"kind": "request_latency", "series": "a,modality=b",
+                               "modality": "c"}
