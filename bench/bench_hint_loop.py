@@ -78,7 +78,9 @@ def agent(sock: str, anomalies: int):
             if sent < anomalies and time.monotonic() >= next_at:
                 next_at += INJECT_EVERY_S
                 sent += 1
-                alarm = {"detector": "p99_drift", "series": f"runq_delay{{pid={100000 + sent}}}",
+                pid = 100000 + sent         # the key, as ingest gives an alarm one
+                alarm = {"detector": "p99_drift", "series": f"runq_delay{{pid={pid}}}",
+                         "key": {"kind": "runq_delay", "pid": pid},
                          "state": "firing", "ts_ns": time.monotonic_ns(),
                          "evidence": {"p99": 0.004, "baseline": 0.001}}
                 daemon.inject.append(alarm)

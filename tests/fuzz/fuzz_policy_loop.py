@@ -1,7 +1,8 @@
 """Fuzz target: the daemon's policy inputs and the hint policy against
 arbitrary sequences of alarms (in the detectors' shape: arbitrary series,
-pids, modalities and states, latencies in seconds as the detector reports them), client samples and /proc/stat
-contents. decide() never raises; every hint it sends is JSON, carries a
+keys as ingest makes them, missing or malformed, pids, modalities and
+states, latencies in seconds as the detector reports them), client samples
+and /proc/stat contents. decide() never raises; every hint it sends is JSON, carries a
 positive TTL and is either held by a dispatcher's hint book or refused
 with ValueError (a modality the dispatcher does not serve)."""
 
@@ -18,8 +19,11 @@ with atheris.instrument_imports():
     from mmtrace.dispatch.hints import HintBook
     from mmtrace.dispatch.policy import DURATIONS, HintPolicy, PolicySettings
 
-SERIES = ["runq_delay{{pid={}}}", "request_latency{{series=e2e,modality={}}}",
-          "sync_wait{{pid={},stream=0x0}}", "{}"]
+# (kind, series name): the name is for people; the key says what it is about
+SERIES = [("runq_delay", "runq_delay{{pid={}}}"),
+          ("request_latency", "request_latency{{series=e2e,modality={}}}"),
+          ("sync_wait", "sync_wait{{pid={},stream=0x0}}"), ("", "{}")]
+ODD_PIDS = [True, "7", None, -1, 1 << 70, 2.5]
 STATES = ["firing", "resolved", "pending"]
 PROC = Path(tempfile.mkdtemp(prefix="fuzz-proc-"))
 
@@ -43,12 +47,22 @@ def test_one_input(data: bytes):
         what = fdp.ConsumeIntInRange(0, 4)
         word = fdp.ConsumeUnicodeNoSurrogates(12)
         if what == 0:
-            series = fdp.PickValueInList(SERIES).format(
-                fdp.ConsumeIntInRange(0, 1 << 22) if fdp.ConsumeBool() else word)
-            inputs.on_anomaly({"detector": "p99_drift", "series": series,
-                               "state": fdp.PickValueInList(STATES),
-                               "evidence": {"p99": fdp.ConsumeFloatInRange(1e-9, 3600),
-                                            "baseline": fdp.ConsumeFloatInRange(1e-9, 3600)}})
+            kind, name = fdp.PickValueInList(SERIES)
+            value = fdp.ConsumeIntInRange(0, 1 << 22) if fdp.ConsumeBool() else word
+            alarm = {"detector": "p99_drift", "series": name.format(value),
+                     "state": fdp.PickValueInList(STATES),
+                     "evidence": {"p99": fdp.ConsumeFloatInRange(1e-9, 3600),
+                                  "baseline": fdp.ConsumeFloatInRange(1e-9, 3600)}}
+            shape = fdp.ConsumeIntInRange(0, 3)      # a key as ingest makes it, none, or odd
+            if shape == 0:
+                alarm["key"] = {"kind": kind, "series": "e2e", "modality": value} \
+                    if kind == "request_latency" else {"kind": kind, "pid": value}
+            elif shape == 2:
+                alarm["key"] = word
+            elif shape == 3:
+                alarm["key"] = {"kind": kind, "pid": fdp.PickValueInList(ODD_PIDS),
+                                "modality": fdp.PickValueInList([value, None, 3])}
+            inputs.on_anomaly(alarm)
         elif what == 1:
             inputs.on_anomaly({"detector": "attention_entropy", "kind": word,
                                "modality": fdp.PickValueInList(["vision", "text", word]),
