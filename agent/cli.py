@@ -466,6 +466,9 @@ def main():
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
+    except MmtraceError as exc:         # raised outside a command (Commands converts those)
+        click.echo(f"mmtrace: error: {exc.message}", err=True)
+        sys.exit(exc.exit_code)
     except click.Abort:
         click.echo("mmtrace: aborted", err=True)
         sys.exit(1)

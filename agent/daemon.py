@@ -107,6 +107,7 @@ class Daemon:
                                max_age_ns=age, compress=True)
         self.names = DeviceNames(infos)
         self.series_keys: dict[str, SeriesKey] = {}   # the P99 series' names -> their keys
+        self.ingest: Ingest | None = None           # once the CPU stream is loaded (start)
         self.op_names: list[list] = []
         self.op_name_of: dict[tuple[int, int], str] = {}
         self._names_exited_ns: dict[int, int] = {}   # pid -> when its exit was seen
@@ -252,6 +253,7 @@ class Daemon:
                 self.waiter.forget(ring.reader.fileno())
             self.loaded.close()
             self.loaded = None
+            self.ingest = None
         self.waiter.close()
 
     def run(self, notifier: Notifier | None = None, load_config=None):
@@ -318,7 +320,7 @@ class Daemon:
             self._wire_devices()
         if self.sources is not None and self._device() is not None:
             self._attach_new()
-        if self.loaded is not None:
+        if self.ingest is not None:
             self._since_trim += self.ingest.drain()
         if self.server is not None:
             try:

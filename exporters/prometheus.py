@@ -134,7 +134,8 @@ def _encodable_labels(family):
 
 class DaemonCollector:
     """Reads the daemon at scrape time. `daemon` offers: lock, loaded (or
-    None), counts (EventCounts), probe_states, p99, entropy, entropy_latest,
+    None), counts (EventCounts), probe_states, p99 and series_keys (its
+    series' names -> agent.series_keys.SeriesKey), entropy, entropy_latest,
     anomaly_counts, hint_counts, nvml and npu (DeviceMonitors or None),
     otlp (exporters.otlp.OtlpTraces or None)."""
 

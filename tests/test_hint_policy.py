@@ -56,6 +56,14 @@ def test_what_a_series_is_about_comes_from_its_key_never_from_its_name():
                                             served={70: {"vision"}})) == []
 
 
+def test_the_policy_names_the_kinds_as_ingest_does():
+    """The policy may not import the agent (it runs beside the server's
+    code too): its copy of the kinds must match agent/series_keys.py."""
+    from mmtrace.agent import series_keys
+    from mmtrace.dispatch import policy as policy_mod
+    assert (policy_mod.RUNQ, policy_mod.REQUEST) == (series_keys.RUNQ, series_keys.REQUEST)
+
+
 def test_runq_drift_of_a_vision_server_steps_its_batches_down_fast_and_back_slowly():
     p = HintPolicy(PolicySettings(escalate_dwell_s=2, relax_dwell_s=20, cooldown_s=1, ttl_s=600))
     first = p.decide(Observations(now_ns=0, firing=[runq(70)], served={70: {"vision"}}))
