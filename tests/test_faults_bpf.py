@@ -193,13 +193,20 @@ def test_500_short_lived_processes_are_all_attributed_and_leave_no_map_entries(
         for pid, addr, name in doc.get("op_names", []):
             names.setdefault(pid, set()).add(name)
     assert len(set(pids)) == 500
+    unseen = rec.footer["counters"]["switch_in_unseen"]
+    waited = 0
     for pid in pids:
         mine = dev[dev["pid"] == pid]
         assert api_names(mine[np.argsort(mine["ts_ns"], kind="stable")]) == CUDART_CALLS_APIS, pid
         assert set(mine["comm"].tolist()) == {b"cudart_calls"}, pid
         assert names.get(pid) in (None, KERNELS), pid
         own = runq[runq["tid"] == pid]
-        assert len(own) and set(own["pid"].tolist()) == {pid}, pid
+        assert set(own["pid"].tolist()) <= {pid}, pid
+        waited += bool(len(own))
+    # Every process waits at least once (its first run after fork); one whose
+    # switch-ins the kernel never reported has none, and each such loss is
+    # counted (a CI run: 499 of 500, with 5 switch-ins unseen).
+    assert waited >= 500 - unseen, (waited, unseen)
     # Kernel names of a process gone before the drain come from the load
     # frames its first launch took; the kernel gives up a build id when it
     # cannot take the process's mmap lock at once (many starting together),
