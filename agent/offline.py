@@ -11,7 +11,7 @@ from mmtrace.detectors.p99_drift import P99Drift
 from . import latency_series as ls
 from .config import DaemonConfig, EntropySettings, P99Settings
 from .replay import Step, replay
-from .report_telemetry import latest_table, name_at
+from .report_telemetry import latest_list, latest_table, name_at
 from .series_keys import SeriesKey
 
 # A recording naming more (crafted pids, layers) gets the first ones: the
@@ -211,7 +211,4 @@ def detect(rec) -> list[dict]:
 
 def _keys(rec) -> list[dict]:
     """The request series' keys, in the order of their table."""
-    for doc in reversed(rec.meta):
-        if isinstance(doc.get("request_series_keys"), list):
-            return [k if isinstance(k, dict) else {} for k in doc["request_series_keys"]]
-    return []
+    return [k if isinstance(k, dict) else {} for k in latest_list(rec, "request_series_keys")]

@@ -12,12 +12,17 @@ MAX_HEADS = 1 << 16
 EXACT_LIMIT = 1 << 16       # values held exactly per series before the sketch
 
 
-def latest_table(rec, key: str) -> list[str]:
-    """The last version of a name table (tables only grow)."""
+def latest_list(rec, key: str) -> list:
+    """The last version of a table the meta holds as a list (tables only grow)."""
     for doc in reversed(rec.meta):
         if isinstance(doc.get(key), list):
-            return [str(x) for x in doc[key]]
+            return doc[key]
     return []
+
+
+def latest_table(rec, key: str) -> list[str]:
+    """The last version of a name table."""
+    return [str(x) for x in latest_list(rec, key)]
 
 
 def name_at(table: list[str], i: int) -> str:
