@@ -1,3 +1,3 @@
-from .cli import main
+from mmtrace.agent.cli import main
 
 main()

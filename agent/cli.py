@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import click
 
-from .errors import MmtraceError
-from .priority import DEFAULT_NICE, set_niceness
+from mmtrace.agent.errors import MmtraceError
+from mmtrace.agent.priority import DEFAULT_NICE, set_niceness
 
 
 @dataclass
@@ -18,7 +18,7 @@ class Context:
 
 def _open(path):
     """The recording, opened for streaming (its warnings said once)."""
-    from .recording import RecordingError, RecordingReader
+    from mmtrace.agent.recording.file_format import RecordingError, RecordingReader
     try:
         rec = RecordingReader(path)
     except RecordingError as exc:
@@ -31,7 +31,7 @@ def _open(path):
 def _streamed(rec, work):
     """Run `work(rec)`, with a file that changes while being read reported
     as one line."""
-    from .recording import RecordingError
+    from mmtrace.agent.recording.file_format import RecordingError
     try:
         with rec:
             return work(rec)
@@ -88,7 +88,7 @@ def doctor(as_json):
       sudo mmtrace doctor
       sudo mmtrace doctor --json | jq '.checks[] | select(.ok | not)'
     """
-    from . import doctor as doctor_checks
+    from mmtrace.agent.doctor import host as doctor_checks
     results = doctor_checks.run_checks()
     ready = doctor_checks.tracing_ready(results)
     if as_json:
@@ -153,11 +153,11 @@ def record(output, duration, pids, libs, nice, socket_path):
       sudo mmtrace record -o loop.mmtr --socket /run/mmtrace/mmtrace.sock
     """
     import os
-    from . import record as recorder
+    from mmtrace.agent.recording import recorder
     for pid in pids:
         if not os.path.exists(f"/proc/{pid}"):
             raise MmtraceError(f"--pid {pid}: no such process")
-    from .probes import require_privileges
+    from mmtrace.agent.kernel.probes import require_privileges
     require_privileges()        # the one clear line comes before any warning
     why_not = set_niceness(nice)
     if why_not:
@@ -181,7 +181,7 @@ def report(file, as_json):
       mmtrace report incident.mmtr
       mmtrace report incident.mmtr --json | jq .runq.p99_us
     """
-    from .report import format_text, summarize
+    from mmtrace.agent.recording.report import format_text, summarize
     summary = _streamed(_open(file), summarize)
     click.echo(json.dumps(summary, indent=2) if as_json else format_text(summary))
 
@@ -207,8 +207,8 @@ def export(file, fmt, output):
       mmtrace export incident.mmtr --format perfetto -o incident.pftrace
       mmtrace export incident.mmtr --format chrome -o incident.json
     """
-    from .export_output import ExportOutput, OutputError
-    from .replay import replay
+    from mmtrace.agent.recording.export_output import ExportOutput, OutputError
+    from mmtrace.agent.recording.replay import replay
     if output == "-" and fmt != "jsonl":
         raise MmtraceError(f"-o - writes jsonl only; --format {fmt} needs a file")
     unit = "slices" if fmt == "perfetto" else "events"
@@ -225,15 +225,17 @@ def export(file, fmt, output):
 
 def _writer(fmt, rec):
     if fmt == "jsonl":
-        from mmtrace.exporters.jsonl import write_jsonl
+        from mmtrace.exporters.files.jsonl import write_jsonl
         return write_jsonl
     if fmt == "chrome":
-        from mmtrace.exporters.chrome import write_chrome
+        from mmtrace.exporters.files.chrome import write_chrome
         return write_chrome
     from functools import partial
 
-    from mmtrace.exporters.perfetto import write_recording
-    return partial(write_recording, source=rec)     # its anomalies too
+    from mmtrace.agent.recording.offline_detectors import Detectors
+    from mmtrace.exporters.files.perfetto import write_recording
+    # its anomalies too: those recorded, and those the detectors find over it
+    return partial(write_recording, source=rec, detectors=Detectors(rec))
 
 
 @cli.command()
@@ -302,9 +304,9 @@ def run(config_path, pids, libs, state_dir, socket_path, trace_launches, metrics
     import logging
     import os
     from pathlib import Path
-    from . import log_format
-    from .config import check as check_config
-    from .config_env import load_layers
+    from mmtrace.agent.daemon import log_format
+    from mmtrace.agent.config.settings import check as check_config
+    from mmtrace.agent.config.environment import load_layers
     log_format.configure(log_level)
     log = logging.getLogger("mmtrace.daemon")
     path = Path(config_path) if config_path else None
@@ -339,10 +341,10 @@ def run(config_path, pids, libs, state_dir, socket_path, trace_launches, metrics
     why_not = set_niceness(cfg.nice)
     if why_not:
         log.warning(why_not)
-    from mmtrace.exporters.prometheus import MetricsAddressError
-    from .daemon import Daemon
-    from .safe_files import UnsafePathError
-    from .signals import StopDeadline
+    from mmtrace.exporters.live.prometheus import MetricsAddressError
+    from mmtrace.agent.daemon.loop import Daemon
+    from mmtrace.agent.safe_files import UnsafePathError
+    from mmtrace.agent.daemon.signals import StopDeadline
     daemon = Daemon(cfg)
     daemon.stop.install()
     deadline = StopDeadline()
@@ -365,8 +367,8 @@ _daemon_socket = click.option(
 def _check(cfg, warnings, path):
     """`run --check`: the report on stdout, a failure as one line and exit 1."""
     import os
-    from . import preflight
-    from .config_env import variables
+    from mmtrace.agent.daemon import preflight
+    from mmtrace.agent.config.environment import variables
     known = variables()
     named = [name for name in sorted(os.environ) if name in known]
     sources = f"config {path}" if path else "built-in defaults"
@@ -404,7 +406,7 @@ def dump(socket_path, timeout):
       sudo mmtrace report "$(sudo mmtrace dump)"
     """
     from pathlib import Path
-    from mmtrace.exporters.daemon_client import NoDaemon, ask
+    from mmtrace.exporters.terminal.daemon_client import NoDaemon, ask
     try:
         reply = ask(Path(socket_path), "dump", timeout)
     except (NoDaemon, ValueError) as exc:
@@ -436,7 +438,7 @@ def top(socket_path, interval, once, as_json):
       sudo mmtrace top --json | jq '.processes[0]'
     """
     from pathlib import Path
-    from mmtrace.exporters import top as top_view
+    from mmtrace.exporters.terminal import top as top_view
     path = Path(socket_path)
     try:
         if once or as_json:

@@ -44,7 +44,7 @@ from mmtrace.dispatch import Dispatcher
 
 LISTENER = """
 import json, select, sys, time
-from mmtrace.agent.hint_socket import HintServer
+from mmtrace.agent.socket.hint_socket import HintServer
 server = HintServer(sys.argv[1])
 print("ready", flush=True)
 counts, sent = {}, 0

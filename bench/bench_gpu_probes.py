@@ -80,8 +80,8 @@ def empty_multi_link(cudart: Path, program=None, attach: bool = True):
     import os
 
     import bcc
-    from mmtrace.agent.device_probes import _file_offset, _load_segments
-    from mmtrace.agent.uprobe_link import BPF_TRACE_UPROBE_MULTI, UprobeMultiLink
+    from mmtrace.agent.kernel.device_probes import _file_offset, _load_segments
+    from mmtrace.agent.kernel.uprobe_link import BPF_TRACE_UPROBE_MULTI, UprobeMultiLink
     program = program or bcc.BPF(text=EMPTY_PROGRAM)
     fn = program.load_func(b"empty", bcc.BPF.KPROBE, attach_type=BPF_TRACE_UPROBE_MULTI)
     if not attach:
@@ -102,7 +102,7 @@ def per_call(loop_binary: Path, runtime: Path, calls: int, repeat: int) -> dict:
     attaches one configuration, runs, detaches, so that all see the same
     host load; the fastest round of each counts."""
     import bcc
-    from mmtrace.agent import probes
+    from mmtrace.agent.kernel import probes
     loop = Loop(loop_binary, launch_only=True)
     empty_bcc = bcc.BPF(text=EMPTY_PROGRAM)
     empty_multi, _ = empty_multi_link(runtime, attach=False)
@@ -186,7 +186,7 @@ def _drain(loaded, max_rounds: int | None = None):
 
 
 def adaptive(natives, iterations: int, per_sync: int, launch_ns: int, repeat: int) -> dict:
-    from mmtrace.agent import probes
+    from mmtrace.agent.kernel import probes
     loop = Loop(natives.launch_loop, launch_only=False)
     out = {"launches_per_sync": per_sync, "launch_ns_stand_in": launch_ns}
     try:
@@ -209,11 +209,11 @@ def adaptive(natives, iterations: int, per_sync: int, launch_ns: int, repeat: in
 def python_cpu(natives, events: int) -> dict:
     """Process CPU of the agent's side per device event: ring read, names,
     recording write; and, apart, the live alignment ring."""
-    from mmtrace.agent import probes
-    from mmtrace.agent.align import Aligner, ApiRoles
-    from mmtrace.agent.records import concat
-    from mmtrace.agent.dev_names import DeviceNames
-    from mmtrace.agent.recording import RecordingWriter
+    from mmtrace.agent.kernel import probes
+    from mmtrace.agent.ingest.align import Aligner, ApiRoles
+    from mmtrace.agent.ingest.record_arrays import concat
+    from mmtrace.agent.ingest.device_names import DeviceNames
+    from mmtrace.agent.recording.file_format import RecordingWriter
     from mmtrace.bpf import device
     loaded = probes.load(probes.ProbeOptions(dev_ringbuf_pages=8192))
     loaded.device.add_path(str(natives.cudart))

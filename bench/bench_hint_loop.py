@@ -52,9 +52,9 @@ class TimedDispatcher(Dispatcher):
 def agent(sock: str, anomalies: int):
     """The child: the daemon's loop, fed one alarm per INJECT_EVERY_S at
     the start of a tick, where a detector's records arrive."""
-    from mmtrace.agent.config import DaemonConfig
-    from mmtrace.agent.daemon import Daemon
-    from mmtrace.agent.hint_socket import HintServer
+    from mmtrace.agent.config.settings import DaemonConfig
+    from mmtrace.agent.daemon.loop import Daemon
+    from mmtrace.agent.socket.hint_socket import HintServer
     from mmtrace.dispatch.policy import PolicySettings
 
     class InjectingDaemon(Daemon):

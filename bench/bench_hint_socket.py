@@ -23,8 +23,8 @@ import threading
 import time
 from pathlib import Path
 
-from mmtrace.agent.hint_protocol import MAX_MESSAGE, ProtocolError, parse_line
-from mmtrace.agent.hint_socket import HintServer
+from mmtrace.agent.socket.hint_protocol import MAX_MESSAGE, ProtocolError, parse_line
+from mmtrace.agent.socket.hint_socket import HintServer
 
 OUT = Path(__file__).resolve().parent / "out" / "hint_socket.json"
 

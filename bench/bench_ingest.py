@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import native  # noqa: E402
 
-from mmtrace.agent.ringbuf import RingReader  # noqa: E402
+from mmtrace.agent.kernel.ringbuf import RingReader  # noqa: E402
 from mmtrace.bpf.sched import RUNQ_EVENT  # noqa: E402
 
 PRODUCER = r"""

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import library_churn  # noqa: E402
 from library_churn import open_fds, rss_anon_kib  # noqa: E402
 
-from mmtrace.exporters.daemon_client import ask  # noqa: E402
+from mmtrace.exporters.terminal.daemon_client import ask  # noqa: E402
 
 
 

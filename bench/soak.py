@@ -228,7 +228,7 @@ def dump_and_watch(daemon: subprocess.Popen, log: Path, watch_s: float = 5.0) ->
 
 def read_back(paths) -> int:
     """How many of the recordings at `paths` read back complete."""
-    from mmtrace.agent.recording import RecordingError, RecordingReader
+    from mmtrace.agent.recording.file_format import RecordingError, RecordingReader
     good = 0
     for path in paths:
         try:

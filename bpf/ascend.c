@@ -5,7 +5,7 @@
 
 /* aclnnXxx(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor,
  * aclrtStream stream): one program for every op; the op is the symbol,
- * named by the cookie it was attached with (agent/uprobe_link.py), or by
+ * named by the cookie it was attached with (agent/kernel/uprobe_link.py), or by
  * the probed address in userspace where cookies are not available. */
 static __always_inline int aclnn_launch(struct pt_regs *ctx, u16 api, u32 slot)
 {

@@ -5,7 +5,7 @@ Which library defines the aclrt* symbols varies across CANN releases
 attachment follows whichever file defines the symbol.
 """
 
-from .api import (BYTES, DIRECTION, GRID, HANDLE, MEMCPY_FIELDS, STREAM, Api)
+from mmtrace.bpf.api import (BYTES, DIRECTION, GRID, HANDLE, MEMCPY_FIELDS, STREAM, Api)
 
 SOURCE = "ascend.c"
 

@@ -6,7 +6,7 @@ every kernel launch traps into the kernel, graph launches, copies and syncs
 are orders of magnitude rarer.
 """
 
-from .api import (BYTES, DIRECTION, HANDLE, LAUNCH_FIELDS, MEMCPY_FIELDS, STREAM, Api)
+from mmtrace.bpf.api import (BYTES, DIRECTION, HANDLE, LAUNCH_FIELDS, MEMCPY_FIELDS, STREAM, Api)
 
 SOURCE = "cuda.c"
 

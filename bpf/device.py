@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import ascend, cuda
+from mmtrace.bpf import ascend, cuda
 # Api and the field names live in api.py (cuda.py and ascend.py fill their
 # tables from there); named here too, as the device stream's.
-from .api import (BLOCK, BYTES, DIRECTION, GRID, HANDLE, LAUNCH_FIELDS,  # noqa: F401
+from mmtrace.bpf.api import (BLOCK, BYTES, DIRECTION, GRID, HANDLE, LAUNCH_FIELDS,  # noqa: F401
                   MEMCPY_FIELDS, SHARED_MEM, STREAM, Api, base_name)
 
 HEADER = "device.h"
@@ -68,6 +68,10 @@ KIND_IDS = {name: kid for kid, name in KINDS.items()}
 # Kinds the interface exports as jsonl events; the others feed alignment and names.
 EXPORTED_KINDS = ("launch", "graph_launch", "memcpy", "sync", "model_exec")
 SUBMISSION_KINDS = ("launch", "graph_launch", "memcpy", "model_exec")
+# A device event as recorded: the kernel's record, and when the first sync that
+# covered it returned (agent/ingest/align.py fills it in; NOT_RETIRED until then).
+NOT_RETIRED = -1
+ALIGNED_EVENT = np.dtype(DEV_EVENT.descr + [("retired_ns", "<i8")])
 
 # enum dev_flag
 FLAG_RETURNED = 1

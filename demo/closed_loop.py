@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mmtrace.exporters.top import NoDaemon, fetch_status
+from mmtrace.exporters.terminal.top import NoDaemon, fetch_status
 
 from load import Contention, MixedLoad, percentiles
 from server import DemoServer

@@ -84,7 +84,7 @@ from typing import Callable
 
 import numpy as np
 
-from .quantile_sketch import DEFAULT_ALPHA, LogMapping, check_quantile, quantile_columns
+from mmtrace.detectors.quantile_sketch import DEFAULT_ALPHA, LogMapping, check_quantile, quantile_columns
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import socket
 import threading
 from collections import deque
 
-from . import messages
+from mmtrace.dispatch import messages
 
 log = logging.getLogger(__name__)
 

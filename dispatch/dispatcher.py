@@ -15,12 +15,12 @@ import threading
 import time
 from concurrent.futures import Future
 
-from .agent_link import DEFAULT_CAPACITY, DEFAULT_RECONNECT_MAX_S, DEFAULT_SERIES, AgentLink
-from .batching import ModalityQueue, Request
-from .hints import HintBook
-from .order import DEFAULT_STARVATION_LIMIT, BatchOrder
-from .placement import DEFAULT_IMBALANCE_ABS, DEFAULT_IMBALANCE_REL, Placement
-from .queue_config import QueueConfig, parse_queues
+from mmtrace.dispatch.agent_link import DEFAULT_CAPACITY, DEFAULT_RECONNECT_MAX_S, DEFAULT_SERIES, AgentLink
+from mmtrace.dispatch.batching import ModalityQueue, Request
+from mmtrace.dispatch.hints import HintBook
+from mmtrace.dispatch.order import DEFAULT_STARVATION_LIMIT, BatchOrder
+from mmtrace.dispatch.placement import DEFAULT_IMBALANCE_ABS, DEFAULT_IMBALANCE_REL, Placement
+from mmtrace.dispatch.queue_config import QueueConfig, parse_queues
 
 log = logging.getLogger(__name__)
 

@@ -37,8 +37,8 @@ always bounded and undone at expiry:
 import math
 from dataclasses import dataclass, field
 
-from .durations import check_duration
-from .queue_config import check_batch_max, check_priority
+from mmtrace.dispatch.durations import check_duration
+from mmtrace.dispatch.queue_config import check_batch_max, check_priority
 
 HINT_KINDS = ("modality_batch", "priority", "route_affinity", "prefer_device",
               "degrade", "cpu_contention")

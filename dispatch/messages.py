@@ -7,7 +7,7 @@ than send something the agent would refuse."""
 import json
 import math
 
-# The agent's limits (agent/hint_protocol.py; a test keeps the two equal:
+# The agent's limits (agent/socket/hint_protocol.py; a test keeps the two equal:
 # the dispatcher imports nothing of the agent's).
 MAX_MESSAGE = 64 * 1024
 MAX_NAME = 256

@@ -30,14 +30,14 @@ import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from .durations import MIN_DURATION_S, check_duration
-from .hints import MAX_TTL_S, MIN_TTL_S
+from mmtrace.dispatch.durations import MIN_DURATION_S, check_duration
+from mmtrace.dispatch.hints import MAX_TTL_S, MIN_TTL_S
 
 VISION, TEXT = "vision", "text"
 BATCH_STEPS = (8, 4, 2)
 PRIORITY_STEPS = ("high", "low")
 DEGRADE_STEPS = (0, 1)
-# An anomaly's `key` says what its series is about (agent/series_keys.py);
+# An anomaly's `key` says what its series is about (agent/ingest/series_keys.py);
 # its `series` is a name for people, never parsed.
 RUNQ, REQUEST = "runq_delay", "request_latency"
 MAX_AUDIT = 1024

@@ -8,7 +8,7 @@ rejects anything else with a message naming what was expected.
 
 from dataclasses import dataclass
 
-from .durations import check_duration
+from mmtrace.dispatch.durations import check_duration
 
 # Lower rank is served first.
 PRIORITIES = {"urgent": 0, "high": 1, "normal": 2, "low": 3}

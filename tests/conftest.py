@@ -34,7 +34,7 @@ MMTRACE = VENV_BIN / "mmtrace"
 
 @functools.cache
 def bpf_unavailable_reason() -> str | None:
-    from mmtrace.agent import doctor
+    from mmtrace.agent.doctor import host as doctor
     checks = {c.name: c for c in doctor.run_checks()}
     for name in ("privileges", "tracefs", "bcc", "kernel_headers", "ring_buffer", "uprobes"):
         check = checks.get(name)

@@ -5,7 +5,7 @@ import json
 import struct
 import zlib
 
-from mmtrace.agent import recording
+from mmtrace.agent.recording import file_format as recording
 from mmtrace.bpf.sched import RUNQ_EVENT
 
 RUNQ_SCHEMA = recording.dtype_to_json(RUNQ_EVENT)

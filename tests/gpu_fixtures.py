@@ -94,9 +94,9 @@ class DeviceSession:
     rings deliver, as record does, names included."""
 
     def __init__(self, libs=(), **options):
-        from mmtrace.agent import probes
-        from mmtrace.agent.dev_names import DeviceNames
-        from mmtrace.agent.record import exited_process_resolver
+        from mmtrace.agent.kernel import probes
+        from mmtrace.agent.ingest.device_names import DeviceNames
+        from mmtrace.agent.recording.recorder import exited_process_resolver
         from mmtrace.bpf import device
         self.loaded = probes.load(probes.ProbeOptions(**options))
         self.states = []
@@ -152,7 +152,7 @@ class DeviceSession:
 
     def context(self):
         """A DeviceContext as a recording's meta would give it."""
-        from mmtrace.agent.device_view import DeviceContext
+        from mmtrace.agent.recording.device_view import DeviceContext
         return DeviceContext.from_meta([
             {"op_names": self.op_names},
             {"symbol_names": {str(k): v for k, v in self.device.symbol_names().items()}}])

@@ -9,9 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from mmtrace.agent.config import DaemonConfig
-from mmtrace.agent.daemon import Daemon
-from mmtrace.agent.hint_socket import HintServer
+from mmtrace.agent.config.settings import DaemonConfig
+from mmtrace.agent.daemon.loop import Daemon
+from mmtrace.agent.socket.hint_socket import HintServer
 
 
 def main(sock, state_dir, out):

@@ -4,7 +4,7 @@ run-queue and GPU streams of a busy inference host, drained every 25 ms as
 
 import numpy as np
 
-from mmtrace.agent.recording import RecordingWriter
+from mmtrace.agent.recording.file_format import RecordingWriter
 from mmtrace.bpf import device as device_stream
 from mmtrace.bpf.sched import RUNQ_EVENT
 

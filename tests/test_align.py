@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpu_fixtures import DeviceSession, natives  # noqa: F401
-from mmtrace.agent.align import ALIGNED_EVENT, NONE, Aligner, ApiRoles, align
+from mmtrace.agent.ingest.align import ALIGNED_EVENT, NONE, Aligner, ApiRoles, align
 from mmtrace.bpf import device
 
 INFOS = device.default_infos()

@@ -34,7 +34,7 @@ def ascend_session(natives):
 
 
 def test_each_call_once_with_every_field(ascend_session, natives):
-    from mmtrace.agent.device_view import decode
+    from mmtrace.agent.recording.device_view import decode
     out, ev = run_calls(ascend_session, natives)
     assert api_names(ev) == EXPECTED_APIS
     assert set(ev["device"].tolist()) == {5}        # aclrtSetDevice(5) succeeded first
@@ -101,9 +101,9 @@ def test_over_long_op_type_is_truncated_and_flagged(ascend_session, natives):
 def test_per_symbol_attachment(natives, monkeypatch, cookies):
     """Kernels without uprobe_multi: a uprobe per symbol, aclnn ops named by
     cookie (5.15+) or, without, by their address while the process lives."""
-    from mmtrace.agent import device_probes
-    from mmtrace.agent.device_view import decode
-    from mmtrace.agent.uprobe_link import LinkError
+    from mmtrace.agent.kernel import device_probes
+    from mmtrace.agent.recording.device_view import decode
+    from mmtrace.agent.kernel.uprobe_link import LinkError
     if not cookies:
         def refuse(*args, **kwargs):
             raise LinkError(22, "no cookies on this kernel")

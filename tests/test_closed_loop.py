@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mmtrace.agent import recording
+from mmtrace.agent.recording import file_format as recording
 
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 DEMO = Path(__file__).resolve().parent.parent / "demo"

@@ -2,7 +2,7 @@
 
 import os
 
-from mmtrace.agent import compiler_output
+from mmtrace.agent.kernel import compiler_output
 
 
 def test_error_lines_are_kept_and_everything_is_passed_on(capfd):

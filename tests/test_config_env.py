@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from mmtrace.agent import config as config_mod
-from mmtrace.agent.config import SECTIONS, DaemonConfig
-from mmtrace.agent.config_env import load_layers
-from mmtrace.agent.config_env import environment_document, variables
+from mmtrace.agent.config import settings as config_mod
+from mmtrace.agent.config.settings import SECTIONS, DaemonConfig
+from mmtrace.agent.config.environment import load_layers
+from mmtrace.agent.config.environment import environment_document, variables
 from mmtrace.agent.errors import MmtraceError
 
 

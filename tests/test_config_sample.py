@@ -5,7 +5,7 @@ import re
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from mmtrace.agent.config import SECTIONS, DaemonConfig, load_config
+from mmtrace.agent.config.settings import SECTIONS, DaemonConfig, load_config
 
 SAMPLE = Path(__file__).resolve().parent.parent / "systemd" / "mmtrace.toml"
 

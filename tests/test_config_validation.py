@@ -13,10 +13,10 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmtrace.agent import config as config_mod
+from mmtrace.agent.config import settings as config_mod
 from mmtrace.agent.cli import cli
 from mmtrace.agent.errors import MmtraceError
-from mmtrace.agent.daemon import entropy_detector, p99_detector
+from mmtrace.agent.daemon.loop import entropy_detector, p99_detector
 
 # Each case the loader once accepted, and the words of its error.
 BAD = [

@@ -30,7 +30,7 @@ def built(tmp_path_factory):
 
 
 def test_kernels_of_libraries_launched_by_the_driver_carry_their_names(built):
-    from mmtrace.agent.device_view import decode
+    from mmtrace.agent.recording.device_view import decode
     driver, caller = built
     proc = subprocess.Popen([str(caller)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True)

@@ -98,7 +98,7 @@ def driver_session(natives):
 
 
 def test_driver_standin_exact_with_function_names(driver_session, natives):
-    from mmtrace.agent.device_view import decode
+    from mmtrace.agent.recording.device_view import decode
     before = driver_session.counters()
     out = run_json([natives.driver_calls])
     driver_session.drain()
@@ -164,7 +164,7 @@ def test_process_killed_inside_a_call_is_counted(driver_session, natives):
 
 
 def test_library_replaced_on_disk(natives, tmp_path):
-    from mmtrace.agent.device_probes import DeviceProbes, target_from_path
+    from mmtrace.agent.kernel.device_probes import DeviceProbes, target_from_path
     lib_dir = tmp_path / "lib"
     lib_dir.mkdir()
     lib = lib_dir / "libcuda.so.1"
@@ -246,7 +246,7 @@ def test_adaptive_mode_detaches_only_per_launch_probes(natives):
 
 
 def test_record_and_export_jsonl_end_to_end(natives, tmp_path, mmtrace_cli):
-    from mmtrace.exporters.jsonl import KEYS
+    from mmtrace.exporters.files.jsonl import KEYS
     path = tmp_path / "gpu.mmtr"
     rec = subprocess.Popen([sys.executable, "-m", "mmtrace.agent", "record", "-o", str(path),
                             "--lib", str(natives.cudart), "--lib", str(natives.driver)],

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 
 from conftest import MMTRACE
-from mmtrace.agent.daemon import DUMP_REUSE_S
-from mmtrace.agent.recording import RecordingReader
-from mmtrace.agent.signals import STOP_DEADLINE_S
-from mmtrace.exporters.daemon_client import ask
+from mmtrace.agent.daemon.loop import DUMP_REUSE_S
+from mmtrace.agent.recording.file_format import RecordingReader
+from mmtrace.agent.daemon.signals import STOP_DEADLINE_S
+from mmtrace.exporters.terminal.daemon_client import ask
 
 pytestmark = pytest.mark.bpf
 

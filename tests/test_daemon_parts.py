@@ -10,12 +10,13 @@ import time
 import numpy as np
 import pytest
 
-from mmtrace.agent import config as config_mod
-from mmtrace.agent import offline, recording
+from mmtrace.agent.config import settings as config_mod
+from mmtrace.agent.recording import offline_detectors as offline
+from mmtrace.agent.recording import file_format as recording
 from mmtrace.agent.errors import MmtraceError
-from mmtrace.agent.event_ring import EventRing
-from mmtrace.agent.flight import FlightRecorder
-from mmtrace.agent.hint_socket import MAX_MESSAGE, HintServer
+from mmtrace.agent.ingest.event_ring import EventRing
+from mmtrace.agent.recording.flight import FlightRecorder
+from mmtrace.agent.socket.hint_socket import MAX_MESSAGE, HintServer
 from mmtrace.bpf import device as device_stream
 from mmtrace.bpf.sched import RUNQ_EVENT
 
@@ -203,7 +204,7 @@ def send_entropy_rise(daemon, client, start_ns):
 
 
 def test_entropy_over_the_socket_fires_live_and_again_offline(tmp_path):
-    from mmtrace.agent.daemon import Daemon
+    from mmtrace.agent.daemon.loop import Daemon
     cfg = config_mod.DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "s.sock",
                                   flight_min_interval_s=0.0)
     daemon = Daemon(cfg)
@@ -245,7 +246,7 @@ def test_report_lists_the_anomaly_with_its_evidence(tmp_path):
 
 
 def test_series_of_exited_processes_are_dropped(tmp_path):
-    from mmtrace.agent.daemon import Daemon
+    from mmtrace.agent.daemon.loop import Daemon
     cfg = config_mod.DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "s.sock")
     daemon = Daemon(cfg)
     daemon.proc_root = tmp_path / "proc"
@@ -269,12 +270,12 @@ def test_series_of_exited_processes_are_dropped(tmp_path):
 
 
 def test_a_dispatchers_series_named_like_a_pid_is_not_swept_with_exited_processes(tmp_path):
-    from mmtrace.agent.daemon import Daemon
+    from mmtrace.agent.daemon.loop import Daemon
     cfg = config_mod.DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "s.sock")
     daemon = Daemon(cfg)
     daemon.proc_root = tmp_path / "proc"
     daemon.proc_root.mkdir()
-    from mmtrace.agent.series_keys import REQUEST, RUNQ, SYNC, SeriesKey
+    from mmtrace.agent.ingest.series_keys import REQUEST, RUNQ, SYNC, SeriesKey
     keys = [SeriesKey(REQUEST, series="pid=424242", modality="text"),
             SeriesKey(REQUEST, series="e2e", modality="pid=424242"),
             SeriesKey(RUNQ, pid=424242), SeriesKey(SYNC, pid=424243, stream=0)]
@@ -289,7 +290,7 @@ def test_a_dispatchers_series_named_like_a_pid_is_not_swept_with_exited_processe
 
 
 def test_kernel_names_of_an_exited_process_outlive_it_by_the_rings_reach(tmp_path):
-    from mmtrace.agent.daemon import Daemon
+    from mmtrace.agent.daemon.loop import Daemon
     cfg = config_mod.DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "s.sock",
                                   ring_seconds=30)
     daemon = Daemon(cfg)

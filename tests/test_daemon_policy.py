@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from mmtrace.agent import config as config_mod
-from mmtrace.agent import recording
-from mmtrace.agent.cpu_load import CpuLoad
-from mmtrace.agent.hint_socket import HintServer
-from mmtrace.agent.policy_inputs import PolicyInputs
+from mmtrace.agent.config import settings as config_mod
+from mmtrace.agent.recording import file_format as recording
+from mmtrace.agent.daemon.cpu_load import CpuLoad
+from mmtrace.agent.socket.hint_socket import HintServer
+from mmtrace.agent.daemon.policy_inputs import PolicyInputs
 from mmtrace.dispatch.policy import PolicySettings
 
 from test_daemon_parts import synthetic_recording
@@ -89,7 +89,7 @@ def received(sock):
 def drift(tmp_path, dry_run):
     """A daemon that has seen pid 70 serve vision and text, then pid 70's
     run-queue delay drift; what its subscriber got."""
-    from mmtrace.agent.daemon import Daemon
+    from mmtrace.agent.daemon.loop import Daemon
     cfg = config_mod.DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "s.sock",
                                   flight_min_interval_s=0.0,
                                   policy=PolicySettings(ttl_s=5.0, dry_run=dry_run))

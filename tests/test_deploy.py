@@ -19,7 +19,7 @@ import pytest
 import yaml
 from cloudcoil.models.prometheus_operator.v1 import ServiceMonitor
 
-from mmtrace.agent.config import DaemonConfig, load_config
+from mmtrace.agent.config.settings import DaemonConfig, load_config
 from unit_file import service_settings
 
 ROOT = Path(__file__).resolve().parent.parent

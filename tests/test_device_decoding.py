@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from mmtrace.agent.dev_names import DeviceNames
-from mmtrace.agent.recording import RecordingWriter
+from mmtrace.agent.ingest.device_names import DeviceNames
+from mmtrace.agent.recording.file_format import RecordingWriter
 from mmtrace.bpf import device
 
 
@@ -92,7 +92,7 @@ def test_what_is_kept_of_a_process_goes_when_it_exits_and_the_cache_stays_bounde
 def test_a_cudakernel_handle_takes_the_name_of_its_host_function():
     """nvcc 13's <<<>>>: __cudaGetKernel(&handle, host function) once, then
     launches with the handle (a driver's opaque cudaKernel_t)."""
-    from mmtrace.agent.device_view import DeviceContext, decode
+    from mmtrace.agent.recording.device_view import DeviceContext, decode
     infos = device.default_infos()
     get_kernel = next(i for i, info in infos.items() if info.symbol == "__cudaGetKernel")
     ev = np.zeros(3, device.DEV_EVENT)
@@ -165,7 +165,7 @@ def recording_with_device_events(path):
 
 
 def test_export_jsonl_has_every_spec_field(tmp_path, mmtrace_cli):
-    from mmtrace.exporters.jsonl import KEYS
+    from mmtrace.exporters.files.jsonl import KEYS
     path = tmp_path / "dev.mmtr"
     recording_with_device_events(path)
     result = mmtrace_cli("export", path, "--format", "jsonl", "-o", "-")

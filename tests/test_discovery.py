@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from native import compile_text, finish
-from mmtrace.agent.discovery import Discoverer, LibraryTarget, doctor_checks, find_targets
-from mmtrace.agent.checks import Check
-from mmtrace.agent.doctor import Host
+from mmtrace.agent.discovery.finder import Discoverer, LibraryTarget, doctor_checks, find_targets
+from mmtrace.agent.findings import Check
+from mmtrace.agent.doctor.host import Host
 
 PYVER = f"python{sys.version_info.major}.{sys.version_info.minor}"
 CUDART = (Path(sys.prefix) / "lib" / PYVER / "site-packages" / "nvidia" / "cuda_runtime"

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmtrace.agent.hint_protocol import validate
+from mmtrace.agent.socket.hint_protocol import validate
 from mmtrace.dispatch import messages
 from mmtrace.dispatch.batching import ModalityQueue, Request
 from mmtrace.dispatch.hints import MAX_TTL_S, HintBook
@@ -357,7 +357,7 @@ def test_after_every_ttl_the_book_is_back_on_defaults(applied, later_ms):
 # ---------------------------------------------------------------- messages
 
 def test_the_limits_are_the_agents():
-    from mmtrace.agent import hint_protocol
+    from mmtrace.agent.socket import hint_protocol
     for name in ("MAX_MESSAGE", "MAX_NAME", "MAX_VALUES", "MAX_HEAD", "MAX_VALUE_MS"):
         assert getattr(messages, name) == getattr(hint_protocol, name), name
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mmtrace.agent.hint_socket import HintServer
+from mmtrace.agent.socket.hint_socket import HintServer
 from mmtrace.dispatch import Dispatcher
 from mmtrace.dispatch.agent_link import AgentLink
 

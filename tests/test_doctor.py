@@ -5,7 +5,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from mmtrace.agent import doctor
+from mmtrace.agent.doctor import host as doctor
 from mmtrace.agent.cli import cli
 
 

@@ -12,8 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from mmtrace.agent.cli import cli
-from mmtrace.agent.config import SECTIONS, DaemonConfig, Seconds, load_config
-from mmtrace.agent.config_env import load_layers
+from mmtrace.agent.config.settings import SECTIONS, DaemonConfig, Seconds, load_config
+from mmtrace.agent.config.environment import load_layers
 from mmtrace.agent.errors import MmtraceError
 from mmtrace.dispatch import Dispatcher
 from mmtrace.dispatch.durations import check_duration, expected_duration, is_duration

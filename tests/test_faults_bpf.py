@@ -40,8 +40,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpu_fixtures import (api_names, build_library, build_program,  # noqa: F401
                           natives)
-from mmtrace.agent import recording
-from mmtrace.agent.symbols import ElfSymbols
+from mmtrace.agent.recording import file_format as recording
+from mmtrace.agent.discovery.symbols import ElfSymbols
 from test_metrics_bpf import Daemon, free_port, held
 from test_sched_bpf import start_recorder, stop, wait_for_line
 
@@ -405,7 +405,7 @@ def test_a_probe_the_kernel_refuses_fails_alone_and_is_named(natives, tmp_path, 
 # GPU/NPU programs' source (as a bad edit or an unsupported kernel would make).
 BROKEN_DEVICE_PROGRAMS = """
 import runpy, sys
-from mmtrace.agent import probes
+from mmtrace.agent.kernel import probes
 source = probes.device_text
 probes.device_text = lambda options: source(options) + "\\nint broken_on_purpose( {\\n"
 sys.argv[0] = "mmtrace"

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from mmtrace.agent import recording
+from mmtrace.agent.recording import file_format as recording
 from mmtrace.bpf.sched import RUNQ_EVENT
 from test_faults_bpf import small_tmpfs  # noqa: F401  (fixture)
 from test_recording import runq_records

@@ -13,9 +13,9 @@ import time
 import numpy as np
 import pytest
 
-from mmtrace.agent.flight import FlightRecorder
-from mmtrace.agent.recording import RecordingReader
-from mmtrace.agent.signals import EXIT_DEADLINE_PASSED
+from mmtrace.agent.recording.flight import FlightRecorder
+from mmtrace.agent.recording.file_format import RecordingReader
+from mmtrace.agent.daemon.signals import EXIT_DEADLINE_PASSED
 
 SCHEMA = np.dtype([("ts_ns", "<u8"), ("value", "<f8")])
 
@@ -78,8 +78,8 @@ def test_a_dump_that_cannot_be_written_says_why(tmp_path):
 # installs them, then a close that never ends.
 STUCK = textwrap.dedent("""
     import logging, sys, time
-    from mmtrace.agent.record import StopFlag
-    from mmtrace.agent.signals import StopDeadline
+    from mmtrace.agent.recording.recorder import StopFlag
+    from mmtrace.agent.daemon.signals import StopDeadline
     logging.basicConfig(stream=sys.stderr)
     stop = StopFlag()
     stop.install()

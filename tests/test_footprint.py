@@ -13,10 +13,10 @@ import time
 import numpy as np
 import pytest
 
-from mmtrace.agent import compiler_memory
-from mmtrace.agent.event_ring import EventRing
-from mmtrace.agent.probes import wakeup_period
-from mmtrace.agent.wakeups import Waiter
+from mmtrace.agent.kernel import compiler_memory
+from mmtrace.agent.ingest.event_ring import EventRing
+from mmtrace.agent.kernel.probes import wakeup_period
+from mmtrace.agent.daemon.wakeups import Waiter
 from mmtrace.bpf.sched import RUNQ_EVENT
 
 

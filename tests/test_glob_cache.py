@@ -5,7 +5,7 @@ import glob
 import os
 import time
 
-from mmtrace.agent.glob_cache import RACY_NS, GlobCache
+from mmtrace.agent.discovery.glob_cache import RACY_NS, GlobCache
 
 
 def settle(*folders):

@@ -58,8 +58,8 @@ def test_what_a_series_is_about_comes_from_its_key_never_from_its_name():
 
 def test_the_policy_names_the_kinds_as_ingest_does():
     """The policy may not import the agent (it runs beside the server's
-    code too): its copy of the kinds must match agent/series_keys.py."""
-    from mmtrace.agent import series_keys
+    code too): its copy of the kinds must match agent/ingest/series_keys.py."""
+    from mmtrace.agent.ingest import series_keys
     from mmtrace.dispatch import policy as policy_mod
     assert (policy_mod.RUNQ, policy_mod.REQUEST) == (series_keys.RUNQ, series_keys.REQUEST)
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmtrace.agent.hint_protocol import (MAX_DEPTH, MAX_HEAD, MAX_MESSAGE, MAX_NAME,
+from mmtrace.agent.socket.hint_protocol import (MAX_DEPTH, MAX_HEAD, MAX_MESSAGE, MAX_NAME,
                                          MAX_VALUE_MS, MAX_VALUES, PID_MAX, ProtocolError,
                                          nesting_depth, parse_line, validate)
 

@@ -11,10 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-from mmtrace.agent.config import DaemonConfig
-from mmtrace.agent.daemon import Daemon
-from mmtrace.agent.hint_socket import HintServer
-from mmtrace.agent.series_keys import RUNQ, SeriesKey
+from mmtrace.agent.config.settings import DaemonConfig
+from mmtrace.agent.daemon.loop import Daemon
+from mmtrace.agent.socket.hint_socket import HintServer
+from mmtrace.agent.ingest.series_keys import RUNQ, SeriesKey
 
 VICTIM = """
 import json, socket, sys

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from mmtrace.agent import config as config_mod
-from mmtrace.agent import hint_socket
-from mmtrace.agent.daemon import Daemon
-from mmtrace.agent.hint_protocol import MAX_MESSAGE
-from mmtrace.agent.hint_socket import ERROR_BURST, HintServer
+from mmtrace.agent.config import settings as config_mod
+from mmtrace.agent.socket import hint_socket
+from mmtrace.agent.daemon.loop import Daemon
+from mmtrace.agent.socket.hint_protocol import MAX_MESSAGE
+from mmtrace.agent.socket.hint_socket import ERROR_BURST, HintServer
 
 SUBSCRIBE = b'{"v":1,"type":"subscribe"}\n'
 
@@ -251,7 +251,7 @@ def test_a_never_reading_flooder_is_disconnected_once_and_not_read_after(server,
     flooder = connect(server.path)
     flooder.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     lines = b"not json\n" * 12_000
-    with caplog.at_level(logging.WARNING, "mmtrace.agent.hint_socket"):
+    with caplog.at_level(logging.WARNING, "mmtrace.agent.socket.hint_socket"):
         served.send(flooder, lines)
         served.until(lambda: not server.clients, timeout=2)
     assert server.dropped_clients == 1
@@ -268,7 +268,7 @@ def test_a_subscriber_that_does_not_read_is_disconnected_once(server, caplog):
     lazy.sendall(SUBSCRIBE)
     assert served.until(lambda: served.messages)
     hint = {"v": 1, "type": "hint", "kind": "degrade", "reason": "x" * 1000}
-    with caplog.at_level(logging.WARNING, "mmtrace.agent.hint_socket"):
+    with caplog.at_level(logging.WARNING, "mmtrace.agent.socket.hint_socket"):
         for _ in range(3000):
             server.broadcast(hint)
     assert server.dropped_clients == 1 and not server.clients
@@ -525,7 +525,7 @@ def test_a_last_line_without_a_newline_is_read_at_eof(server):
 def test_request_series_are_capped_per_daemon(daemon):
     """Each series costs the P99 detector memory: past the cap, a new one
     is refused with an error, and the ones it has are still taken."""
-    from mmtrace.agent.socket_telemetry import MAX_CLIENT_SERIES
+    from mmtrace.agent.socket.telemetry import MAX_CLIENT_SERIES
     served = serve_daemon(daemon)
     c = connect(daemon.config.socket)
     for i in range(MAX_CLIENT_SERIES + 1):
@@ -542,7 +542,7 @@ def test_request_series_are_capped_per_daemon(daemon):
 def test_entropy_heads_and_modalities_from_clients_are_bounded(daemon):
     """Heads and modalities cost the detector memory: a client inventing
     them is held to MAX_ENTROPY_HEADS per modality and MAX_MODALITIES."""
-    from mmtrace.agent.daemon import MAX_ENTROPY_HEADS, MAX_MODALITIES
+    from mmtrace.agent.daemon.loop import MAX_ENTROPY_HEADS, MAX_MODALITIES
     served = serve_daemon(daemon)
     c = connect(daemon.config.socket)
     sent = 0

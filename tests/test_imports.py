@@ -22,9 +22,11 @@ def modules() -> dict[str, Path]:
         spec = importlib.util.find_spec(package)
         assert spec is not None and spec.submodule_search_locations, package
         for folder in map(Path, spec.submodule_search_locations):
-            for source in sorted(folder.glob("*.py")):
-                name = package if source.stem == "__init__" else f"{package}.{source.stem}"
-                found[name] = source
+            for source in sorted(folder.rglob("*.py")):
+                parts = source.relative_to(folder).with_suffix("").parts
+                if parts[-1] == "__init__":
+                    parts = parts[:-1]
+                found[".".join((package, *parts))] = source
     return found
 
 
@@ -87,8 +89,8 @@ def circles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_module_imports_itself_through_others():
     edges = graph()
-    assert len(edges) > 100 and "mmtrace.agent.daemon" in edges    # every module was read
-    assert "mmtrace.bpf.device" in edges["mmtrace.agent.daemon"]   # and its imports seen
+    assert len(edges) > 100 and "mmtrace.agent.daemon.loop" in edges    # every module was read
+    assert "mmtrace.bpf.device" in edges["mmtrace.agent.daemon.loop"]   # and its imports seen
     found = circles(edges)
     assert not found, "import circles: " + "; ".join(" -> ".join(c) for c in found)
 
@@ -118,3 +120,66 @@ def test_the_server_side_modules_load_without_the_agent_bcc_or_click():
                                                    "mmtrace.bpf"))
                 or m.split(".")[0] in ("bcc", "click")]
     assert not unwanted, f"the server side pulls in {unwanted}"
+
+
+# The declared layer order, lowest first: a module may import its own layer and
+# those below it, never one above. A module belongs to the layer of the longest
+# prefix that names it. This is design.md's diagram, read bottom up.
+LAYERS = (
+    ("mmtrace.dispatch",),                       # runs inside the inference server
+    ("mmtrace.detectors",),                      # usable live, over a recording, in-server
+    ("mmtrace.bpf",),                            # the programs and their decoders
+    ("mmtrace.exporters",),                      # render what they are handed
+    ("mmtrace.agent", "mmtrace.agent.errors", "mmtrace.agent.findings",
+     "mmtrace.agent.safe_files", "mmtrace.agent.bounded_json", "mmtrace.agent.heap",
+     "mmtrace.agent.log_limit", "mmtrace.agent.priority"),
+    ("mmtrace.agent.config",),
+    ("mmtrace.agent.discovery",),
+    ("mmtrace.agent.kernel",),                   # the only layer that imports bcc
+    ("mmtrace.agent.ingest",),
+    ("mmtrace.agent.socket",),
+    ("mmtrace.agent.recording",),
+    ("mmtrace.agent.daemon",),
+    ("mmtrace.agent.doctor",),
+    ("mmtrace.agent.cli", "mmtrace.agent.__main__"),
+)
+
+
+def layer_of(name: str, layers=LAYERS) -> int:
+    best, depth = None, -1
+    for level, prefixes in enumerate(layers):
+        for prefix in prefixes:
+            if (name == prefix or name.startswith(prefix + ".")) and prefix.count(".") > depth:
+                best, depth = level, prefix.count(".")
+    assert best is not None, f"{name} is in no declared layer"
+    return best
+
+
+def upward(edges: dict[str, set[str]], layers=LAYERS) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, targets in edges.items() for b in targets
+                  if layer_of(b, layers) > layer_of(a, layers))
+
+
+def test_imports_point_down_the_declared_layers():
+    found = upward(graph())
+    assert not found, "imports up the layer order:\n" + "\n".join(found)
+
+
+def test_the_layer_check_finds_an_upward_edge():
+    layers = (("p.low",), ("p.high",))
+    assert upward({"p.low.a": {"p.high.b"}, "p.high.b": {"p.low.a"}}, layers) == \
+        ["p.low.a -> p.high.b"]
+    assert layer_of("p.high.b.c", layers) == 1
+
+
+def test_only_the_kernel_layer_imports_bcc():
+    known = modules()
+    found = []
+    for name, source in known.items():
+        for node in ast.walk(ast.parse(source.read_text(), str(source))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "bcc" or n.startswith("bcc.") for n in names) and \
+                    not name.startswith("mmtrace.agent.kernel."):
+                found.append(name)
+    assert not found, f"bcc imported outside agent/kernel: {sorted(set(found))}"

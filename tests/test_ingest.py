@@ -1,14 +1,14 @@
-"""The one ingest path (agent/ingest.py) without eBPF: batches from the
+"""The one ingest path (agent/ingest/pipeline.py) without eBPF: batches from the
 rings reach every sink in order, with their threads' processes filled in
 and the device batches' names; a producer that never stops cannot hold
 the caller; and the recording's sink follows a device side wired late."""
 
 import numpy as np
 
-from mmtrace.agent import recording
-from mmtrace.agent.ingest import Ingest
-from mmtrace.agent.record import RecordingSink, SCHEMAS
-from mmtrace.agent.threads import ThreadProcesses
+from mmtrace.agent.recording import file_format as recording
+from mmtrace.agent.ingest.pipeline import Ingest
+from mmtrace.agent.recording.recorder import RecordingSink, SCHEMAS
+from mmtrace.agent.ingest.threads import ThreadProcesses
 from mmtrace.bpf.device import DEV_EVENT
 from mmtrace.bpf.sched import RUNQ_EVENT
 

@@ -27,7 +27,7 @@ import pytest
 
 import library_churn
 from library_churn import open_fds, rss_anon_kib
-from mmtrace.exporters.daemon_client import ask
+from mmtrace.exporters.terminal.daemon_client import ask
 
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 

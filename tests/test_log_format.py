@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from mmtrace.agent.log_format import priority
+from mmtrace.agent.daemon.log_format import priority
 
 PROGRAM = """
 import logging
-from mmtrace.agent import log_format
+from mmtrace.agent.daemon import log_format
 log_format.configure("debug")
 log = logging.getLogger("mmtrace.daemon")
 log.debug("looking")

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from prometheus_client import generate_latest
 
-from mmtrace.agent import hint_protocol
-from mmtrace.agent.config import DaemonConfig
-from mmtrace.agent.daemon import Daemon
+from mmtrace.agent.socket import hint_protocol
+from mmtrace.agent.config.settings import DaemonConfig
+from mmtrace.agent.daemon.loop import Daemon
 from mmtrace.bpf import device as device_stream
 from mmtrace.bpf import sched as sched_stream
-from mmtrace.exporters import prometheus
-from mmtrace.exporters.event_counts import RUNQ_BOUNDS
+from mmtrace.exporters.live import prometheus
+from mmtrace.exporters.live.event_counts import RUNQ_BOUNDS
 
 API = {a.symbol: a.id for a in device_stream.default_table().apis}
 KIND = device_stream.KIND_IDS
@@ -164,7 +164,7 @@ def test_detectors_anomalies_hints_and_entropy(daemon):
     assert 'mmtrace_hints_total{kind="cpu_contention"} 0.0' in lines
     assert ('mmtrace_detector_series{detector="attention_entropy",series="entropy_rise",'
             'state="firing"} 0.0') in lines
-    from mmtrace.agent.series_keys import RUNQ, SYNC, SeriesKey
+    from mmtrace.agent.ingest.series_keys import RUNQ, SYNC, SeriesKey
     daemon._series_id(SeriesKey(RUNQ, pid=100))
     daemon._series_id(SeriesKey(SYNC, pid=100, stream=7))
     daemon._act([{"detector": "p99_drift", "series": "runq_delay{pid=100}",
@@ -299,7 +299,7 @@ def test_bpf_program_run_time_where_the_kernel_measures_it(tmp_path):
 
 
 def test_hints_count_what_subscribed_dispatchers_received(daemon, tmp_path):
-    from mmtrace.agent.hint_socket import HintServer
+    from mmtrace.agent.socket.hint_socket import HintServer
     daemon.server = HintServer(tmp_path / "hint.sock")
     clients = []
     try:
@@ -312,7 +312,7 @@ def test_hints_count_what_subscribed_dispatchers_received(daemon, tmp_path):
         while sum(c.subscribed for c in daemon.server.clients.values()) < 2:
             assert time.monotonic() < deadline
             daemon.server.poll(0.02)
-        from mmtrace.agent.series_keys import RUNQ, SeriesKey
+        from mmtrace.agent.ingest.series_keys import RUNQ, SeriesKey
         me = SeriesKey(RUNQ, pid=os.getpid())          # a live process: the sweep keeps it
         daemon._series_id(me)                           # the series, as ingest makes it
         daemon._act([{"detector": "p99_drift", "series": str(me),

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mmtrace.agent import recording
-from mmtrace.agent.hint_protocol import ProtocolError, parse_line
-from mmtrace.agent.socket_telemetry import SCHEMAS
+from mmtrace.agent.recording import file_format as recording
+from mmtrace.agent.socket.hint_protocol import ProtocolError, parse_line
+from mmtrace.agent.socket.telemetry import SCHEMAS
 
 MMTRACE = Path(sys.executable).parent / "mmtrace"
 HOSTILE = ["\ud800", "vis\udfffion", "a\u202eb", "tab\there", "zero\u200bwidth", "\x7f"]

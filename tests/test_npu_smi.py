@@ -7,9 +7,10 @@ what it printed, also after it changes."""
 import pytest
 from prometheus_client import generate_latest
 
-from mmtrace.agent.config import DaemonConfig
-from mmtrace.agent.daemon import Daemon
-from mmtrace.exporters import npu_smi, prometheus
+from mmtrace.agent.config.settings import DaemonConfig
+from mmtrace.agent.daemon.loop import Daemon
+from mmtrace.exporters.devices import npu_smi
+from mmtrace.exporters.live import prometheus
 from npu_smi_standin import LIST, install_standin, usages, write_npus
 
 @pytest.fixture

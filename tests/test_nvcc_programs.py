@@ -97,7 +97,7 @@ def run_and_drain(session: DeviceSession, run: Program, mode: str) -> dict:
 
 
 def _decoded(session: DeviceSession, pid: int):
-    from mmtrace.agent.device_view import decode
+    from mmtrace.agent.recording.device_view import decode
     return decode(session.events(pid), session.context())
 
 
@@ -165,9 +165,9 @@ def _named_by_callers(session: DeviceSession, pid: int) -> list:
     """The <<<>>> launches' names when their handles name nothing (a
     driver's cudaKernel_t whose __cudaGetKernel ran before tracing): from
     their callers, nvcc's host stubs, resolved afresh."""
-    from mmtrace.agent.dev_names import DeviceNames
-    from mmtrace.agent.device_view import DeviceContext, decode
-    from mmtrace.agent.record import exited_process_resolver
+    from mmtrace.agent.ingest.device_names import DeviceNames
+    from mmtrace.agent.recording.device_view import DeviceContext, decode
+    from mmtrace.agent.recording.recorder import exited_process_resolver
     from mmtrace.bpf import device
     events = session.events(pid).copy()
     launches = np.flatnonzero(events["kind"] == device.KIND_IDS["launch"])[:6]
@@ -190,9 +190,9 @@ def _private_copy(program: Path) -> Path:
 def test_record_names_every_call_of_a_static_program_started_after_it(tmp_path):
     """mmtrace record, no --lib: the program starts after the recorder,
     is found by discovery, and exits at once after its last call."""
-    from mmtrace.agent.device_view import DeviceContext, decode
-    from mmtrace.agent.record import StopFlag, record
-    from mmtrace.agent.recording import read_recording
+    from mmtrace.agent.recording.device_view import DeviceContext, decode
+    from mmtrace.agent.recording.recorder import StopFlag, record
+    from mmtrace.agent.recording.file_format import read_recording
     fresh = _private_copy(built("static-13")[0])
     output = tmp_path / "static.mmtr"
     stop = StopFlag()
@@ -233,7 +233,7 @@ def test_record_names_every_call_of_a_static_program_started_after_it(tmp_path):
 
 def _probes_attached(path, target) -> bool:
     """Whether the recording being written says a probe on `target` attached."""
-    from mmtrace.agent.recording import RecordingError, read_recording
+    from mmtrace.agent.recording.file_format import RecordingError, read_recording
     try:
         rec = read_recording(path)
     except RecordingError:
@@ -244,8 +244,8 @@ def _probes_attached(path, target) -> bool:
 
 @pytest.mark.bpf
 def test_static_runtime_of_a_new_process_is_discovered_without_lib():
-    from mmtrace.agent.device_probes import wanted
-    from mmtrace.agent.discovery import Discoverer
+    from mmtrace.agent.kernel.device_probes import wanted
+    from mmtrace.agent.discovery.finder import Discoverer
     fresh = _private_copy(built("static-13")[0])
     session = DeviceSession([])
     try:
@@ -275,8 +275,8 @@ def stripped(build: str) -> Path:
 
 
 def test_only_a_stripped_static_runtime_is_untraceable():
-    from mmtrace.agent.discovery import untraceable_reason
-    from mmtrace.agent.symbols import ElfSymbols
+    from mmtrace.agent.discovery.finder import untraceable_reason
+    from mmtrace.agent.discovery.symbols import ElfSymbols
     reasons = {name: untraceable_reason(ElfSymbols.read(path)) for name, path in [
         ("static", built("static-13")[0]), ("shared stripped", stripped("shared-13")),
         ("static stripped", stripped("static-13"))]}

@@ -13,7 +13,10 @@ import time
 
 import pytest
 
-from mmtrace.exporters import device_state, nvml
+from mmtrace.exporters.devices import device_state
+
+from mmtrace.exporters.devices import nvml
+from mmtrace.agent.recording.offline_detectors import Detectors
 from nvml_standin import FakeGpu, build_standin, standin_env, write_state
 
 GIB = 1 << 30
@@ -124,7 +127,7 @@ def test_poll_failure_keeps_the_monitor_alive():
 
 
 def _doctor_nvml(env) -> dict:
-    code = ("import json; from mmtrace.agent.discovery import check_nvml; "
+    code = ("import json; from mmtrace.agent.discovery.finder import check_nvml; "
             "print(json.dumps(check_nvml().as_dict()))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=60, check=True)
@@ -142,7 +145,7 @@ def test_doctor_says_nvml_is_missing_without_a_library():
 def test_without_the_library_pynvml_is_not_even_imported():
     # It would hold 2.5 MB of an agent on a host with no GPU, for nothing.
     env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
-    code = ("import sys; from mmtrace.exporters.nvml import load_pynvml\n"
+    code = ("import sys; from mmtrace.exporters.devices.nvml import load_pynvml\n"
             "try:\n    load_pynvml()\nexcept RuntimeError as exc:\n    print(exc)\n"
             "print('pynvml' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
@@ -166,9 +169,9 @@ def test_doctor_sees_the_standin(standin, tmp_path):
 def test_daemon_state_and_gauges_carry_the_standins_gpus(loaded_standin, tmp_path):
     from prometheus_client import generate_latest
 
-    from mmtrace.agent.config import DaemonConfig
-    from mmtrace.agent.daemon import Daemon
-    from mmtrace.exporters import prometheus
+    from mmtrace.agent.config.settings import DaemonConfig
+    from mmtrace.agent.daemon.loop import Daemon
+    from mmtrace.exporters.live import prometheus
     write_state(loaded_standin, [FakeGpu("0000:17:00.0", sm_pct=30, membw_pct=50, temp_c=61)])
     daemon = Daemon(DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "sock"))
     daemon.nvml = nvml.monitor(interval_s=10)
@@ -196,11 +199,11 @@ def test_flight_recordings_carry_the_gpu_samples_to_perfetto_counters(loaded_sta
     import io
     import time
 
-    from mmtrace.agent.config import DaemonConfig
-    from mmtrace.agent.daemon import Daemon
-    from mmtrace.agent.recording import RecordingReader
-    from mmtrace.agent.replay import replay
-    from mmtrace.exporters import perfetto
+    from mmtrace.agent.config.settings import DaemonConfig
+    from mmtrace.agent.daemon.loop import Daemon
+    from mmtrace.agent.recording.file_format import RecordingReader
+    from mmtrace.agent.recording.replay import replay
+    from mmtrace.exporters.files import perfetto
     from test_perfetto import decoded
     write_state(loaded_standin, [FakeGpu("0000:17:00.0", sm_pct=30, membw_pct=50),
                                  FakeGpu("0000:65:00.0", sm_pct=90, membw_pct=10)])
@@ -223,7 +226,7 @@ def test_flight_recordings_carry_the_gpu_samples_to_perfetto_counters(loaded_sta
     buf = io.BytesIO()
     with RecordingReader(path) as rec:
         assert sum(len(p) for p in rec.pieces("gpu.state")) == 4
-        perfetto.write_recording(replay(rec), buf, source=rec)
+        perfetto.write_recording(replay(rec), buf, source=rec, detectors=Detectors(rec))
     tracks, events = decoded(buf.getvalue())
     names = {d[perfetto.TD_NAME][0].decode(): uuid for uuid, d in tracks.items()
              if uuid >> 58 == 1}

@@ -15,11 +15,11 @@ import pytest
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from mmtrace.agent import config as config_mod
-from mmtrace.agent.daemon import Daemon
-from mmtrace.agent.hint_socket import HintServer
+from mmtrace.agent.config import settings as config_mod
+from mmtrace.agent.daemon.loop import Daemon
+from mmtrace.agent.socket.hint_socket import HintServer
 from mmtrace.bpf import device as device_stream
-from mmtrace.exporters import otlp
+from mmtrace.exporters.live import otlp
 
 from otlp_receiver import Receiver
 from test_daemon_parts import connect, send_entropy_rise
@@ -278,7 +278,7 @@ def test_a_dead_collector_leaves_the_daemon_running_and_counts_failures(tmp_path
     assert slowest < 0.25, f"a tick took {slowest:.3f} s while the collector was down"
     # ... and the failures are in the metrics
     from prometheus_client import generate_latest
-    from mmtrace.exporters import prometheus
+    from mmtrace.exporters.live import prometheus
     text = generate_latest(prometheus.registry_for(daemon, prometheus.Labels())).decode()
     failed = re.search(r'^mmtrace_otlp_spans_total\{outcome="failed"\} (\S+)$', text, re.M)
     assert failed and float(failed.group(1)) == daemon.otlp.stats.failed

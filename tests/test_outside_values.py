@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from mmtrace.agent.log_format import stream_is_journal
-from mmtrace.agent.sd_notify import Notifier
+from mmtrace.agent.daemon.log_format import stream_is_journal
+from mmtrace.agent.daemon.sd_notify import Notifier
 from mmtrace.dispatch.hints import HintBook
-from mmtrace.exporters.npu_smi import npu_ids
-from mmtrace.exporters.otlp_options import options_from
+from mmtrace.exporters.devices.npu_smi import npu_ids
+from mmtrace.exporters.live.otlp_options import options_from
 
 MMTRACE = Path(sys.executable).parent / "mmtrace"
 

@@ -7,8 +7,8 @@ import weakref
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from mmtrace.agent.event_ring import EventRing
-from mmtrace.agent.packed_ring import OWN_PAGES_BYTES, PackedRing
+from mmtrace.agent.ingest.event_ring import EventRing
+from mmtrace.agent.ingest.packed_ring import OWN_PAGES_BYTES, PackedRing
 from mmtrace.bpf.sched import RUNQ_EVENT
 
 COMMS = [b"python3", b"vision-encoder", b"decoder", b"kworker/0:1"]

@@ -8,8 +8,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mmtrace.exporters import perfetto  # noqa: E402
-from mmtrace.exporters.protowire import read_fields, varint  # noqa: E402
+from mmtrace.exporters.files import perfetto  # noqa: E402
+from mmtrace.exporters.files.protowire import read_fields, varint  # noqa: E402
+from mmtrace.agent.recording.offline_detectors import Detectors  # noqa: E402
+from perfetto_slices import recording_slices  # noqa: E402
 from test_recording import runq_records  # noqa: E402
 
 
@@ -34,7 +36,7 @@ def test_varint_matches_the_protobuf_encoding():
 def test_runq_waits_become_slices_on_thread_tracks():
     runq = np.concatenate([runq_records(3, tid=100), runq_records(2, start=10, tid=101)])
     buf = io.BytesIO()
-    n = perfetto.write_perfetto(perfetto.recording_slices({"cpu.runq": runq}), buf)
+    n = perfetto.write_perfetto(recording_slices({"cpu.runq": runq}), buf)
     assert n == 5
     pkts = packets(buf.getvalue())
     descriptors = [p for p in pkts if perfetto.TP_TRACK_DESCRIPTOR in p]
@@ -103,7 +105,7 @@ def decoded(blob: bytes):
 
 def device_workload():
     """Two streams of process 1 and a blocking copy, through the real alignment."""
-    from mmtrace.agent.device_view import DeviceContext, decode
+    from mmtrace.agent.recording.device_view import DeviceContext, decode
     from mmtrace.bpf import device
     from test_align import events
     ev = events((100, "cudaLaunchKernel", 1, 5), (110, "cudaLaunchKernel", 2, 6),
@@ -117,8 +119,8 @@ def device_workload():
 
 
 def test_submissions_get_stream_tracks_flows_to_their_sync_and_copy_counters():
-    from mmtrace.agent.align import NONE
-    from mmtrace.agent.replay import Step
+    from mmtrace.agent.ingest.align import NONE
+    from mmtrace.agent.recording.replay import Step
     rows = device_workload()
     buf = io.BytesIO()
     perfetto.write_recording([Step({}, rows)], buf)
@@ -214,7 +216,7 @@ def test_pending_flows_are_bounded_and_end_on_a_later_batch():
 def annotations(event: dict) -> dict:
     """The debug annotations of a track event, by name, decoded by type."""
     import struct
-    from mmtrace.exporters.perfetto_anomalies import TE_DEBUG_ANNOTATIONS
+    from mmtrace.exporters.files.perfetto_anomalies import TE_DEBUG_ANNOTATIONS
     out = {}
     for raw in event.get(TE_DEBUG_ANNOTATIONS, []):
         da = fields(raw)
@@ -233,7 +235,7 @@ def annotations(event: dict) -> dict:
 
 
 def anomaly_instants(blob: bytes):
-    from mmtrace.exporters.perfetto_anomalies import ANOMALY_TRACK
+    from mmtrace.exporters.files.perfetto_anomalies import ANOMALY_TRACK
     tracks, events = decoded(blob)
     assert tracks[ANOMALY_TRACK][perfetto.TD_NAME] == [b"mmtrace anomalies"]
     assert perfetto.TD_PARENT_UUID not in tracks[ANOMALY_TRACK]
@@ -245,7 +247,8 @@ def anomaly_instants(blob: bytes):
 def test_anomalies_the_detectors_find_are_instants_with_their_evidence(tmp_path):
     import json
     from click.testing import CliRunner
-    from mmtrace.agent import offline, recording
+    from mmtrace.agent.recording import offline_detectors as offline
+    from mmtrace.agent.recording import file_format as recording
     from mmtrace.agent.cli import cli
     from test_daemon_parts import synthetic_recording
     path = synthetic_recording(tmp_path / "s.mmtr")
@@ -270,7 +273,7 @@ def test_anomalies_the_detectors_find_are_instants_with_their_evidence(tmp_path)
 
 
 def test_a_flight_recordings_anomaly_is_an_instant_at_its_end(tmp_path):
-    from mmtrace.agent.flight import FlightRecorder
+    from mmtrace.agent.recording.flight import FlightRecorder
     from mmtrace.bpf.sched import RUNQ_EVENT
     runq = np.zeros(3, RUNQ_EVENT)
     runq["ts_ns"] = np.array([3, 4, 5]) * 1_000_000_000
@@ -281,10 +284,10 @@ def test_a_flight_recordings_anomaly_is_an_instant_at_its_end(tmp_path):
     path = FlightRecorder(tmp_path).dump({"cpu.runq": runq}, {"cpu.runq": RUNQ_EVENT}, anomaly,
                                          [], now_ns=5_000_000_000)
     buf = io.BytesIO()
-    from mmtrace.agent.recording import RecordingReader
-    from mmtrace.agent.replay import replay
+    from mmtrace.agent.recording.file_format import RecordingReader
+    from mmtrace.agent.recording.replay import replay
     with RecordingReader(path) as rec:
-        perfetto.write_recording(replay(rec), buf, source=rec)
+        perfetto.write_recording(replay(rec), buf, source=rec, detectors=Detectors(rec))
     [(ts, name, notes)] = anomaly_instants(buf.getvalue())
     assert ts == 5_000_000_000 and name == "p99_drift runq_delay{pid=9} firing"
     assert notes == {"detector": "p99_drift", "series": "runq_delay{pid=9}", "state": "firing",
@@ -294,13 +297,13 @@ def test_a_flight_recordings_anomaly_is_an_instant_at_its_end(tmp_path):
 
 
 def test_a_recording_without_anomalies_has_no_anomaly_track(tmp_path):
-    from mmtrace.exporters.perfetto_anomalies import ANOMALY_TRACK
+    from mmtrace.exporters.files.perfetto_anomalies import ANOMALY_TRACK
     from test_recording import write_sample
-    from mmtrace.agent.recording import RecordingReader
-    from mmtrace.agent.replay import replay
+    from mmtrace.agent.recording.file_format import RecordingReader
+    from mmtrace.agent.recording.replay import replay
     buf = io.BytesIO()
     with RecordingReader(write_sample(tmp_path / "a.mmtr")) as rec:
-        perfetto.write_recording(replay(rec), buf, source=rec)
+        perfetto.write_recording(replay(rec), buf, source=rec, detectors=Detectors(rec))
     tracks, _ = decoded(buf.getvalue())
     assert tracks and ANOMALY_TRACK not in tracks
 
@@ -317,9 +320,9 @@ def test_syncs_that_end_many_flows_are_encoded_on_their_own_the_same(monkeypatch
 def test_request_latency_entropy_and_hints_are_in_the_trace(tmp_path):
     import struct
     from click.testing import CliRunner
-    from mmtrace.agent import recording
+    from mmtrace.agent.recording import file_format as recording
     from mmtrace.agent.cli import cli
-    from mmtrace.agent.socket_telemetry import ENTROPY_SAMPLE, REQUEST_SAMPLE
+    from mmtrace.agent.socket.telemetry import ENTROPY_SAMPLE, REQUEST_SAMPLE
     requests = np.zeros(4, REQUEST_SAMPLE)
     requests["ts_ns"] = [10**9, 2 * 10**9, 3 * 10**9, 4 * 10**9]
     requests["value_s"] = [0.010, 0.020, 0.250, 0.030]

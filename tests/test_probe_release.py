@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from native import compile_text
-from mmtrace.agent import record
-from mmtrace.agent.discovery import Discoverer
-from mmtrace.agent.process_images import LOAD_FRAMES_LAYOUT, ProcessImages
-from mmtrace.agent.recording import MAX_META_BYTES, RecordingReader, RecordingWriter
-from mmtrace.agent.symbols import AddressResolver
+from mmtrace.agent.recording import recorder as record
+from mmtrace.agent.discovery.finder import Discoverer
+from mmtrace.agent.discovery.process_images import LOAD_FRAMES_LAYOUT, ProcessImages
+from mmtrace.agent.recording.file_format import MAX_META_BYTES, RecordingReader, RecordingWriter
+from mmtrace.agent.discovery.symbols import AddressResolver
 
 NEEDS_GCC = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 
@@ -306,9 +306,9 @@ def test_a_recordings_tables_stay_within_the_budget_in_chunks_the_reader_takes(t
 @NEEDS_GCC
 def test_released_files_give_back_links_and_descriptors_and_many_links_close_fast(tmp_path):
     import library_churn
-    from mmtrace.agent import probes
-    from mmtrace.agent.device_probes import RETIRED_KEEP_S, target_from_path
-    from mmtrace.agent.discovery import LibraryTarget
+    from mmtrace.agent.kernel import probes
+    from mmtrace.agent.kernel.device_probes import RETIRED_KEEP_S, target_from_path
+    from mmtrace.agent.discovery.finder import LibraryTarget
     built = library_churn.build(tmp_path / "bin")
     now = [0.0]
     loaded = probes.load(probes.ProbeOptions())
@@ -370,7 +370,7 @@ def test_the_launch_probes_flag_turns_once_they_are_attached_or_detached():
     """`launches_attached` is read without the probes' lock (status): it
     says off only when the per-launch probes are detached, on only when
     they are attached, not while either is under way."""
-    from mmtrace.agent.device_probes import DeviceProbes
+    from mmtrace.agent.kernel.device_probes import DeviceProbes
     probes = DeviceProbes(bpf=None)
     seen = []
     probes._detach = lambda targets, reason: seen.append(("detach", probes.launches_attached))

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmtrace.agent import recording
+from mmtrace.agent.recording import file_format as recording
 from mmtrace.agent.cli import cli
 from mmtrace.bpf.sched import RUNQ_EVENT
 

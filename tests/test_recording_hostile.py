@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 import crafted_recording as craft
-from mmtrace.agent import recording
+from mmtrace.agent.recording import file_format as recording
 from mmtrace.agent.cli import cli
 from mmtrace.bpf.sched import RUNQ_EVENT
 from test_recording import runq_records, write_sample

@@ -14,18 +14,21 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmtrace.agent import recording
-from mmtrace.agent.device_replay import DeviceReplay
-from mmtrace.agent.device_view import DeviceContext, decode
-from mmtrace.agent.records import take
-from mmtrace.agent.replay import Step, replay
-from mmtrace.agent.report import summarize
-from mmtrace.agent.time_order import ordered_steps
+from perfetto_slices import recording_slices
+from mmtrace.agent.recording import file_format as recording
+from mmtrace.agent.recording.device_replay import DeviceReplay
+from mmtrace.agent.recording.device_view import DeviceContext, decode
+from mmtrace.agent.ingest.record_arrays import take
+from mmtrace.agent.recording.replay import Step, replay
+from mmtrace.agent.recording.report import summarize
+from mmtrace.agent.recording.time_order import ordered_steps
 from mmtrace.bpf import device as device_stream
 from mmtrace.bpf.sched import RUNQ_EVENT
-from mmtrace.exporters import chrome, jsonl, perfetto
-from mmtrace.exporters.protowire import varint
-from mmtrace.exporters.rowtext import Rows, split
+from mmtrace.exporters.files import chrome
+from mmtrace.exporters.files import jsonl
+from mmtrace.exporters.files import perfetto
+from mmtrace.exporters.files.protowire import varint
+from mmtrace.exporters.files.rowtext import Rows, split
 import peak_rss
 from synthetic_recording import write_synthetic
 from test_align import workloads
@@ -172,7 +175,7 @@ def test_runq_lines_say_what_the_records_say(runq):
 def test_runq_slices_in_batch_are_the_per_slice_bytes(runq):
     runq["delay_ns"] = np.minimum(runq["delay_ns"], runq["ts_ns"])
     one_by_one, batch = io.BytesIO(), io.BytesIO()
-    perfetto.write_perfetto(perfetto.recording_slices({"cpu.runq": runq}), one_by_one)
+    perfetto.write_perfetto(recording_slices({"cpu.runq": runq}), one_by_one)
     perfetto.write_recording([Step({"cpu.runq": runq})], batch)
     assert batch.getvalue() == one_by_one.getvalue()
 
@@ -340,7 +343,7 @@ def test_memory_does_not_grow_with_the_recording(tmp_path_factory, command):
 
 
 def test_detector_state_is_bounded_whatever_the_recording_names(tmp_path):
-    from mmtrace.agent import offline
+    from mmtrace.agent.recording import offline_detectors as offline
     n = offline.MAX_SERIES + 500
     runq = np.zeros(n, RUNQ_EVENT)
     runq["ts_ns"] = 10**9 + np.arange(n)

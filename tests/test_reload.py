@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from mmtrace.agent import config as config_mod
-from mmtrace.agent import reload as reload_mod
-from mmtrace.agent.daemon import Daemon
+from mmtrace.agent.config import settings as config_mod
+from mmtrace.agent.daemon import reload as reload_mod
+from mmtrace.agent.daemon.loop import Daemon
 
 
 def daemon_from(path):

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mmtrace.agent.flight import FlightRecorder
+from mmtrace.agent.recording.flight import FlightRecorder
 from mmtrace.agent.safe_files import UnsafePathError, private_dir
 from test_recording import write_sample
 
@@ -245,9 +245,9 @@ def test_odd_entries_of_the_state_directory_stop_no_anomaly_or_dump_of_the_daemo
     flight-*.mmtr sit in its state directory through six anomalies and two
     dumps; every recording is written, the newest are kept, the odd
     entries are left alone and the daemon answers to the end."""
-    from mmtrace.agent.config import DaemonConfig
-    from mmtrace.agent.daemon import Daemon
-    from mmtrace.agent.hint_socket import HintServer
+    from mmtrace.agent.config.settings import DaemonConfig
+    from mmtrace.agent.daemon.loop import Daemon
+    from mmtrace.agent.socket.hint_socket import HintServer
 
     state = private_dir(tmp_path / "state", 0o700)
     (state / "flight-0-dangling.mmtr").symlink_to(tmp_path / "nonexistent")

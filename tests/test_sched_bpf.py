@@ -18,7 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mmtrace.agent import probes, recording
+from mmtrace.agent.kernel import probes
+
+from mmtrace.agent.recording import file_format as recording
 
 pytestmark = pytest.mark.bpf
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from mmtrace.agent.sd_notify import Notifier
+from mmtrace.agent.daemon.sd_notify import Notifier
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from daemon_process import FAST_P99, launch_phases, start_daemon
-from mmtrace.agent import recording
+from mmtrace.agent.recording import file_format as recording
 
 pytestmark = pytest.mark.bpf
 

@@ -12,11 +12,11 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import MMTRACE
-from mmtrace.agent import recording
+from mmtrace.agent.recording import file_format as recording
 from mmtrace.agent.cli import cli
-from mmtrace.agent.hint_socket import HintServer
-from mmtrace.agent.report import format_text, summarize
-from mmtrace.agent.socket_telemetry import SCHEMAS, SocketTelemetry
+from mmtrace.agent.socket.hint_socket import HintServer
+from mmtrace.agent.recording.report import format_text, summarize
+from mmtrace.agent.socket.telemetry import SCHEMAS, SocketTelemetry
 from mmtrace.dispatch import Dispatcher
 
 
@@ -118,9 +118,9 @@ def test_record_and_the_daemon_take_a_dispatchers_samples_by_the_same_rules(tmp_
     """One implementation (socket_telemetry.Samples) for both: a stamp
     outside the window is refused with the daemon's words, and modalities
     are capped at the daemon's MAX_MODALITIES."""
-    from mmtrace.agent.config import DaemonConfig
-    from mmtrace.agent.daemon import Daemon
-    from mmtrace.agent.socket_telemetry import MAX_MODALITIES
+    from mmtrace.agent.config.settings import DaemonConfig
+    from mmtrace.agent.daemon.loop import Daemon
+    from mmtrace.agent.socket.telemetry import MAX_MODALITIES
     now = time.monotonic_ns()
     lines = [{"v": 1, "type": "sample", "series": "e2e", "modality": "text", "value_ms": 5,
               "ts_ns": now + 60 * 10**9}]                            # a minute ahead
@@ -176,9 +176,9 @@ def test_record_and_the_daemon_take_a_dispatchers_samples_by_the_same_rules(tmp_
 def test_report_says_what_a_request_series_is_about_from_the_recorded_key(tmp_path):
     """The recording keeps each request series' key beside its name; the
     detectors over the recording hand it on, however the names read."""
-    from mmtrace.agent import offline
-    from mmtrace.agent.series_keys import REQUEST, SeriesKey
-    from mmtrace.agent.socket_telemetry import REQUEST_SAMPLE, Samples
+    from mmtrace.agent.recording import offline_detectors as offline
+    from mmtrace.agent.ingest.series_keys import REQUEST, SeriesKey
+    from mmtrace.agent.socket.telemetry import REQUEST_SAMPLE, Samples
     samples = Samples(past_s=30)
     key = SeriesKey(REQUEST, series="a,modality=b", modality="c")
     assert samples.request_id(key) == 0 and samples.request_id(key) == 0

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from native import compile_text, finish
-from mmtrace.agent.symbols import (AddressResolver, ElfError, ElfSymbols, NotElfError,
+from mmtrace.agent.discovery.symbols import (AddressResolver, ElfError, ElfSymbols, NotElfError,
                                    demangle, parse_maps)
 
 NEEDS_GCC = pytest.mark.skipif(not (shutil.which("gcc") and shutil.which("g++")),
@@ -428,7 +428,7 @@ def test_gone_process_resolves_from_the_files_its_load_frames_name(built, tmp_pa
     """A frame the kernel kept (address, and build id + file offset) gives
     its file's load bias; the process's other addresses in that file are
     then named from the file on disk, the process long gone."""
-    from mmtrace.agent.process_images import LOAD_FRAMES_LAYOUT, frame_biases
+    from mmtrace.agent.discovery.process_images import LOAD_FRAMES_LAYOUT, frame_biases
     elf = ElfSymbols.read(built["main"])
     launch, _, _ = nm_defined(built["main"], dynamic=False)["cudaLaunchKernel"]
     main, _, _ = nm_defined(built["main"], dynamic=False)["main"]

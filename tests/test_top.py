@@ -10,12 +10,12 @@ import time
 
 import numpy as np
 
-from mmtrace.agent import config as config_mod
-from mmtrace.agent.daemon import Daemon
-from mmtrace.agent.hint_socket import HintServer
+from mmtrace.agent.config import settings as config_mod
+from mmtrace.agent.daemon.loop import Daemon
+from mmtrace.agent.socket.hint_socket import HintServer
 from mmtrace.bpf import device as device_stream
 from mmtrace.bpf.sched import RUNQ_EVENT
-from mmtrace.exporters import status as status_view
+from mmtrace.exporters.live import status as status_view
 
 from conftest import MMTRACE
 from test_daemon_parts import connect, send_entropy_rise

@@ -12,10 +12,10 @@ import tempfile
 import atheris
 import numpy  # noqa: F401  (imported before instrumentation: not ours to fuzz)
 
-with atheris.instrument_imports(include=["mmtrace.agent.config", "tomllib"]):
-    from mmtrace.agent.config import check, load_config
+with atheris.instrument_imports(include=["mmtrace.agent.config.settings", "tomllib"]):
+    from mmtrace.agent.config.settings import check, load_config
     from mmtrace.agent.errors import MmtraceError
-from mmtrace.agent.daemon import entropy_detector, p99_detector
+from mmtrace.agent.daemon.loop import entropy_detector, p99_detector
 
 MAX_RING_BYTES = 1.3 * 2**30        # both rings at their largest allowed size
 

@@ -11,8 +11,8 @@ import sys
 import atheris
 import numpy  # noqa: F401  (imported before instrumentation: not ours to fuzz)
 
-with atheris.instrument_imports(include=["mmtrace.agent.config", "mmtrace.agent.config_env"]):
-    from mmtrace.agent.config_env import load_layers
+with atheris.instrument_imports(include=["mmtrace.agent.config.settings", "mmtrace.agent.config.environment"]):
+    from mmtrace.agent.config.environment import load_layers
     from mmtrace.agent.errors import MmtraceError
 from fuzz_config import check_loaded
 

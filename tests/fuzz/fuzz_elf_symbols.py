@@ -8,8 +8,8 @@ import sys
 import atheris
 
 with atheris.instrument_imports():
-    from mmtrace.agent.discovery import untraceable_reason
-    from mmtrace.agent.symbols import ElfError, ElfSymbols
+    from mmtrace.agent.discovery.finder import untraceable_reason
+    from mmtrace.agent.discovery.symbols import ElfError, ElfSymbols
 
 
 def test_one_input(data: bytes):

@@ -9,11 +9,11 @@ import atheris
 import numpy as np
 
 with atheris.instrument_imports():
-    from mmtrace.agent.align import ApiRoles, Aligner
-    from mmtrace.agent.latency_series import Submitters
+    from mmtrace.agent.ingest.align import ApiRoles, Aligner
+    from mmtrace.agent.ingest.latency_series import Submitters
     from mmtrace.bpf import device as device_stream
     from mmtrace.bpf import sched as sched_stream
-    from mmtrace.exporters.event_counts import EventCounts, top_k
+    from mmtrace.exporters.live.event_counts import EventCounts, top_k
 
 INFOS = device_stream.default_infos()
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import atheris
 
 with atheris.instrument_imports():
-    from mmtrace.agent.cpu_load import CpuLoad
-    from mmtrace.agent.policy_inputs import PolicyInputs
+    from mmtrace.agent.daemon.cpu_load import CpuLoad
+    from mmtrace.agent.daemon.policy_inputs import PolicyInputs
     from mmtrace.dispatch.hints import HintBook
     from mmtrace.dispatch.policy import DURATIONS, HintPolicy, PolicySettings
 

@@ -13,12 +13,13 @@ from functools import partial
 import atheris
 
 with atheris.instrument_imports():
-    from mmtrace.agent.recording import RecordingError, RecordingReader
-    from mmtrace.agent.replay import replay
-    from mmtrace.agent.report import format_text, summarize
-    from mmtrace.exporters.chrome import write_chrome
-    from mmtrace.exporters.jsonl import write_jsonl
-    from mmtrace.exporters.perfetto import write_recording
+    from mmtrace.agent.recording.file_format import RecordingError, RecordingReader
+    from mmtrace.agent.recording.replay import replay
+    from mmtrace.agent.recording.report import format_text, summarize
+    from mmtrace.exporters.files.chrome import write_chrome
+    from mmtrace.exporters.files.jsonl import write_jsonl
+    from mmtrace.agent.recording.offline_detectors import Detectors
+    from mmtrace.exporters.files.perfetto import write_recording
 
 
 def _input_path() -> str:
@@ -34,7 +35,8 @@ def test_one_input(data: bytes):
         with RecordingReader(PATH) as rec:
             format_text(summarize(rec))
             # The Perfetto export as `export` runs it: with the file's anomalies.
-            for write in (write_jsonl, write_chrome, partial(write_recording, source=rec)):
+            for write in (write_jsonl, write_chrome, partial(write_recording, source=rec,
+                                                                 detectors=Detectors(rec))):
                 write(replay(rec), io.BytesIO())
     except RecordingError:
         pass

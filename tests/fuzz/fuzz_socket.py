@@ -18,14 +18,14 @@ from pathlib import Path
 import atheris
 import numpy  # noqa: F401  (imported before instrumentation: not ours to fuzz)
 
-with atheris.instrument_imports(include=["mmtrace.agent.hint_protocol",
-                                         "mmtrace.agent.hint_socket",
-                                         "mmtrace.agent.daemon"]):
-    from mmtrace.agent import hint_socket
-    from mmtrace.agent.config import DaemonConfig
-    from mmtrace.agent.daemon import Daemon
-    from mmtrace.agent.hint_protocol import ProtocolError, parse_line
-    from mmtrace.agent.hint_socket import HintServer
+with atheris.instrument_imports(include=["mmtrace.agent.socket.hint_protocol",
+                                         "mmtrace.agent.socket.hint_socket",
+                                         "mmtrace.agent.daemon.loop"]):
+    from mmtrace.agent.socket import hint_socket
+    from mmtrace.agent.config.settings import DaemonConfig
+    from mmtrace.agent.daemon.loop import Daemon
+    from mmtrace.agent.socket.hint_protocol import ProtocolError, parse_line
+    from mmtrace.agent.socket.hint_socket import HintServer
 
 
 class Harness:

@@ -1,0 +1,78 @@
+"""What the hint policy sees, kept from the daemon's own streams: the alarms
+firing now (latest record per alarm), which modalities each dispatcher
+process serves (its `hello` pid and the modalities of its `sample`
+messages), which modalities had requests just now, host CPU utilisation,
+and device weights once a source sets them."""
+
+import time
+from collections import OrderedDict
+
+from mmtrace.dispatch.policy import Observations
+
+from mmtrace.agent.daemon.cpu_load import CpuLoad
+
+ACTIVE_WINDOW_S = 2.0           # a modality with a sample this recent is active
+CPU_READ_EVERY_S = 0.5          # /proc/stat deltas over at least this long
+MAX_SERVERS = 1024              # pids remembered, least recently heard dropped first
+
+
+def alarm_key(anomaly: dict) -> tuple:
+    """One alarm: a P99 series, or a detector's kind on a modality."""
+    if anomaly.get("series"):
+        return ("series", anomaly["series"])
+    return (anomaly.get("detector"), anomaly.get("kind"), anomaly.get("modality"))
+
+
+class PolicyInputs:
+    def __init__(self, cpu: CpuLoad | None = None, clock=time.monotonic_ns):
+        self.cpu = cpu or CpuLoad()
+        self.clock = clock
+        self.firing: dict[tuple, dict] = {}
+        self.served: OrderedDict[int, set] = OrderedDict()
+        self.last_sample_ns: dict[str, int] = {}
+        self.cpu_utilisation: float | None = None
+        self.device_weights: dict | None = None     # device ordinal -> weight, set by a device source
+        self._cpu_read_ns: int | None = None
+
+    def on_anomaly(self, anomaly: dict):
+        """Keep the alarm's latest record while it fires; the evidence gains
+        `detected_ns`, the daemon's clock when the record arrived, so a hint
+        carries how long it took from detection."""
+        key = alarm_key(anomaly)
+        if anomaly.get("state") != "firing":
+            self.firing.pop(key, None)
+            return
+        evidence = dict(anomaly.get("evidence") or {})
+        evidence.setdefault("detected_ns", self.clock())
+        self.firing[key] = {**anomaly, "evidence": evidence}
+
+    def on_message(self, pid: int | None, msg: dict):
+        """Learn from one valid client message: a sample names its modality."""
+        if msg.get("type") != "sample":
+            return
+        modality = msg["modality"]
+        self.last_sample_ns[modality] = self.clock()
+        if len(self.last_sample_ns) > MAX_SERVERS:         # bounded like the servers
+            oldest = min(self.last_sample_ns, key=self.last_sample_ns.get)
+            del self.last_sample_ns[oldest]
+        if isinstance(pid, int):
+            self.served.setdefault(pid, set()).add(modality)
+            self.served.move_to_end(pid)
+            while len(self.served) > MAX_SERVERS:
+                self.served.popitem(last=False)
+
+    def forget(self, key: tuple):
+        self.firing.pop(key, None)
+
+    def observations(self, now_ns: int | None = None) -> Observations:
+        now = self.clock() if now_ns is None else now_ns
+        if self._cpu_read_ns is None or now - self._cpu_read_ns >= CPU_READ_EVERY_S * 1e9:
+            self._cpu_read_ns = now
+            got = self.cpu.read()
+            if got is not None:
+                self.cpu_utilisation = got
+        active = {m for m, t in self.last_sample_ns.items() if now - t <= ACTIVE_WINDOW_S * 1e9}
+        return Observations(now_ns=now, firing=list(self.firing.values()),
+                            served={pid: set(mods) for pid, mods in self.served.items()},
+                            active_modalities=active, cpu_utilisation=self.cpu_utilisation,
+                            device_weights=self.device_weights)

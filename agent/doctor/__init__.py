@@ -1,0 +1,1 @@
+"""`mmtrace doctor`: every prerequisite of tracing, checked by feature."""

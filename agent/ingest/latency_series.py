@@ -1,0 +1,117 @@
+"""The latency series the P99-drift detector watches, cut from batches of
+events with numpy (one key lookup per distinct group, none per event).
+`series_id(key)` is the caller's: it gives the detector's id of a
+SeriesKey (agent/ingest/series_keys.py).
+
+- runq_delay{pid=P}: run-queue delay of the threads of P that do GPU/NPU
+  work (the threads whose starvation delays the device);
+- sync_wait{pid=P,stream=0x..}: time blocked in a sync call;
+- submit_to_retire{pid=P}: from a submission to the first sync covering it.
+
+Values are in seconds; contributors are thread ids.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mmtrace.bpf import device as device_stream
+
+from mmtrace.agent.ingest import series_keys
+from mmtrace.agent.ingest.series_keys import SeriesKey
+
+SYNC = device_stream.KIND_IDS["sync"]
+SUBMISSIONS = np.array([device_stream.KIND_IDS[k] for k in device_stream.SUBMISSION_KINDS])
+DEVICE_WORK = np.array([device_stream.KIND_IDS[k] for k in device_stream.EXPORTED_KINDS])
+
+
+@dataclass
+class Series:
+    ids: np.ndarray          # dense series ids of the detector
+    ts_ns: np.ndarray
+    values_s: np.ndarray
+    contributors: np.ndarray
+
+    @staticmethod
+    def empty():
+        z = np.zeros(0, np.int64)
+        return Series(z, z, np.zeros(0), z)
+
+    def __len__(self):
+        return len(self.ids)
+
+
+def concat(parts: list[Series]) -> Series:
+    parts = [p for p in parts if len(p)]
+    if not parts:
+        return Series.empty()
+    return Series(*(np.concatenate([getattr(p, f) for p in parts])
+                    for f in ("ids", "ts_ns", "values_s", "contributors")))
+
+
+def _named(series_id, key_of, keys: np.ndarray) -> np.ndarray:
+    """Dense ids for each row's key: the key is built once per distinct one."""
+    uniq, inverse = np.unique(keys, return_inverse=True)
+    ids = np.array([series_id(key_of(k)) for k in uniq.tolist()], np.int64)
+    return ids[inverse]
+
+
+class Submitters:
+    """Threads seen doing device work (submitting or syncing: with per-launch
+    probes off, a launching thread still shows by its syncs), bounded."""
+
+    def __init__(self, limit: int = 1 << 16):
+        self.limit = limit
+        self._tids = np.zeros(0, np.uint32)
+
+    def learn(self, device_events: np.ndarray):
+        if not len(device_events):
+            return
+        sub = device_events[np.isin(device_events["kind"], DEVICE_WORK)]
+        if len(sub):
+            self._tids = np.union1d(self._tids, sub["tid"])[-self.limit:]
+
+    def mask(self, tids: np.ndarray) -> np.ndarray:
+        return np.isin(tids, self._tids)
+
+    @property
+    def tids(self) -> np.ndarray:
+        return self._tids
+
+
+def runq_series(series_id, runq: np.ndarray, submitters: Submitters) -> Series:
+    mine = runq[submitters.mask(runq["tid"])] if len(runq) else runq
+    if not len(mine):
+        return Series.empty()
+    ids = _named(series_id, lambda pid: SeriesKey(series_keys.RUNQ, pid=pid), mine["pid"])
+    return Series(ids, mine["ts_ns"].astype(np.int64), mine["delay_ns"] / 1e9,
+                  mine["tid"].astype(np.int64))
+
+
+def sync_series(series_id, device_events: np.ndarray) -> Series:
+    """Syncs whose return was seen (their duration is the time blocked)."""
+    if not len(device_events):
+        return Series.empty()
+    done = ((device_events["kind"] == SYNC)
+            & (device_events["flags"] & device_stream.FLAG_RETURNED).astype(bool))
+    syncs = device_events[done]
+    if not len(syncs):
+        return Series.empty()
+    keys = np.rec.fromarrays([syncs["pid"], syncs["stream_handle"]], names="pid,stream")
+    ids = _named(series_id, lambda k: SeriesKey(series_keys.SYNC, pid=k[0], stream=k[1]), keys)
+    return Series(ids, syncs["ts_ns"].astype(np.int64), syncs["duration_ns"] / 1e9,
+                  syncs["tid"].astype(np.int64))
+
+
+def retire_series(series_id, aligned: np.ndarray) -> Series:
+    """Submissions whose retirement is known (aligned events, retired_ns >= 0)."""
+    if not len(aligned):
+        return Series.empty()
+    done = np.isin(aligned["kind"], SUBMISSIONS) & (aligned["retired_ns"] >= 0)
+    subs = aligned[done]
+    if not len(subs):
+        return Series.empty()
+    ts = subs["ts_ns"].astype(np.int64)
+    latency = np.maximum(subs["retired_ns"] - ts, 0) / 1e9
+    ids = _named(series_id, lambda pid: SeriesKey(series_keys.RETIRE, pid=pid), subs["pid"])
+    return Series(ids, ts, latency, subs["tid"].astype(np.int64))

@@ -1,0 +1,401 @@
+"""Compile and load the eBPF programs as one object, so that every stream
+shares the per-thread maps (the GPU/NPU probes read the scheduler's), and
+hand out batch readers for their ring buffers."""
+
+import functools
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from mmtrace import bpf as bpf_sources
+from mmtrace.bpf import ascend as ascend_stream
+from mmtrace.bpf import counters as bpf_counters
+from mmtrace.bpf import cuda as cuda_stream
+from mmtrace.bpf import device as device_stream
+from mmtrace.bpf import sched as sched_stream
+
+from mmtrace.agent.kernel import compiler_memory
+
+from mmtrace.agent.kernel import compiler_output
+from mmtrace.agent.kernel.concurrent_close import close_all
+from mmtrace.agent.errors import MmtraceError
+from mmtrace.agent.kernel.layout import LayoutMismatch, check_layout
+from mmtrace.agent.kernel.privileges import can_load_bpf
+from mmtrace.agent.kernel.ringbuf import RingReader
+
+log = logging.getLogger(__name__)
+
+TRACEFS_EVENTS = (Path("/sys/kernel/debug/tracing/events"),
+                  Path("/sys/kernel/tracing/events"))
+
+
+@dataclass
+class StreamRing:
+    stream: str
+    reader: RingReader
+
+
+@dataclass
+class ProbeOptions:
+    pids: tuple[int, ...] = ()
+    # The rings absorb what arrives between a wake-up and the drain that
+    # follows (the reader is woken when one is about a quarter full, and
+    # drains at least every few hundred ms), and a daemon kept off the CPU
+    # for a while: 8 MiB holds ~150k runq records, 0.6 s at 250k/s, 7 s at
+    # the rated 20k/s. Userspace maps each ring twice, so its size counts
+    # twice in the agent's RSS.
+    runq_ringbuf_pages: int = 2048      # 8 MiB
+    max_threads: int = 65536
+    extra_cflags: tuple[str, ...] = ()
+    device: bool = True                 # compile the GPU/NPU programs
+    dev_ringbuf_pages: int = 512        # 2 MiB: ~9k device records
+    max_calls_in_flight: int = 16384
+    trace_launches: bool = True         # False: the adaptive mode, per-launch probes off
+    attach_mode: str | None = None      # "multi" / "single"; None: the best the kernel has
+
+
+def import_bcc():
+    try:
+        import bcc  # noqa: F401  (Debian's python3-bpfcc)
+    except ImportError as exc:
+        raise MmtraceError(
+            "the bcc Python module is not importable: install Debian's python3-bpfcc "
+            "and use a virtual environment made with --system-site-packages "
+            f"(scripts/setup does both); import said: {exc}") from None
+    return bcc
+
+
+def require_privileges():
+    if not can_load_bpf():
+        raise MmtraceError(
+            "loading eBPF needs root, or CAP_BPF with CAP_PERFMON; "
+            "run it with sudo (mmtrace doctor lists what else is missing)")
+
+
+def require_tracefs():
+    denied = []
+    for events in TRACEFS_EVENTS:
+        try:
+            if (events / "sched" / "sched_switch").exists():
+                return
+        except PermissionError:
+            denied.append(str(events))
+    if denied:
+        # debugfs is mode 0700: root, or CAP_DAC_READ_SEARCH, may look inside.
+        raise MmtraceError(
+            f"tracefs is not readable here ({', '.join(denied)}: permission denied); "
+            "run as root, or grant CAP_DAC_READ_SEARCH besides CAP_BPF and CAP_PERFMON")
+    raise MmtraceError(
+        "tracefs is not mounted (no /sys/kernel/debug/tracing/events/sched): "
+        "mount -t tracefs nodev /sys/kernel/tracing; "
+        "mount -t debugfs nodev /sys/kernel/debug")
+
+
+class Programs:
+    """The compiled programs seen as one bcc object: tables and functions
+    are looked up in the scheduler's program, then the GPU/NPU one's."""
+
+    def __init__(self, sched, device=None):
+        self.sched = sched
+        self.device = device
+
+    def __getitem__(self, name):
+        try:
+            return self.sched[name]
+        except KeyError:
+            if self.device is None:
+                raise
+            return self.device[name]
+
+    @property
+    def funcs(self) -> dict:
+        return {**self.sched.funcs, **(self.device.funcs if self.device is not None else {})}
+
+    def cleanup(self):
+        for program in (self.device, self.sched):
+            if program is not None:
+                program.cleanup()
+        self.device = None
+
+    @property
+    def tracepoint_fds(self) -> dict:
+        return {**self.sched.tracepoint_fds,
+                **(self.device.tracepoint_fds if self.device is not None else {})}
+
+    def detach_tracepoint(self, tp):
+        owner = self.sched if tp in self.sched.tracepoint_fds else self.device
+        owner.detach_tracepoint(tp)
+
+
+# bcc keeps exported maps by name, once per process, and keeps a name after
+# its program is gone (the descriptor it holds may then name another map):
+# only the first load of a process exports them; any later one compiles its
+# programs as one unit.
+_exported = False
+
+
+@dataclass
+class LoadedProbes:
+    bpf: object
+    rings: list[StreamRing] = field(default_factory=list)
+    device: object = None       # agent.device_probes.DeviceProbes: uprobes per library
+    options: ProbeOptions = field(default_factory=ProbeOptions)
+    split: bool = False         # the GPU/NPU programs compiled apart (load_device)
+    device_program: object = None   # compiled, not yet wired (compile_device)
+
+    def read(self) -> dict[str, np.ndarray]:
+        """One batch from every ring; streams with nothing new are left out."""
+        out = {}
+        for ring in list(self.rings):
+            batch = ring.reader.read()
+            if len(batch):
+                out[ring.stream] = batch
+        return out
+
+    def counters(self) -> dict[str, int]:
+        return bpf_counters.read_counters(self.bpf["counters"])
+
+    def runq_hist(self) -> list[int]:
+        return sched_stream.hist_from_table(self.bpf[sched_stream.HIST_MAP])
+
+    def learn_threads(self, tid_to_tgid: dict[int, int]):
+        """Tell the kernel the process of threads it has not seen switch out."""
+        set_thread_tgids(self.bpf, tid_to_tgid)
+
+    @property
+    def device_pending(self) -> bool:
+        """The GPU/NPU programs are wanted and not wired yet."""
+        return self.options.device and self.device is None and self.bpf is not None
+
+    def compile_device(self):
+        """Compile and load the GPU/NPU programs on the scheduler's maps (in
+        any thread: the CPU stream drains meanwhile); load_device wires them."""
+        if self.split and self.device_program is None:
+            self.device_program = _compile(
+                device_text(self.options),
+                cflags(self.options) + ["-DMMTRACE_SHARED_EXTERN"])
+            compiler_memory.release()
+
+    def load_device(self):
+        """Wire the GPU/NPU programs: their ring, and DeviceProbes to attach
+        them per library. Compiles them first where compile_device did not."""
+        if not self.device_pending:
+            return
+        self.compile_device()
+        if self.split:
+            self.bpf = Programs(self.bpf, self.device_program)
+            self.device_program = None
+        program = self.bpf
+        try:
+            self.rings.append(_device_ring(program, self.options))
+            from mmtrace.agent.kernel.device_probes import DeviceProbes
+            self.device = DeviceProbes(program.device if self.split else program,
+                                       launches=self.options.trace_launches,
+                                       mode=attach_mode(self.options))
+        except LayoutMismatch as exc:
+            raise MmtraceError(str(exc)) from None
+
+    def close(self):
+        if self.device is not None:
+            self.device.close()
+            self.device = None
+        for ring in self.rings:
+            ring.reader.close()
+        self.rings.clear()
+        if self.device_program is not None:
+            self.device_program.cleanup()
+            self.device_program = None
+        if self.bpf is not None:
+            close_all([functools.partial(self.bpf.detach_tracepoint, tp)
+                       for tp in list(self.bpf.tracepoint_fds)], "tracepoint")
+            self.bpf.cleanup()
+            self.bpf = None
+
+
+def program_text(options: ProbeOptions) -> str:
+    """One compilation unit: the device programs read the scheduler's
+    per-thread maps, and sched.c forgets a freed thread's device calls."""
+    parts = [bpf_sources.source("common.h"), bpf_sources.source(device_stream.HEADER),
+             bpf_sources.source(sched_stream.SOURCE)]
+    if options.device:
+        parts.append(_device_programs(options))
+    return "\n".join(parts)
+
+
+def sched_text() -> str:
+    """The scheduler program alone: the CPU stream, live before the rest compiles."""
+    return "\n".join([bpf_sources.source("common.h"), bpf_sources.source(sched_stream.SOURCE)])
+
+
+def device_text(options: ProbeOptions) -> str:
+    """The GPU/NPU programs alone, on the maps sched_text exports."""
+    return "\n".join([bpf_sources.source("common.h"), bpf_sources.source(device_stream.HEADER),
+                      _device_programs(options)])
+
+
+def _device_programs(options: ProbeOptions) -> str:
+    multi = attach_mode(options) == "multi"
+    return "\n".join([bpf_sources.source(cuda_stream.SOURCE),
+                      bpf_sources.source(ascend_stream.SOURCE),
+                      device_stream.default_table().generated_programs(multi=multi)])
+
+
+def attach_mode(options: ProbeOptions) -> str:
+    """How the GPU/NPU probes attach (agent/kernel/device_probes.py): uprobe_multi
+    links where the kernel has them, else one uprobe per symbol."""
+    if options.attach_mode is not None:
+        if options.attach_mode not in ("multi", "single"):
+            raise MmtraceError(f"attach mode must be multi or single, "
+                               f"got {options.attach_mode!r}")
+        return options.attach_mode
+    from mmtrace.agent.kernel.uprobe_link import uprobe_multi_available
+    return "multi" if uprobe_multi_available() else "single"
+
+
+def cflags(options: ProbeOptions) -> list[str]:
+    flags = [
+        f"-DMMTRACE_MAX_THREADS={options.max_threads}",
+        f"-DMMTRACE_RUNQ_RINGBUF_PAGES={options.runq_ringbuf_pages}",
+        f"-DMMTRACE_DEV_RINGBUF_PAGES={options.dev_ringbuf_pages}",
+        f"-DMMTRACE_MAX_CALLS={options.max_calls_in_flight}",
+        f"-DMMTRACE_CALL_SLOTS={device_stream.default_table().call_slots}",
+        f"-DMMTRACE_MAX_CPUS={possible_cpu_slots()}",
+        f"-DMMTRACE_RUNQ_WAKEUP_EVERY="
+        f"{wakeup_period(options.runq_ringbuf_pages, sched_stream.RUNQ_EVENT.itemsize)}",
+        f"-DMMTRACE_DEV_WAKEUP_EVERY="
+        f"{wakeup_period(options.dev_ringbuf_pages, device_stream.DEV_EVENT.itemsize)}",
+        "-Wno-macro-redefined",
+    ]
+    return flags + list(options.extra_cflags)
+
+
+def wakeup_period(pages: int, record_size: int, cpus: int | None = None) -> int:
+    """Records each CPU submits between forced wake-ups of the reader: the
+    ring is about a quarter full when every CPU has reached its period."""
+    records = pages * 4096 // (record_size + 8)        # 8: the ring's record header
+    return max(1, records // (4 * (cpus or os.cpu_count() or 1)))
+
+
+def possible_cpu_slots(path: Path = Path("/sys/devices/system/cpu/possible")) -> int:
+    """One more than the highest CPU id the kernel may bring online, from
+    its "0-3,8-11" list; 4096 where the file cannot be read."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return 4096
+    return max(int(part.split("-")[-1]) for part in text.split(",")) + 1
+
+
+def threads_of(pid: int, proc_root: Path = Path("/proc")) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(proc_root / str(pid) / "task")]
+    except OSError:
+        return []
+
+
+def load(options: ProbeOptions = ProbeOptions()) -> LoadedProbes:
+    """Compile, load and attach the scheduler program, and ready the GPU/NPU
+    programs (attached per library through `probes.device`); raise
+    MmtraceError with the reason when this host cannot."""
+    probes = load_cpu(options)
+    try:
+        probes.load_device()
+    except BaseException:
+        probes.close()
+        raise
+    return probes
+
+
+def load_cpu(options: ProbeOptions = ProbeOptions()) -> LoadedProbes:
+    """The CPU stream live: the scheduler program compiled, loaded and
+    attached, its ring read. The GPU/NPU programs follow through
+    load_device (compile_device may run in another thread meanwhile);
+    after the first load of a process, everything compiles now as one unit. Raises MmtraceError with the reason when this host cannot."""
+    global _exported
+    require_privileges()
+    require_tracefs()
+    import_bcc()
+    pages = options.runq_ringbuf_pages
+    for what, value in (("ring buffer pages", pages),
+                        ("device ring buffer pages", options.dev_ringbuf_pages)):
+        if value <= 0 or value & (value - 1):
+            raise MmtraceError(f"{what} must be a power of two, got {value}")
+    split = options.device and not _exported
+    if split:
+        program = _compile(sched_text(), cflags(options) + ["-DMMTRACE_SHARED_PUBLIC"])
+        _exported = True
+    else:
+        program = _compile(program_text(options), cflags(options) + ["-DMMTRACE_DEVICE_IN_UNIT"])
+    if not split:
+        compiler_memory.release()      # compiling is done: its leftovers go
+    probes = LoadedProbes(bpf=program, options=options, split=split)
+    try:
+        check_layout("runq_event", sched_stream.RUNQ_EVENT,
+                     program[sched_stream.LAYOUT_MAP].Leaf)
+        if len(program["counters"]) != len(bpf_counters.COUNTER_NAMES):
+            raise LayoutMismatch(
+                f"counters: expected {len(bpf_counters.COUNTER_NAMES)} entries, "
+                f"the compiled program has {len(program['counters'])}")
+        _set_scope(program, options.pids)
+        ring = program[sched_stream.RINGBUF]
+        size = pages * 4096 if ring.max_entries == 0 else ring.max_entries
+        probes.rings.append(StreamRing(
+            "cpu", RingReader(ring.map_fd, size, sched_stream.RUNQ_EVENT)))
+    except LayoutMismatch as exc:
+        probes.close()
+        raise MmtraceError(str(exc)) from None
+    except BaseException:
+        probes.close()
+        raise
+    return probes
+
+
+def _compile(text: str, flags: list[str]):
+    bcc = import_bcc()
+    with compiler_output.captured() as diagnostics:
+        try:
+            return bcc.BPF(text=text, cflags=flags)
+        except Exception as exc:  # bcc raises bare Exception on compile/attach failure
+            failure = exc
+    said = diagnostics.errors()
+    raise MmtraceError(
+        f"the eBPF programs did not load ({failure}{': ' + said if said else ''}); "
+        "run `mmtrace doctor` for kernel headers and tracefs")
+
+
+def _device_ring(program, options: ProbeOptions) -> StreamRing:
+    check_layout("dev_event", device_stream.DEV_EVENT, program[device_stream.LAYOUT_MAP].Leaf)
+    ring = program[device_stream.RINGBUF]
+    size = options.dev_ringbuf_pages * 4096 if ring.max_entries == 0 else ring.max_entries
+    return StreamRing("dev", RingReader(ring.map_fd, size, device_stream.DEV_EVENT))
+
+
+def set_thread_tgids(program, tid_to_tgid: dict[int, int]):
+    """Set the process of these threads in the per-thread map, keeping
+    whatever else the kernel already holds for them."""
+    table = program["threads"]
+    for tid, tgid in tid_to_tgid.items():
+        key = table.Key(tid)
+        try:
+            leaf = table[key]
+        except KeyError:
+            leaf = table.Leaf()
+        leaf.tgid = tgid
+        table[key] = leaf
+
+
+def _set_scope(program, pids):
+    """Fill the scope, then mark it configured: the programs trace nothing
+    until then, so no event from outside the scope slips in at start."""
+    scope = program["scope_tgids"]
+    for pid in pids:
+        scope[scope.Key(pid)] = scope.Leaf(1)
+        set_thread_tgids(program, {tid: pid for tid in threads_of(pid)})
+    settings = program["settings"]
+    leaf = settings.Leaf()
+    leaf.filter_pids = 1 if pids else 0
+    leaf.configured = 1
+    settings[settings.Key(0)] = leaf

@@ -1,0 +1,199 @@
+"""GPU/NPU events of a recording as the interface describes them: stream,
+kind, api, op_name, direction, and the alignment (retired_ns, a sync's
+op_id), computed per column for the exporters and the report."""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mmtrace.bpf import device as device_stream
+
+from mmtrace.agent.ingest.align import FLAG_STREAM_FROM_RECORD, ApiRoles, align
+from mmtrace.agent.ingest.record_arrays import take
+
+ELLIPSIS = "\u2026"
+
+
+@dataclass
+class DeviceContext:
+    """What a recording says about its device events besides the events."""
+    infos: dict                                     # api id -> device_stream.ApiInfo
+    op_names: dict = field(default_factory=dict)    # (pid, address) -> name
+    symbol_names: dict = field(default_factory=dict)  # cookie -> aclnn symbol
+
+    @classmethod
+    def from_meta(cls, meta: list[dict]) -> "DeviceContext":
+        infos = None
+        op_names, symbol_names = {}, {}
+        for doc in meta:
+            if infos is None and isinstance(doc.get("apis"), list):
+                try:
+                    infos = {int(d["id"]): device_stream.ApiInfo.from_json(d)
+                             for d in doc["apis"]}
+                except (KeyError, TypeError, ValueError):
+                    infos = None
+            for row in doc.get("op_names", ()) or ():
+                if isinstance(row, list) and len(row) == 3:
+                    op_names[(int(row[0]), int(row[1]))] = str(row[2])
+            for key, name in (doc.get("symbol_names") or {}).items():
+                symbol_names[int(key)] = str(name)
+        return cls(infos or device_stream.default_infos(), op_names, symbol_names)
+
+
+@dataclass
+class DeviceRows:
+    """The exported events (launch, graph_launch, memcpy, sync, model_exec),
+    aligned, sorted by time, with per-event decoded columns."""
+    events: np.ndarray          # align.ALIGNED_EVENT
+    stream: np.ndarray          # object: "gpu" | "npu"
+    kind: np.ndarray            # object
+    api: np.ndarray             # object
+    op_name: np.ndarray         # object: str or None
+    direction: np.ndarray       # object: str or None
+    fields: list                # per row: frozenset of the optional fields it fills
+
+    def __len__(self):
+        return len(self.events)
+
+    def batches(self, size: int):
+        """The rows `size` at a time (an encoder's memory follows its batch)."""
+        for lo in range(0, len(self), size):
+            hi = lo + size
+            yield DeviceRows(self.events[lo:hi], self.stream[lo:hi], self.kind[lo:hi],
+                             self.api[lo:hi], self.op_name[lo:hi], self.direction[lo:hi],
+                             self.fields[lo:hi])
+
+
+def _name_text(raw: bytes, truncated: bool) -> str | None:
+    if not raw:
+        return None
+    text = raw.decode("utf-8", "backslashreplace")
+    return text + ELLIPSIS if truncated else text
+
+
+def decode(events: np.ndarray, ctx: DeviceContext) -> DeviceRows:
+    """Every device event at once: aligned, sorted, decoded."""
+    from mmtrace.agent.discovery.symbols import demangle
+    aligned = align(events, ApiRoles.from_infos(ctx.infos))
+    aligned = take(aligned, np.argsort(aligned["ts_ns"], kind="stable"))
+    return decode_aligned(aligned, ctx,
+                          function_names(aligned, ctx.infos, demangle, ctx.op_names))
+
+
+def decode_aligned(aligned: np.ndarray, ctx: DeviceContext, kernel_names: dict) -> DeviceRows:
+    """Aligned events in time order; `kernel_names` maps (pid, handle) to a
+    kernel name (see function_names)."""
+    infos = ctx.infos
+    api_ids = aligned["api"].astype(np.int64)
+    exported = np.array([infos[i].kind in device_stream.EXPORTED_KINDS if i in infos else False
+                         for i in range(int(api_ids.max(initial=0)) + 1)], bool)
+    rows = take(aligned, exported[api_ids]) if len(aligned) else aligned
+    n = len(rows)
+    stream = np.empty(n, object)
+    kind = np.empty(n, object)
+    api = np.empty(n, object)
+    op_name = np.full(n, None, object)
+    direction = np.full(n, None, object)
+    fields = [frozenset()] * n
+    names = rows["name"].tolist()
+    flags = rows["flags"].tolist()
+    for api_id in np.unique(rows["api"]).tolist():
+        info = infos[api_id]
+        at = np.flatnonzero(rows["api"] == api_id)
+        stream[at] = info.stream
+        kind[at] = info.kind
+        api[at] = info.api
+        for i in at.tolist():
+            fields[i] = info.fields
+        if device_stream.DIRECTION in info.fields:
+            table = device_stream.direction_names(info.stream)
+            direction[at] = [table.get(d) for d in rows["direction"][at].tolist()]
+        if info.kind != "launch":
+            continue
+        pids = rows["pid"][at].tolist()
+        if info.library == "cudart":
+            op_name[at] = _runtime_launch_names(take(rows, at), ctx.op_names, kernel_names)
+        elif info.library == "cuda":
+            op_name[at] = [kernel_names.get(k)
+                           for k in zip(pids, rows["handle"][at].tolist())]
+        elif info.symbol == "aclnn":
+            ops = [ctx.symbol_names.get(cookie) if cookie else ctx.op_names.get((pid, ip))
+                   for cookie, pid, ip in zip(rows["symbol_id"][at].tolist(), pids,
+                                              rows["probe_ip"][at].tolist())]
+            op_name[at] = ops
+            api[at] = [name or info.api for name in ops]
+        else:   # aclop: the opType string
+            op_name[at] = [_name_text(names[i],
+                                      bool(flags[i] & device_stream.FLAG_NAME_TRUNCATED))
+                           for i in at.tolist()]
+    return DeviceRows(rows, stream, kind, api, op_name, direction, fields)
+
+
+def _runtime_launch_names(rows: np.ndarray, op_names: dict, kernel_names: dict) -> list:
+    """A runtime launch's kernel: its handle (a host function, or a
+    cudaKernel_t __cudaGetKernel made), else its caller when that is the
+    kernel's host stub (dev_names.py)."""
+    out = []
+    callers = "return_ip" in (rows.dtype.names or ())
+    for i, (pid, handle) in enumerate(zip(rows["pid"].tolist(), rows["handle"].tolist())):
+        name = op_names.get((pid, handle)) or kernel_names.get((pid, handle))
+        if name is None and callers:
+            name = (op_names.get((pid, int(rows["return_ip"][i])))
+                    or op_names.get((pid, int(rows["outer_return_ip"][i]))))
+        out.append(name)
+    return out
+
+
+def function_names(events: np.ndarray, infos: dict, demangle, op_names: dict,
+                   known: dict | None = None) -> dict:
+    """(pid, handle) -> kernel name, from the returns of the calls that make
+    kernel handles (later definitions of a handle win: events are in time
+    order): cuModuleGetFunction, cuLibraryGetKernel and cuFuncGetName name
+    theirs; cuKernelGetFunction's CUfunction and __cudaGetKernel's
+    cudaKernel_t take the name of what they stand for (a CUkernel, a host
+    function named in op_names). `known`: names from earlier events (a
+    recording read piece by piece), for handles made before this piece."""
+    ids = [i for i, info in infos.items() if info.kind == "function_name"]
+    rows = events[np.isin(events["api"], ids) & (events["ret"] == 0) & (events["handle"] != 0)]
+    aliases = (rows["alias"].tolist() if "alias" in (rows.dtype.names or ())
+               else [0] * len(rows))
+    known = known or {}
+    out = {}
+    for pid, handle, raw, flag, alias in zip(rows["pid"].tolist(), rows["handle"].tolist(),
+                                             rows["name"].tolist(), rows["flags"].tolist(),
+                                             aliases):
+        if alias:
+            out[(pid, handle)] = (out.get((pid, alias)) or known.get((pid, alias))
+                                  or op_names.get((pid, alias)))
+            continue
+        truncated = bool(flag & device_stream.FLAG_NAME_TRUNCATED)
+        text = _name_text(raw, truncated)
+        if text is not None and not truncated:
+            text = demangle(text)
+        out[(pid, handle)] = text
+    return out
+
+
+def stream_from_record(events: np.ndarray) -> np.ndarray:
+    return (events["flags"] & FLAG_STREAM_FROM_RECORD) != 0
+
+
+def describe(rows: np.ndarray, infos: dict, op_names: dict) -> list[dict]:
+    """Names of a few aligned rows, one dict each (stream, kind, api,
+    op_name, direction), for consumers that take events one at a time (the
+    OTLP spans); `op_names` maps (pid, address) to a kernel name."""
+    out = []
+    for api_id, pid, handle, ip, cookie, direction in zip(
+            rows["api"].tolist(), rows["pid"].tolist(), rows["handle"].tolist(),
+            rows["probe_ip"].tolist(), rows["symbol_id"].tolist(), rows["direction"].tolist()):
+        info = infos.get(api_id)
+        if info is None:
+            out.append({})
+            continue
+        names = {"stream": info.stream, "kind": info.kind, "api": info.api}
+        if info.kind == "launch":
+            names["op_name"] = op_names.get((pid, ip if info.symbol == "aclnn" else handle))
+        if device_stream.DIRECTION in info.fields:
+            names["direction"] = device_stream.direction_names(info.stream).get(direction)
+        out.append(names)
+    return out

@@ -1,0 +1,277 @@
+"""`mmtrace report`: a summary of one recording, as text or JSON."""
+
+from collections import Counter
+
+import numpy as np
+
+from mmtrace.agent.recording.offline_detectors import Detectors
+from mmtrace.agent.ingest.percentiles import Percentiles
+from mmtrace.agent.recording.file_checks import lost_total
+from mmtrace.agent.recording.replay import DEVICE, replay
+from mmtrace.agent.recording.report_telemetry import Telemetry, telemetry_lines
+
+
+def log2_buckets_us(delays_ns: np.ndarray) -> np.ndarray:
+    """runqlat's bucket index per value: 0 for 0–1 µs, k for [2^k, 2^(k+1)) µs."""
+    us = delays_ns // 1000
+    _, exponent = np.frexp(np.maximum(us, 1).astype(np.float64))
+    return np.where(us < 2, 0, exponent - 1).astype(np.int64)
+
+
+def hist_buckets(counts: np.ndarray) -> list[dict]:
+    counts = np.trim_zeros(np.asarray(counts), "b")
+    return [{"low_us": 0 if k == 0 else 1 << k, "high_us": (1 << (k + 1)) - 1,
+             "count": int(c)} for k, c in enumerate(counts)]
+
+
+def _us(ns) -> float:
+    return round(float(ns) / 1e3, 3)
+
+
+class TopCounter:
+    """Counts by key, bounded: past `limit` keys the smaller half is dropped
+    (a recording with more distinct keys than that is ranked approximately)."""
+
+    def __init__(self, limit: int = 1 << 16):
+        self.limit = limit
+        self.counts: Counter = Counter()
+
+    def update(self, counts):
+        self.counts.update(counts)
+        if len(self.counts) > self.limit:
+            self.counts = Counter(dict(self.counts.most_common(self.limit // 2)))
+
+
+class RunqSummary:
+    def __init__(self):
+        self.hist = np.zeros(64, np.int64)
+        self.delays = Percentiles()
+        self.threads: dict[int, list] = {}      # tid -> [total_ns, count, pid, comm]
+        self.thread_limit = 1 << 16
+
+    def add(self, runq: np.ndarray):
+        delays = runq["delay_ns"]
+        self.hist += np.bincount(log2_buckets_us(delays), minlength=64)[:64]
+        self.delays.add(delays)
+        tids, inverse = np.unique(runq["tid"], return_inverse=True)
+        total = np.bincount(inverse, weights=delays.astype(np.float64))
+        count = np.bincount(inverse)
+        # The thread's latest name: a process renames itself at exec.
+        latest = np.zeros(len(tids), dtype=np.int64)
+        np.maximum.at(latest, inverse, np.arange(len(runq)))
+        pids, comms = runq["pid"][latest].tolist(), runq["comm"][latest].tolist()
+        for i, tid in enumerate(tids.tolist()):
+            entry = self.threads.get(tid)
+            if entry is None:
+                self.threads[tid] = [float(total[i]), int(count[i]), pids[i], comms[i]]
+            else:
+                entry[0] += float(total[i])
+                entry[1] += int(count[i])
+                entry[2], entry[3] = pids[i], comms[i]
+        if len(self.threads) > self.thread_limit:
+            keep = sorted(self.threads.items(), key=lambda kv: -kv[1][0])
+            self.threads = dict(keep[:self.thread_limit // 2])
+
+    def summary(self) -> dict:
+        d = self.delays
+        out = {"count": d.count, "p50_us": None, "p99_us": None, "max_us": None,
+               "hist_log2_us": hist_buckets(self.hist) if d.count else []}
+        pct = d.p50_p99()
+        if pct:
+            out.update(p50_us=_us(pct[0]), p99_us=_us(pct[1]), max_us=_us(d.max))
+        return out
+
+    def top_threads(self, limit: int = 10) -> list[dict]:
+        """Threads with the largest total run-queue delay."""
+        ranked = sorted(self.threads.items(), key=lambda kv: (-kv[1][0], kv[0]))[:limit]
+        return [{"pid": pid, "tid": tid, "comm": comm.decode(errors="replace"), "count": n,
+                 "total_ms": round(total / 1e6, 3)} for tid, (total, n, pid, comm) in ranked]
+
+
+class DeviceSummary:
+    """Counts, top ops, sync waits and copied bytes of decoded device rows."""
+
+    def __init__(self):
+        self.events: Counter = Counter()
+        self.ops = TopCounter()
+        self.waits: dict[tuple, Percentiles] = {}
+        self.copies: dict[tuple, list] = {}
+
+    def add(self, rows):
+        self.events.update(f"{s}.{k}" for s, k in zip(rows.stream, rows.kind))
+        self.ops.update(Counter(
+            (s, k, a, n) for s, k, a, n in zip(rows.stream, rows.kind, rows.api, rows.op_name)
+            if k in ("launch", "graph_launch", "model_exec")))
+        ev = rows.events
+        returned = (ev["flags"] & 1) != 0
+        is_sync = (rows.kind == "sync") & returned
+        if is_sync.any():
+            at = np.flatnonzero(is_sync)
+            keys = list(zip(rows.stream[at], rows.api[at]))
+            waits = ev["duration_ns"][at]
+            for key in set(keys):
+                mine = np.fromiter((k == key for k in keys), bool, len(keys))
+                self.waits.setdefault(key, Percentiles(1 << 16)).add(waits[mine])
+        is_copy = np.flatnonzero(rows.kind == "memcpy")
+        for i, stream, direction in zip(is_copy.tolist(), rows.stream[is_copy],
+                                        rows.direction[is_copy]):
+            entry = self.copies.setdefault((stream, direction), [0, 0])
+            entry[0] += 1
+            entry[1] += int(ev["bytes"][i])
+
+    def top_ops(self, limit: int = 20) -> list[dict]:
+        """Submissions (not syncs, not copies) by (stream, api, op_name), most first."""
+        ranked = sorted(self.ops.counts.items(), key=lambda item: (-item[1], str(item[0])))
+        return [{"stream": s, "kind": k, "api": a, "op_name": n, "count": c}
+                for (s, k, a, n), c in ranked[:limit]]
+
+    def sync_waits(self) -> list[dict]:
+        """Time the host spent blocked in each sync API."""
+        out = []
+        for (stream, api), waits in sorted(self.waits.items()):
+            p50, p99 = waits.p50_p99()
+            out.append({"stream": stream, "api": api, "count": waits.count,
+                        "total_ms": round(waits.total / 1e6, 3),
+                        "p50_us": _us(p50), "p99_us": _us(p99), "max_us": _us(waits.max)})
+        return out
+
+    def bytes_by_direction(self) -> list[dict]:
+        return [{"stream": stream, "direction": direction, "count": n, "bytes": total}
+                for (stream, direction), (n, total) in sorted(
+                    self.copies.items(), key=lambda kv: (kv[0][0], str(kv[0][1])))]
+
+
+def duration_s(rec) -> float:
+    if rec.footer and "duration_s" in rec.footer:
+        return float(rec.footer["duration_s"])
+    ranges = list(rec.ts_range.values())
+    if not ranges:
+        return 0.0
+    return (max(hi for _, hi in ranges) - min(lo for lo, _ in ranges)) / 1e9
+
+
+def device_probes(rec) -> dict:
+    footer = rec.footer or {}
+    return {"summary": footer.get("device_probe_summary", {}),
+            "name_resolution": footer.get("name_resolution", {}),
+            "failed_programs": failed_programs(rec)}
+
+
+def failed_programs(rec) -> list[dict]:
+    """Probe programs that did not compile or load while recording (from the
+    meta, so that a file cut short tells it too): why a stream is empty."""
+    return [state for doc in rec.meta for state in doc.get("probes", ())
+            if state.get("state") == "failed" and "program" in state]
+
+
+def summarize(rec) -> dict:
+    """The report of a recording (a Recording, or a RecordingReader streamed
+    from disk): one replay feeds every aggregate and the detectors."""
+    runq, device, telemetry = RunqSummary(), DeviceSummary(), Telemetry()
+    detectors = Detectors(rec)
+    for step in replay(rec):
+        telemetry.add(step.records)
+        if "cpu.runq" in step.records:
+            runq.add(step.records["cpu.runq"])
+        if step.device is not None and len(step.device):
+            device.add(step.device)
+        detectors.feed(step)
+    counts = {name: n for name, n in rec.counts.items() if name != DEVICE and n}
+    counts.update(device.events)
+    return {
+        "file": str(rec.path),
+        "format_version": "%d.%d" % rec.version,
+        "complete": rec.complete,
+        "warnings": list(rec.warnings),
+        "duration_s": round(duration_s(rec), 6),
+        "events": dict(sorted(counts.items())),
+        "lost_events": lost_total(rec.footer),
+        "kernel_counters": (rec.footer or {}).get("counters", {}),
+        "runq": runq.summary(),
+        "top_runq_threads": runq.top_threads(),
+        "ops": device.top_ops(),
+        "sync_waits": device.sync_waits(),
+        "bytes_by_direction": device.bytes_by_direction(),
+        "device_probes": device_probes(rec),
+        "anomalies": detectors.finish(),
+        "telemetry": telemetry.summary(rec),
+    }
+
+
+def format_text(summary: dict) -> str:
+    lines = [f"recording   {summary['file']} (format {summary['format_version']}"
+             f"{'' if summary['complete'] else ', cut short'})",
+             f"duration    {summary['duration_s']:.3f} s",
+             f"lost        {summary['lost_events']:,} events"]
+    for name, count in summary["events"].items():
+        lines.append(f"events      {name:<20} {count:>12,}")
+    for failed in summary["device_probes"]["failed_programs"]:
+        lines.append(f"not traced  {failed.get('stream')}: the {failed.get('program')} did not "
+                     f"compile or load, so the file has none of its events:")
+        lines.extend("              " + line for line in str(failed.get("reason")).splitlines())
+    runq = summary["runq"]
+    lines.append("")
+    if runq["count"]:
+        lines.append(f"run-queue delay: {runq['count']:,} wake-ups, p50 {runq['p50_us']} µs, "
+                     f"p99 {runq['p99_us']} µs, max {runq['max_us']} µs")
+        lines.extend(hist_lines(runq["hist_log2_us"]))
+    else:
+        lines.append("run-queue delay: no events")
+    if summary["top_runq_threads"]:
+        lines.append("")
+        lines.append(f"{'pid':>8} {'tid':>8} {'comm':<16} {'wake-ups':>9} {'total ms':>10}")
+        for t in summary["top_runq_threads"]:
+            lines.append(f"{t['pid']:>8} {t['tid']:>8} {t['comm']:<16} {t['count']:>9} "
+                         f"{t['total_ms']:>10.3f}")
+    lines.extend(device_lines(summary))
+    lines.append("")
+    lines.append(f"anomalies: {len(summary['anomalies'])}")
+    for anomaly in summary["anomalies"]:
+        lines.append("  " + anomaly_line(anomaly))
+    lines.extend(telemetry_lines(summary["telemetry"]))
+    return "\n".join(lines)
+
+
+def anomaly_line(a: dict) -> str:
+    """One line per anomaly; the evidence is in --json."""
+    ev = a.get("evidence", {})
+    what = a.get("series") or f"{a.get('kind')} ({a.get('modality')})"
+    line = f"{a.get('ts_ns', 0) / 1e9:14.3f} s  {a.get('detector')} {what} {a.get('state')}"
+    if ev.get("p99") is not None and ev.get("baseline"):
+        line += (f": p99 {ev['p99'] * 1e6:.1f} µs vs baseline {ev['baseline'] * 1e6:.1f} µs "
+                 f"({ev['p99'] / ev['baseline']:.1f}x)")
+    if ev.get("top_contributors"):
+        line += "; top threads " + ", ".join(str(c[0]) for c in ev["top_contributors"][:3])
+    return line
+
+
+def device_lines(summary: dict) -> list[str]:
+    lines = []
+    if summary["ops"]:
+        lines += ["", f"{'stream':<6} {'kind':<12} {'api':<28} {'count':>9}  op"]
+        for op in summary["ops"]:
+            lines.append(f"{op['stream']:<6} {op['kind']:<12} {op['api']:<28} {op['count']:>9}  "
+                         f"{op['op_name'] or '-'}")
+    if summary["sync_waits"]:
+        lines += ["", f"{'sync waits':<36} {'count':>7} {'total ms':>10} {'p50 µs':>10} "
+                      f"{'p99 µs':>10} {'max µs':>10}"]
+        for w in summary["sync_waits"]:
+            lines.append(f"{w['stream'] + ' ' + w['api']:<36} {w['count']:>7} "
+                         f"{w['total_ms']:>10.3f} {w['p50_us']:>10.1f} {w['p99_us']:>10.1f} "
+                         f"{w['max_us']:>10.1f}")
+    if summary["bytes_by_direction"]:
+        lines += ["", f"{'copies':<20} {'count':>9} {'bytes':>16}"]
+        for b in summary["bytes_by_direction"]:
+            lines.append(f"{b['stream'] + ' ' + str(b['direction']):<20} {b['count']:>9} "
+                         f"{b['bytes']:>16,}")
+    return lines
+
+
+def hist_lines(buckets: list[dict], width: int = 40) -> list[str]:
+    """The histogram drawn as runqlat draws it."""
+    peak = max((b["count"] for b in buckets), default=0) or 1
+    out = [f"{'usecs':>19}{'':7}: count     distribution"]
+    for b in buckets:
+        stars = "*" * int(b["count"] * width / peak)
+        out.append(f"{b['low_us']:>10} -> {b['high_us']:<10}: {b['count']:<8} |{stars:<{width}}|")
+    return out

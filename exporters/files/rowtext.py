@@ -1,0 +1,259 @@
+"""Text and protobuf rows built for a whole batch of events at once with
+numpy, not one event at a time: each row is laid out as columns of bytes
+(fixed pieces, decimal numbers, varints, strings from a small table) with a
+mask of the bytes it uses, and the rows come out as one compacted buffer."""
+
+import json
+
+import numpy as np
+
+_POW10 = 10 ** np.arange(1, 20, dtype=np.uint64)   # 10 .. 10**19
+
+
+class Rows:
+    """n rows, built left to right; bytes() joins them (no separator).
+
+    `text=True` (JSON text, where no byte below 0x20 appears raw) marks
+    unused bytes with NUL and drops them in one comparison, instead of a
+    mask per column; and a long fixed piece stands as one control byte
+    until the end, where bytes.replace puts it back (far cheaper than
+    carrying it through every row of the matrix)."""
+
+    def __init__(self, n: int, text: bool = False):
+        self.n = n
+        self.text = text
+        self._cols: list[np.ndarray] = []
+        self._keep: list[np.ndarray | None] = []    # None: every byte of the column
+        self._lengths = np.zeros(n, np.int64)
+        self._stand_ins: list[tuple[bytes, bytes]] = []
+
+    def const(self, text: bytes):
+        if self.text and len(text) > 16 and len(self._stand_ins) < 31:
+            stand_in = bytes([1 + len(self._stand_ins)])
+            self._stand_ins.append((stand_in, text))
+            self._lengths += len(text) - 1
+            text = stand_in
+        if text:
+            self._cols.append(np.broadcast_to(np.frombuffer(text, np.uint8), (self.n, len(text))))
+            self._keep.append(None)
+            self._lengths += len(text)
+        return self
+
+    def _add(self, cols: np.ndarray, lengths: np.ndarray, right: bool):
+        width = cols.shape[1]
+        pos = np.arange(width)
+        keep = pos >= (width - lengths)[:, None] if right else pos < lengths[:, None]
+        if self.text:
+            cols = np.where(keep, cols, np.uint8(0))
+            keep = None
+        self._cols.append(cols)
+        self._keep.append(keep)
+        self._lengths += lengths
+
+    def decimal(self, values: np.ndarray):
+        """Non-negative integers in decimal."""
+        values = np.asarray(values).astype(np.uint64)
+        lengths = decimal_lengths(values)
+        width = int(lengths.max(initial=1))
+        cols = np.empty((self.n, width), np.uint8)
+        v = values.copy()
+        for k in range(width - 1, -1, -1):
+            cols[:, k] = (v % 10).astype(np.uint8) + 48
+            v //= 10
+        self._add(cols, lengths, right=True)
+        return self
+
+    def fixed3(self, thousandths: np.ndarray):
+        """Non-negative integers n written as n / 1000 with three decimals."""
+        values = np.asarray(thousandths).astype(np.uint64)
+        self.decimal(values // 1000)
+        self.const(b".")
+        frac = values % 1000
+        cols = np.stack([frac // 100, frac // 10 % 10, frac % 10], axis=1).astype(np.uint8) + 48
+        self._cols.append(cols)
+        self._keep.append(None)
+        self._lengths += 3
+        return self
+
+    def varint(self, values: np.ndarray):
+        """Protobuf base-128 varints of non-negative integers."""
+        values = np.asarray(values).astype(np.uint64)
+        lengths = varint_lengths(values)
+        width = int(lengths.max(initial=1))
+        cols = np.empty((self.n, width), np.uint8)
+        v = values.copy()
+        for k in range(width):
+            cols[:, k] = (v & np.uint64(0x7F)).astype(np.uint8) | np.where(
+                k + 1 < lengths, 0x80, 0).astype(np.uint8)
+            v >>= np.uint64(7)
+        self._add(cols, lengths, right=False)
+        return self
+
+    def fixed(self, cols: np.ndarray, present: np.ndarray):
+        """Row i gets cols[i] (a byte matrix) where present[i], else nothing."""
+        self._add(cols, np.where(present, cols.shape[1], 0), right=False)
+        return self
+
+    def table(self, codes: np.ndarray, entries: list[bytes]):
+        """Row i gets entries[codes[i]]."""
+        width = max((len(e) for e in entries), default=0)
+        if not width:
+            return self
+        padded = np.zeros((len(entries), width), np.uint8)
+        for i, entry in enumerate(entries):
+            padded[i, :len(entry)] = np.frombuffer(entry, np.uint8)
+        lengths = np.array([len(e) for e in entries], np.int64)
+        self._add(padded[codes], lengths[codes], right=False)
+        return self
+
+    def optional(self, present: np.ndarray, sub: "Rows", absent: bytes = b"null"):
+        """`sub`'s text on the rows where `present`, else `absent` (text rows)."""
+        if not self.text or not sub.text or sub._stand_ins:
+            raise ValueError("optional() takes text rows without stand-ins")
+        cols = np.concatenate([np.zeros((self.n, len(absent)), np.uint8)] + sub._cols, axis=1)
+        missing = ~np.asarray(present, bool)
+        cols[missing] = 0
+        if absent:
+            cols[missing, :len(absent)] = np.frombuffer(absent, np.uint8)
+        self._cols.append(cols)
+        self._keep.append(None)
+        self._lengths += np.where(missing, len(absent), sub._lengths)
+        return self
+
+    def rows(self, other: "Rows"):
+        """Append another batch's columns (same row count) to each row."""
+        if other._stand_ins:
+            raise ValueError("rows with stand-ins for fixed text cannot be appended")
+        self._cols += other._cols
+        self._keep += other._keep
+        self._lengths += other._lengths
+        return self
+
+    def lengths(self) -> np.ndarray:
+        """Bytes in each row."""
+        return self._lengths
+
+    def bytes(self) -> bytes:
+        if not self.n or not self._cols:
+            return b""
+        cols = np.concatenate(self._cols, axis=1)
+        if self.text:
+            out = cols[cols != 0].tobytes()
+            for stand_in, text in self._stand_ins:
+                out = out.replace(stand_in, text)
+            return out
+        keep = np.ones(cols.shape, bool)
+        at = 0
+        for col, mask in zip(self._cols, self._keep):
+            if mask is not None:
+                keep[:, at:at + col.shape[1]] = mask
+            at += col.shape[1]
+        return cols[keep].tobytes()
+
+
+def first_per_thread(records: np.ndarray) -> tuple[list, list, list]:
+    """(pids, tids, comms) of each thread's first record, in record order."""
+    keys = records["pid"].astype(np.uint64) << np.uint64(32) | records["tid"]
+    first = np.sort(np.unique(keys, return_index=True)[1])
+    return (records["pid"][first].tolist(), records["tid"][first].tolist(),
+            records["comm"][first].tolist())
+
+
+def decimal_lengths(values: np.ndarray) -> np.ndarray:
+    return 1 + np.searchsorted(_POW10, values, side="right").astype(np.int64)
+
+
+def varint_lengths(values: np.ndarray) -> np.ndarray:
+    bits = np.zeros(len(values), np.int64)
+    v = values.astype(np.uint64)
+    for shift in (32, 16, 8, 4, 2, 1):
+        big = v >= (np.uint64(1) << np.uint64(shift))
+        bits += np.where(big, shift, 0)
+        v = np.where(big, v >> np.uint64(shift), v)
+    return np.maximum(1, (bits + 1 + 6) // 7)
+
+
+def codes(values) -> tuple[np.ndarray, list]:
+    """(codes, distinct values in first-seen order) of a column of hashable
+    Python values; hashing runs in C (dict.fromkeys, map), not per row."""
+    distinct = list(dict.fromkeys(values))
+    index = {v: i for i, v in enumerate(distinct)}
+    return np.fromiter(map(index.__getitem__, values), np.int64, len(values)), distinct
+
+
+def json_texts(values) -> tuple[np.ndarray, list[bytes]]:
+    """(codes, JSON texts) of a column of str or None, for Rows.table."""
+    found, distinct = codes(values)
+    return found, [b"null" if v is None else json.dumps(v).encode() for v in distinct]
+
+
+def strings(values: np.ndarray) -> tuple[np.ndarray, list]:
+    """(codes, distinct values) of a byte-string column, for Rows.table.
+    Strings of whole 8-byte words are told apart word by word as integers,
+    several times faster than sorting them as strings."""
+    if values.dtype.kind != "S" or values.dtype.itemsize % 8 or not len(values):
+        distinct, found = np.unique(values, return_inverse=True)
+        return found.reshape(-1), distinct.tolist()
+    words = np.ascontiguousarray(values).view(np.uint64).reshape(len(values), -1)
+    found = np.zeros(len(values), np.int64)
+    for column in words.T:
+        seen, inverse = np.unique(column, return_inverse=True)
+        _, found = np.unique(found * len(seen) + inverse.reshape(-1), return_inverse=True)
+    _, first = np.unique(found, return_index=True)
+    return found.reshape(-1), values[first].tolist()
+
+
+BATCH = 1 << 14     # rows built at once: memory follows the batch, not the step
+
+
+def write_merged(out, make_rows, records: np.ndarray, keys: np.ndarray, others: list[bytes],
+                 other_keys: np.ndarray, batch: int = BATCH) -> None:
+    """The rows of `records` (keys ascending), made `batch` at a time by
+    `make_rows` so that memory stays small, merged with `others` by key."""
+    n, done = len(records), 0
+    for lo in range(0, n, batch):
+        hi = min(n, lo + batch)
+        cut = len(others) if hi == n else max(done, int(np.searchsorted(other_keys, keys[hi])))
+        rows = make_rows(records[lo:hi])
+        interleave(out, rows.bytes(), np.cumsum(rows.lengths()), keys[lo:hi], others[done:cut],
+                   other_keys[done:cut])
+        done = cut
+
+
+def split(rows: Rows) -> list[bytes]:
+    """Each row's bytes on its own."""
+    blob = rows.bytes()
+    ends = np.cumsum(rows.lengths()).tolist()
+    return [blob[s:e] for s, e in zip([0] + ends[:-1], ends)]
+
+
+def device_lines(make_rows, device, out=None) -> list[bytes]:
+    """`make_rows` over the device rows a batch at a time: written to `out`
+    when given, else returned one bytes object per row."""
+    lines = []
+    for part in device.batches(BATCH // 4):
+        rows = make_rows(part)
+        if out is not None:
+            out.write(rows.bytes())
+        else:
+            lines += split(rows)
+    return lines
+
+
+def interleave(out, blob: bytes, ends: np.ndarray, keys: np.ndarray, others: list[bytes],
+               other_keys: np.ndarray) -> None:
+    """Write the rows of `blob` (row i ends at ends[i], keys ascending) and
+    the rows `others` (keys ascending) merged by key, `blob` first on ties."""
+    if not len(others):
+        out.write(blob)
+        return
+    at = np.searchsorted(keys, other_keys, side="right")
+    starts = np.concatenate([[0], ends]).astype(np.int64)
+    done = 0
+    view = memoryview(blob)
+    for row, pos in zip(others, starts[at].tolist()):
+        if pos > done:
+            out.write(view[done:pos])
+            done = pos
+        out.write(row)
+    out.write(view[done:])

@@ -1,0 +1,451 @@
+"""The daemon's Prometheus endpoint (default :9464/metrics).
+
+A custom collector builds every family at scrape time from the kernel maps
+(run-queue histogram and its sum, the loss and activity counters: read,
+never cleared) and from the daemon's state (event counts, probe states,
+detectors, anomalies, hints, GPU/NPU devices). Names and labels are the
+interface's ("Prometheus"); a label that names a workload is capped at a
+top-K, the rest folded into `other`, and carries a pid only when the
+operator turns that on.
+"""
+
+import errno
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                    HistogramMetricFamily)
+from prometheus_client.exposition import ThreadingWSGIServer
+
+from mmtrace.bpf import counters as bpf_counters
+from mmtrace.bpf import sched as sched_stream
+from mmtrace.detectors import entropy_drift
+
+from mmtrace.exporters.live.event_counts import Histogram, top_k
+
+DEFAULT_ADDRESS = ":9464"
+# The kernel's run-queue histogram: slot k holds [2^k, 2^(k+1)) µs (slot 0:
+# 0-1 µs), so its upper bounds are 2^(k+1) µs; slots past ~1 s go to +Inf.
+KERNEL_RUNQ_SLOTS = 20
+KERNEL_RUNQ_BOUNDS = tuple(2.0 ** (k + 1) * 1e-6 for k in range(KERNEL_RUNQ_SLOTS))
+# Which stream each kernel counter belongs to; the GPU and NPU programs
+# share one ring buffer and one set of counters ("dev").
+COUNTER_STREAM = {"ringbuf_full_cpu": "cpu", "enqueue_map_full": "cpu",
+                  "thread_map_full": "cpu", "negative_delta": "cpu", "runq_events": "cpu",
+                  "switch_in_unseen": "cpu"}
+DETECTOR_STATES = ("normal", "pending", "firing", "resolved")
+KNOWN_DETECTORS = ("p99_drift", "attention_entropy")
+KNOWN_HINTS = ("modality_batch", "priority", "route_affinity", "prefer_device", "degrade",
+               "cpu_contention")
+BPF_STATS_SYSCTL = "sys/kernel/bpf_stats_enabled"
+MAX_REASON_CHARS = 200      # a failed probe's reason, as a label value
+
+
+class MetricsAddressError(ValueError):
+    """The listen address is malformed, or cannot be bound."""
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """":9464" (every interface), "127.0.0.1:9464", "[::1]:9464"."""
+    host, sep, port = str(text).rpartition(":")
+    # isdigit() would take "²", which int() refuses: ASCII digits only
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) < 65536:
+        raise MetricsAddressError(f"metrics address: expected HOST:PORT or :PORT "
+                                  f"(e.g. {DEFAULT_ADDRESS}), got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):
+        """Scrapes are not worth a log line each."""
+
+
+class MetricsEndpoint:
+    """An HTTP server in a thread of its own serving `registry` at /metrics."""
+
+    def __init__(self, address: str, registry: CollectorRegistry):
+        host, port = parse_address(address)
+        try:
+            family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                        flags=socket.AI_PASSIVE)[0][0]
+        except socket.gaierror as exc:
+            raise MetricsAddressError(f"metrics address {address}: {exc.strerror}") from None
+
+        class Server(ThreadingWSGIServer):
+            address_family = family
+
+        try:
+            self.httpd = make_server(host or ("::" if family == socket.AF_INET6 else "0.0.0.0"),
+                                     port, make_wsgi_app(registry), Server,
+                                     handler_class=_QuietHandler)
+        except OSError as exc:
+            why = "the port is taken" if exc.errno == errno.EADDRINUSE else exc.strerror
+            raise MetricsAddressError(f"metrics address {address}: cannot listen ({why})") \
+                from None
+        self.port = self.httpd.server_port
+        self.address = f"{f'[{host}]' if ':' in host else host}:{self.port}"
+        self._thread = threading.Thread(target=self.httpd.serve_forever,
+                                        name="mmtrace-metrics", daemon=True)
+        self._thread.start()
+
+    def close(self):
+        if self.httpd is not None:
+            self.httpd.shutdown()
+            self.httpd.server_close()
+            self._thread.join(5)
+            self.httpd = None
+
+
+@dataclass
+class Labels:
+    """How workload labels are bounded."""
+    top_k: int = 10
+    with_pid: bool = False
+
+
+def _encodable(text: str) -> str:
+    """`text` as UTF-8 can carry it: a file name's undecodable bytes
+    (surrogateescape) as \\xNN, any other lone surrogate as U+FFFD."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def _encodable_labels(family):
+    """The family with label values every scrape can encode: one library
+    path of undecodable bytes must not turn every scrape into a 500."""
+    for i, sample in enumerate(family.samples):
+        if not all(v.isascii() for v in sample.labels.values()):
+            family.samples[i] = sample._replace(
+                labels={k: _encodable(v) for k, v in sample.labels.items()})
+    return family
+
+
+class DaemonCollector:
+    """Reads the daemon at scrape time. `daemon` offers: lock, loaded (or
+    None), counts (EventCounts), probe_states, p99 and series_keys (its
+    series' names -> agent.series_keys.SeriesKey), entropy, entropy_latest,
+    anomaly_counts, hint_counts, nvml and npu (DeviceMonitors or None),
+    otlp (exporters.otlp.OtlpTraces or None)."""
+
+    def __init__(self, daemon, labels: Labels = Labels(), proc_root: Path = Path("/proc")):
+        self.daemon = daemon
+        self.labels = labels
+        self.proc_root = Path(proc_root)
+
+    def describe(self):
+        return []       # the families are only known at scrape time
+
+    def collect(self):
+        for family in self._families():
+            yield _encodable_labels(family)
+
+    def _families(self):
+        d = self.daemon
+        loaded = d.loaded
+        if loaded is not None:
+            yield from self._kernel(loaded)
+        counts = d.counts.snapshot()
+        yield from self._submitters(counts)
+        yield from self._device(counts)
+        with d.lock:
+            detector_rows = _detector_rows(d)
+            entropy = dict(d.entropy_latest)
+            anomalies = dict(d.anomaly_counts)
+            hints = dict(d.hint_counts)
+            probe_states = list(d.probe_states)
+        yield from self._probes(loaded, probe_states)
+        yield from self._detectors(detector_rows, entropy, anomalies, hints)
+        yield from self._devices(d.nvml, d.npu)
+        if getattr(d, "otlp", None) is not None:
+            yield from self._otlp(d.otlp.stats)
+
+    # ------------------------------------------------------------ kernel
+
+    def _kernel(self, loaded):
+        slots = loaded.runq_hist()
+        total_ns = sched_stream.sum_from_table(loaded.bpf[sched_stream.SUM_MAP])
+        hist = Histogram(KERNEL_RUNQ_BOUNDS)
+        hist.counts[:KERNEL_RUNQ_SLOTS] = slots[:KERNEL_RUNQ_SLOTS]
+        hist.counts[KERNEL_RUNQ_SLOTS] = sum(slots[KERNEL_RUNQ_SLOTS:])
+        h = HistogramMetricFamily("mmtrace_runq_delay_seconds",
+                                  "Run-queue delay of every wake-up in scope (the host when "
+                                  "no --pid is given), from the kernel's histogram.")
+        h.add_metric([], hist.cumulative(), total_ns / 1e9)
+        yield h
+        counters = loaded.counters()
+        lost = CounterMetricFamily("mmtrace_events_lost_total",
+                                   "Events or facts the eBPF programs could not deliver, "
+                                   "by stream and kernel counter (as `record` counts them).",
+                                   labels=["stream", "reason"])
+        for name in bpf_counters.LOSS_COUNTERS:
+            lost.add_metric([COUNTER_STREAM.get(name, "dev"), name], counters.get(name, 0))
+        yield lost
+        kernel = CounterMetricFamily("mmtrace_kernel_events_total",
+                                     "Every counter of the eBPF programs (losses, events "
+                                     "emitted, oddities), by name.", labels=["stream", "counter"])
+        for name in bpf_counters.COUNTER_NAMES:
+            kernel.add_metric([COUNTER_STREAM.get(name, "dev"), name], counters.get(name, 0))
+        yield kernel
+        yield from self._bpf_run_time(loaded.bpf)
+
+    def _bpf_run_time(self, bpf):
+        """Run time of our programs, where kernel.bpf_stats_enabled is on."""
+        try:
+            enabled = (self.proc_root / BPF_STATS_SYSCTL).read_text().strip() == "1"
+        except OSError:
+            enabled = False
+        on = GaugeMetricFamily("mmtrace_bpf_stats_enabled",
+                               "1 when kernel.bpf_stats_enabled is on (program run times "
+                               "are measured).", value=int(enabled))
+        yield on
+        if not enabled:
+            return
+        seconds = CounterMetricFamily("mmtrace_bpf_program_run_seconds",
+                                      "Time the kernel spent in each eBPF program.",
+                                      labels=["program"])
+        runs = CounterMetricFamily("mmtrace_bpf_program_runs", "Runs of each eBPF program.",
+                                   labels=["program"])
+        funcs = {(n.decode() if isinstance(n, bytes) else n): fn
+                 for n, fn in getattr(bpf, "funcs", {}).items()}
+        for name, fn in sorted(funcs.items()):
+            stats = _prog_stats(self.proc_root / "self" / "fdinfo" / str(fn.fd))
+            if stats is not None:
+                seconds.add_metric([name], stats[0] / 1e9)
+                runs.add_metric([name], stats[1])
+        yield seconds
+        yield runs
+
+    # ------------------------------------------------------------ events
+
+    def _submitters(self, counts):
+        labels = ["process", "pid"] if self.labels.with_pid else ["process"]
+        h = HistogramMetricFamily(
+            "mmtrace_submitter_runq_delay_seconds",
+            f"Run-queue delay of the threads that submit GPU/NPU work, per process "
+            f"(the {self.labels.top_k} busiest by name, the rest as other).", labels=labels)
+        for key, hist in top_k(counts.processes, self.labels.top_k, self.labels.with_pid):
+            h.add_metric(list(key), hist.cumulative(), hist.sum)
+        yield h
+
+    def _device(self, counts):
+        subs = CounterMetricFamily("mmtrace_device_submissions_total",
+                                   "GPU/NPU submissions seen by the probes.",
+                                   labels=["stream", "kind", "api"])
+        for (stream, kind, api), n in sorted(counts.submissions.items()):
+            subs.add_metric([stream, kind, api], n)
+        yield subs
+        memcpy = CounterMetricFamily("mmtrace_device_memcpy_bytes_total",
+                                     "Bytes copied by GPU/NPU memcpys, by direction.",
+                                     labels=["stream", "direction"])
+        for (stream, direction), n in sorted(counts.memcpy_bytes.items()):
+            memcpy.add_metric([stream, direction], n)
+        yield memcpy
+        for name, doc, hists in (
+                ("mmtrace_device_sync_wait_seconds",
+                 "Time blocked in GPU/NPU synchronisations.", counts.sync_wait),
+                ("mmtrace_device_submit_to_retire_seconds",
+                 "From a GPU/NPU submission to the first sync that covered it.",
+                 counts.submit_to_retire)):
+            h = HistogramMetricFamily(name, doc, labels=["stream"])
+            for stream, hist in sorted(hists.items()):
+                h.add_metric([stream], hist.cumulative(), hist.sum)
+            yield h
+
+    # ------------------------------------------------------------ probes
+
+    def _probes(self, loaded, program_states):
+        """1 attached, 0 failed; a symbol absent from its library, or a
+        per-launch probe detached on purpose (adaptive mode), is not down."""
+        up: dict[tuple[str, str], int] = {}
+        by_state: dict[str, int] = {}
+        # The scheduler program, and GPU/NPU programs that failed as a whole
+        # (they did not compile or load: no library is probed).
+        rows = [{"symbol": Path(s.get("program", "sched")).stem,
+                 "path": "kernel" if s.get("stream") == "cpu" else "*",
+                 "state": s.get("state", ""), "point": s.get("point", ""),
+                 "reason": s.get("reason", "")}
+                for s in program_states
+                if s.get("stream") == "cpu" or (s.get("state") == "failed" and s.get("program"))]
+        if loaded is not None and loaded.device is not None:
+            rows += loaded.device.states()
+        failures: dict[tuple[str, str, str], str] = {}
+        for row in rows:
+            state = row["state"]
+            by_state[state] = by_state.get(state, 0) + int(row.get("count", 1))
+            if state in ("attached", "failed"):
+                key = (row["symbol"], Path(row["path"]).name)
+                up[key] = min(up.get(key, 1), int(state == "attached"))
+            if state == "failed":
+                failures.setdefault((*key, row.get("point", "")),
+                                    str(row.get("reason", ""))[:MAX_REASON_CHARS])
+        g = GaugeMetricFamily("mmtrace_probe_up", "1 when the probe is attached, 0 when it "
+                              "failed to attach.", labels=["probe", "library"])
+        for (probe, library), value in sorted(up.items()):
+            g.add_metric([probe, library], value)
+        yield g
+        if failures:
+            why = GaugeMetricFamily("mmtrace_probe_failure_info",
+                                    "1 for each probe that failed to load or attach, with "
+                                    "the reason (as `mmtrace doctor` gives it).",
+                                    labels=["probe", "library", "point", "reason"])
+            for labels, reason in sorted(failures.items()):
+                why.add_metric([*labels, reason], 1)
+            yield why
+        s = GaugeMetricFamily("mmtrace_probes", "Probe points by state.", labels=["state"])
+        for state in ("attached", "detached", "not_found", "failed"):
+            s.add_metric([state], by_state.get(state, 0))
+        yield s
+        if loaded is not None and loaded.device is not None:
+            held = loaded.device.footprint()
+            yield GaugeMetricFamily("mmtrace_probed_files", "Files (libraries, executables) "
+                                    "the GPU/NPU probes are attached to now.",
+                                    value=held["libraries"])
+            yield GaugeMetricFamily("mmtrace_probe_links", "Kernel attachments (uprobe_multi "
+                                    "links, perf events) the GPU/NPU probes hold now.",
+                                    value=held["links"])
+
+    # --------------------------------------------------------- detectors
+
+    def _detectors(self, rows, entropy, anomalies, hints):
+        g = GaugeMetricFamily("mmtrace_detector_series",
+                              "Series watched by each detector, by series kind and state "
+                              "(normal, pending, firing, resolved).",
+                              labels=["detector", "series", "state"])
+        for (detector, series, state), n in sorted(rows.items()):
+            g.add_metric([detector, series, state], n)
+        yield g
+        e = GaugeMetricFamily("mmtrace_attention_entropy",
+                              "Latest mean normalised attention entropy reported, by modality.",
+                              labels=["modality"])
+        for modality, value in sorted(entropy.items()):
+            e.add_metric([modality], value)
+        yield e
+        a = CounterMetricFamily("mmtrace_anomalies_total", "Anomalies fired, by detector.",
+                                labels=["detector"])
+        for detector in sorted(set(KNOWN_DETECTORS) | set(anomalies)):
+            a.add_metric([detector], anomalies.get(detector, 0))
+        yield a
+        h = CounterMetricFamily("mmtrace_hints_total",
+                                "Hints delivered to subscribed dispatchers, by kind.",
+                                labels=["kind"])
+        for kind in sorted(set(KNOWN_HINTS) | set(hints)):
+            h.add_metric([kind], hints.get(kind, 0))
+        yield h
+
+    # -------------------------------------------------------------- otlp
+
+    def _otlp(self, stats):
+        spans = CounterMetricFamily(
+            "mmtrace_otlp_spans_total",
+            "OTLP spans by outcome: exported, failed (in batches the collector refused or "
+            "never got), dropped (queue full), capped (sampled submissions over the rate cap).",
+            labels=["outcome"])
+        for outcome in ("exported", "failed", "dropped", "capped"):
+            spans.add_metric([outcome], getattr(stats, outcome))
+        yield spans
+        yield CounterMetricFamily("mmtrace_otlp_export_failures_total",
+                                  "OTLP export batches that failed.", value=stats.failed_batches)
+
+    # ----------------------------------------------------------- devices
+
+    def _devices(self, nvml, npu):
+        yield GaugeMetricFamily("mmtrace_nvml_up", "1 when NVML answers (GPU device state is "
+                                "polled), 0 without a driver or when polling fails.",
+                                value=int(nvml is not None and nvml.up))
+        if npu is not None:
+            yield GaugeMetricFamily("mmtrace_npu_smi_up", "1 when npu-smi answers (NPU device "
+                                    "state is polled), 0 when it fails.", value=int(npu.up))
+        for kind, monitor in (("gpu", nvml), ("npu", npu)):
+            if monitor is not None:
+                yield from _device_gauges(kind, monitor.devices())
+
+
+DEVICE_GAUGES = {
+    "weight": ("device_weight", "(1 - SM util) x (1 - mem-bw util) x max(0.1, 1/(hops+1))."),
+    "profile": ("resource_profile", "0.3 norm(temp, 35-100 C) + 0.4 memory fragmentation + "
+                "0.3 bandwidth saturation."),
+    "sm_util": ("sm_utilization_ratio", "SM (NPU: AI Core) utilisation, 0..1."),
+    "mem_bw_util": ("memory_bandwidth_utilization_ratio", "Memory-bandwidth utilisation, 0..1."),
+    "memory_used_bytes": ("memory_used_bytes", "Device memory in use."),
+    "memory_total_bytes": ("memory_total_bytes", "Device memory."),
+    "temperature_c": ("temperature_celsius", "Device temperature."),
+    "power_w": ("power_watts", "Power draw."),
+    "hops": ("hops", "Mean links from the device to each other device."),
+}
+
+
+def _device_gauges(kind: str, devices: list):
+    """mmtrace_gpu_* {gpu="0"} from NVML, mmtrace_npu_* {npu="0"} from npu-smi."""
+    for attr, (suffix, doc) in DEVICE_GAUGES.items():
+        g = GaugeMetricFamily(f"mmtrace_{kind}_{suffix}", doc, labels=[kind])
+        for dev in devices:
+            g.add_metric([str(dev.index)], float(getattr(dev, attr)))
+        yield g
+    if kind != "gpu":
+        return
+    pcie = GaugeMetricFamily("mmtrace_gpu_pcie_throughput_bytes_per_second",
+                             "PCIe throughput over NVML's last sample.",
+                             labels=["gpu", "direction"])
+    for dev in devices:
+        pcie.add_metric([str(dev.index), "tx"], dev.pcie_tx_bytes_per_s)
+        pcie.add_metric([str(dev.index), "rx"], dev.pcie_rx_bytes_per_s)
+    yield pcie
+    link = GaugeMetricFamily("mmtrace_gpu_nvlink_peer", "1 for each pair of devices "
+                             "joined by a direct NVLink.", labels=["gpu", "peer"])
+    for dev in devices:
+        for peer in dev.nvlink_peers:
+            link.add_metric([str(dev.index), str(peer)], 1)
+    yield link
+
+
+def _detector_rows(d) -> dict:
+    """(detector, series kind, state) -> number of series; zeros included,
+    so that alert expressions always have series to evaluate."""
+    rows = {}
+    for name, key in d.series_keys.items():     # the kind from the key, not the name
+        for state in DETECTOR_STATES:
+            rows.setdefault(("p99_drift", key.kind, state), 0)
+        rows[("p99_drift", key.kind, d.p99.state(name))] += 1
+    for kind in entropy_drift.KINDS:
+        for state in ("normal", "firing"):
+            rows[("attention_entropy", kind, state)] = 0
+    for modality in d.entropy_latest:
+        firing = set(d.entropy.firing(modality))
+        for kind in entropy_drift.KINDS:
+            rows[("attention_entropy", kind, "firing" if kind in firing else "normal")] += 1
+    return rows
+
+
+def _prog_stats(fdinfo: Path) -> tuple[int, int] | None:
+    """(run_time_ns, run_cnt) from a program fd's fdinfo."""
+    try:
+        text = fdinfo.read_text()
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    try:
+        return int(fields["run_time_ns"]), int(fields["run_cnt"])
+    except (KeyError, ValueError):
+        return None
+
+
+def registry_for(daemon, labels: Labels, proc_root: Path = Path("/proc")) -> CollectorRegistry:
+    """The daemon's collector, and the agent's own CPU and memory
+    (mmtrace_process_cpu_seconds_total, mmtrace_process_resident_memory_bytes, ...)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DaemonCollector(daemon, labels, proc_root))
+    ProcessCollector(namespace="mmtrace", pid=lambda: os.getpid(), proc=str(proc_root),
+                     registry=registry)
+    return registry
