@@ -79,31 +79,18 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import Counter
 from typing import Callable
 
 import numpy as np
 
-from mmtrace.detectors.quantile_sketch import DEFAULT_ALPHA, LogMapping, check_quantile, quantile_columns
+from mmtrace.detectors.p99_alarms import STATE_NAMES, AlarmRule, AlarmStates
+from mmtrace.detectors.p99_baseline import Baselines
+from mmtrace.detectors.p99_intake import Intake, as_timestamps, dense_ids, require_same_length
+from mmtrace.detectors.p99_series_rows import packing, shrunk_capacity
+from mmtrace.detectors.p99_windows import OpenWindows
+from mmtrace.detectors.quantile_sketch import DEFAULT_ALPHA, LogMapping, check_quantile
 
 log = logging.getLogger(__name__)
-
-DETECTOR = "p99_drift"
-STATE_NAMES = ("normal", "pending", "firing", "resolved")
-NORMAL, PENDING, FIRING, RESOLVED = range(4)
-# Edges the state machine may take from one closed window to the next.
-# normal/resolved -> firing only happens when consecutive == 1.
-ALLOWED_TRANSITIONS = frozenset(
-    {
-        ("normal", "normal"), ("normal", "pending"), ("normal", "firing"),
-        ("pending", "pending"), ("pending", "normal"), ("pending", "firing"),
-        ("firing", "firing"), ("firing", "resolved"),
-        ("resolved", "normal"), ("resolved", "pending"), ("resolved", "firing"),
-    }
-)
-MAD_TO_SIGMA = 1.4826  # median absolute deviation -> standard deviation (normal data)
-TOP_CONTRIBUTORS = 5
-KEPT_CONTRIBUTORS = 64  # per incident; bounds memory on threads that come and go
 
 Sink = Callable[[dict], None]
 
@@ -138,21 +125,9 @@ class P99Drift:
         max_open_windows: int = 4,
         sink: Sink | None = None,
     ) -> None:
-        _require(window_s > 0 and math.isfinite(window_s), "window_s", "a positive number of seconds", window_s)
-        _require_int(baseline_windows, "baseline_windows", 1)
-        _require_int(min_baseline_windows, "min_baseline_windows", 1)
-        _require(min_baseline_windows <= baseline_windows, "min_baseline_windows",
-                 f"at most baseline_windows={baseline_windows}", min_baseline_windows)
-        _require(factor > 1.0 and math.isfinite(factor), "factor", "a number > 1", factor)
-        _require(1.0 <= clear_factor <= factor, "clear_factor", f"a number in [1, factor={factor}]", clear_factor)
-        _require(floor >= 0.0 and math.isfinite(floor), "floor", "a number >= 0", floor)
-        _require_int(consecutive, "consecutive", 1)
-        _require_int(clear_windows, "clear_windows", 1)
-        _require_int(min_samples, "min_samples", 1)
-        _require(noise_sigmas >= 0.0 and math.isfinite(noise_sigmas), "noise_sigmas", "a number >= 0", noise_sigmas)
-        _require(0.0 < min_value < max_value and math.isfinite(max_value), "min_value/max_value",
-                 "0 < min_value < max_value < inf", (min_value, max_value))
-        _require_int(max_open_windows, "max_open_windows", 1)
+        _check_settings(window_s, baseline_windows, min_baseline_windows, factor, clear_factor, floor,
+                        consecutive, clear_windows, min_samples, noise_sigmas, min_value, max_value,
+                        max_open_windows)
         self.window_ns = int(round(window_s * 1e9))
         _require(self.window_ns > 0, "window_s", "at least 1 ns", window_s)
         self.baseline_windows = baseline_windows
@@ -170,26 +145,19 @@ class P99Drift:
         self.max_open_windows = max_open_windows
         self.sink = sink
         self.sink_errors = 0
-        self.unknown_series = 0  # events whose integer key was never registered
-
-        # Fixed bucket layout shared by every window: column 0 holds zeros,
-        # columns 1.. the log buckets from min_value to max_value.
         self.mapping = LogMapping(alpha)
-        self._low_index = int(self.mapping.index(np.array([self.min_value]))[0])
-        high_index = int(self.mapping.index(np.array([self.max_value]))[0])
-        self._columns = high_index - self._low_index + 2
-        self._column_value = np.concatenate(
-            ([0.0], self.mapping.value(np.arange(self._low_index, high_index + 1)))
-        )
-        self._clear_scale = (self.clear_factor - 1.0) / (self.factor - 1.0)
 
         self._names: list[str] = []
         self._ids: dict[str, int] = {}
         self._capacity = 0
-        self._next_close: int | None = None  # index of the oldest open window
-        self._open: set[int] = set()  # open windows holding at least one event
-        self._tails: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
-        self._incident: list[Counter] = []
+        self._windows = OpenWindows(self.mapping, self.min_value, self.max_value, max_open_windows, self.quantile)
+        self._baselines = Baselines(baseline_windows, min_baseline_windows)
+        self._alarms = AlarmStates(
+            AlarmRule(self.window_ns, self.factor, self.clear_factor, self.floor, consecutive, clear_windows,
+                      min_samples, self.noise_sigmas, self.min_value),
+            self._baselines,
+        )
+        self._intake = Intake(self.max_value)
         self._grow(8)
 
     # ----------------------------------------------------------------- series
@@ -206,7 +174,7 @@ class P99Drift:
             self._grow(2 * self._capacity)
         self._names.append(name)
         self._ids[name] = sid
-        self._incident.append(Counter())
+        self._alarms.add_series()
         return sid
 
     @property
@@ -214,36 +182,36 @@ class P99Drift:
         return list(self._names)
 
     def state(self, series: str | int) -> str:
-        return STATE_NAMES[self._state[self._resolve(series)]]
+        return STATE_NAMES[self._alarms.state[self._resolve(series)]]
 
     def baseline(self, series: str | int) -> float | None:
-        value = self._base[self._resolve(series)]
+        value = self._baselines.base[self._resolve(series)]
         return None if math.isnan(value) else float(value)
 
     def snapshot(self, series: str | int) -> dict:
         """What exporters need about one series, as plain Python values."""
         sid = self._resolve(series)
-        last = self._last_p99[sid]
         return {
             "series": self._names[sid],
-            "state": STATE_NAMES[self._state[sid]],
+            "state": STATE_NAMES[self._alarms.state[sid]],
             "baseline": self.baseline(sid),
-            "last_p99": None if math.isnan(last) else float(last),
-            "last_count": int(self._last_count[sid]),
-            "accepted": int(self._accepted[sid]),
-            "rejected": int(self._rejected[sid]),
-            "late": int(self._late[sid]),
+            **self._intake.snapshot(sid),
         }
+
+    @property
+    def unknown_series(self) -> int:
+        """Events whose integer key was never registered."""
+        return self._intake.unknown_series
 
     @property
     def rejected(self) -> dict[str, int]:
         """Per series: NaN / infinite / negative / absurd values skipped."""
-        return {name: int(self._rejected[i]) for i, name in enumerate(self._names)}
+        return self._intake.per_name("rejected", self._names)
 
     @property
     def late(self) -> dict[str, int]:
         """Per series: events that arrived after their window had closed."""
-        return {name: int(self._late[i]) for i, name in enumerate(self._names)}
+        return self._intake.per_name("late", self._names)
 
     def reset(self, series: str | int) -> None:
         """Forget a series' baseline and alarm (its process restarted, say).
@@ -251,15 +219,8 @@ class P99Drift:
         Emits nothing; the series re-learns its baseline from the next window.
         """
         sid = self._resolve(series)
-        self._state[sid] = NORMAL
-        self._hist[sid] = np.nan
-        self._hist_pos[sid] = 0
-        self._hist_len[sid] = 0
-        self._base[sid] = np.nan
-        self._sigma[sid] = np.nan
-        self._streak_n[sid] = 0
-        self._clear_n[sid] = 0
-        self._incident[sid].clear()
+        self._alarms.forget(sid)
+        self._baselines.forget(sid)
 
     def drop(self, names) -> int:
         """Forget series for good (their process exited): their windows,
@@ -270,27 +231,12 @@ class P99Drift:
         if not gone:
             return 0
         used = len(self._names)
-        keep = np.array([i for i in range(used) if i not in gone], np.int64)
-        new_id = np.full(len(self._names), -1, np.int64)
-        new_id[keep] = np.arange(keep.size)
+        keep, new_id = packing(used, gone)
         self._names = [self._names[i] for i in keep.tolist()]
         self._ids = {name: i for i, name in enumerate(self._names)}
-        self._incident = [self._incident[i] for i in keep.tolist()]
-        for window, parts in list(self._tails.items()):
-            moved = []
-            for series, contrib, counts in parts:
-                ids = new_id[series]
-                mine = ids >= 0
-                if mine.any():
-                    moved.append((ids[mine], contrib[mine], counts[mine]))
-            if moved:
-                self._tails[window] = moved
-            else:
-                del self._tails[window]
-        capacity = self._capacity
-        while capacity > 8 and keep.size <= capacity // 4:
-            capacity //= 2
-        self._resize(capacity, keep, used)
+        self._alarms.keep_series(keep)
+        self._windows.renumber_tails(new_id)
+        self._resize(shrunk_capacity(self._capacity, keep.size), keep, used)
         return len(gone)
 
     # ------------------------------------------------------------------ input
@@ -309,47 +255,42 @@ class P99Drift:
         ``values``: the latencies. ``contributors``: optional thread / op
         ids, reported for the slow events of an incident.
         """
-        ids = self._ids_of(series)
-        ts = _as_timestamps(ts_ns)
+        ids = dense_ids(series, self.series_id)
+        ts = as_timestamps(ts_ns)
         vals = np.asarray(values, dtype=np.float64).ravel()
         contrib = None if contributors is None else np.asarray(contributors).ravel()
-        _require_same_length(ids=ids, ts_ns=ts, values=vals, contributors=contrib)
+        require_same_length(ids=ids, ts_ns=ts, values=vals, contributors=contrib)
         if ids.size == 0:
             return []
 
-        known = (ids >= 0) & (ids < len(self._names))
-        if not known.all():
-            self.unknown_series += int(ids.size - np.count_nonzero(known))
-            ids, ts, vals, contrib = _keep(known, ids, ts, vals, contrib)
-        good = (vals >= 0.0) & (vals <= self.max_value) & (ts >= 0)  # NaN compares False
-        if not good.all():
-            self._rejected[: len(self._names)] += np.bincount(ids[~good], minlength=len(self._names))
-            ids, ts, vals, contrib = _keep(good, ids, ts, vals, contrib)
+        n_series = len(self._names)
+        intake = self._intake
+        ids, ts, vals, contrib = intake.checked(ids, ts, vals, contrib, n_series)
         if ids.size == 0:
             return []
-
         windows = ts // self.window_ns
-        if self._next_close is None:
-            self._next_close = int(windows.min())
-        on_time = windows >= self._next_close
-        if not on_time.all():
-            self._late[: len(self._names)] += np.bincount(ids[~on_time], minlength=len(self._names))
-            ids, vals, contrib, windows = _keep(on_time, ids, vals, contrib, windows)
-            if ids.size == 0:
-                return []
-
-        columns = self._columns_of(vals)
-        self._accepted[: len(self._names)] += np.bincount(ids, minlength=len(self._names))
-        if int(windows.max()) < self._next_close + self.max_open_windows:
-            self._accumulate(ids, windows, columns, vals, contrib)
+        if self._windows.next_close is None:
+            self._windows.next_close = int(windows.min())
+        ids, vals, contrib, windows = intake.on_time(self._windows.next_close, ids, vals, contrib, windows, n_series)
+        if ids.size == 0:
             return []
-        return self._accumulate_far(ids, windows, columns, vals, contrib)
+
+        columns = self._windows.columns_of(vals)
+        intake.count_accepted(ids, n_series)
+        base = self._baselines.base
+        if int(windows.max()) < self._windows.next_close + self.max_open_windows:
+            self._windows.accumulate(ids, windows, columns, vals, contrib, n_series, base)
+            return []
+        emitted: list[dict] = []
+        for target in self._windows.feed_far(ids, windows, columns, vals, contrib, n_series, base):
+            emitted += self._close_until(target)
+        return emitted
 
     def advance(self, now_ns: int) -> list[dict]:
         """Close every window that ended at or before ``now_ns``."""
         target = int(now_ns) // self.window_ns
-        if self._next_close is None:
-            self._next_close = target
+        if self._windows.next_close is None:
+            self._windows.next_close = target
             return []
         return self._close_until(target)
 
@@ -365,272 +306,24 @@ class P99Drift:
             raise KeyError(f"no series named {series!r}")
         return sid
 
-    def _ids_of(self, series: np.ndarray) -> np.ndarray:
-        keys = np.asarray(series).ravel()
-        if keys.dtype.kind in "iu":
-            return keys.astype(np.int64, copy=False)
-        if keys.dtype.kind in "USO":
-            if keys.size == 0:
-                return np.zeros(0, dtype=np.int64)
-            unique, inverse = np.unique(keys, return_inverse=True)
-            return np.array([self.series_id(name) for name in unique.tolist()], dtype=np.int64)[inverse]
-        raise TypeError(f"series must be integer ids or str names, got an array of dtype {keys.dtype}")
-
-    def _columns_of(self, vals: np.ndarray) -> np.ndarray:
-        """Sketch column of each value: 0 for zero, else its log bucket."""
-        columns = self.mapping.index(np.maximum(vals, self.min_value))
-        columns -= self._low_index - 1
-        np.clip(columns, 1, self._columns - 1, out=columns)
-        zero = vals == 0.0
-        if zero.any():
-            columns[zero] = 0
-        return columns
-
-    def _accumulate(self, ids, windows, columns, vals, contrib) -> None:
-        """Add events whose windows are all open (within max_open_windows)."""
-        n_series = len(self._names)
-        first = int(windows.min())
-        span = int(windows.max()) - first + 1
-        flat = ids * self._columns + columns
-        if span > 1:
-            flat += (windows - first) * (n_series * self._columns)
-        hist = np.bincount(flat, minlength=span * n_series * self._columns)
-        hist = hist.reshape(span, n_series, self._columns)
-        for offset in range(span):
-            if hist[offset].any():
-                window = first + offset
-                self._ring[window % self.max_open_windows, :n_series] += hist[offset]
-                self._open.add(window)
-        if contrib is not None:
-            self._note_tail(ids, windows, vals, contrib)
-
-    def _accumulate_far(self, ids, windows, columns, vals, contrib) -> list[dict]:
-        """A batch reaching past the open windows: feed it window by window,
-        closing the oldest as the batch moves on."""
-        if np.any(windows[1:] < windows[:-1]):
-            order = np.argsort(windows, kind="stable")
-            ids, windows, columns, vals = ids[order], windows[order], columns[order], vals[order]
-            contrib = None if contrib is None else contrib[order]
-        emitted: list[dict] = []
-        start = 0
-        while start < ids.size:
-            limit = self._next_close + self.max_open_windows
-            stop = int(np.searchsorted(windows, limit, side="left"))
-            if stop > start:
-                part = slice(start, stop)
-                self._accumulate(
-                    ids[part], windows[part], columns[part], vals[part],
-                    None if contrib is None else contrib[part],
-                )
-                start = stop
-            if start < ids.size:
-                emitted += self._close_until(int(windows[start]) - self.max_open_windows + 1)
-        return emitted
-
-    def _note_tail(self, ids, windows, vals, contrib) -> None:
-        """Count (series, contributor) of the events above the baseline."""
-        tail = vals > self._base[ids]  # NaN baseline (not ready) -> False
-        if not tail.any():
-            return
-        ids, windows, contrib = ids[tail], windows[tail], contrib[tail]
-        # Contributor ids may be 64-bit pointers or strings: densify them
-        # first so (window, series, contributor) packs into one int64 key.
-        who, dense = np.unique(contrib, return_inverse=True)
-        first = int(windows.min())
-        key = ((windows - first) * len(self._names) + ids) * who.size + dense
-        pairs, counts = np.unique(key, return_counts=True)
-        pair_contrib = who[pairs % who.size]
-        pair_series = (pairs // who.size) % len(self._names)
-        pair_window = pairs // (who.size * len(self._names)) + first
-        for window in np.unique(pair_window).tolist():
-            mine = pair_window == window
-            self._tails.setdefault(window, []).append((pair_series[mine], pair_contrib[mine], counts[mine]))
-
     def _close_until(self, target: int) -> list[dict]:
         emitted: list[dict] = []
-        while self._next_close < target:
-            due = [w for w in self._open if w < target]
-            if not due:
-                self._close_empty()
-                self._next_close = target
-                break
-            window = min(due)
-            if window > self._next_close:
-                self._close_empty()
-            emitted += self._close_window(window)
-            self._next_close = window + 1
+        for window in self._windows.closing(target):
+            if window is None:
+                self._alarms.pass_empty_window(len(self._names))
+            else:
+                emitted += self._close_window(window)
         return emitted
-
-    def _close_empty(self) -> None:
-        # An empty window is neutral, except that resolved lasts one window.
-        n_series = len(self._names)
-        states = self._state[:n_series]
-        states[states == RESOLVED] = NORMAL
 
     def _close_window(self, window: int) -> list[dict]:
         n_series = len(self._names)
-        slot = window % self.max_open_windows
-        counts = self._ring[slot, :n_series]
-        column, totals = quantile_columns(counts, self.quantile)
-        p99 = self._column_value[np.maximum(column, 0)]
-        p99[totals == 0] = np.nan
-        counts[:] = 0
-        self._open.discard(window)
-        tails = self._tails.pop(window, [])
-        self._last_p99[:n_series] = p99
-        self._last_count[:n_series] = totals
-        return self._judge(window, p99, totals, tails)
-
-    def _judge(self, window: int, p99: np.ndarray, totals: np.ndarray, tails) -> list[dict]:
-        n = len(self._names)
-        state = self._state[:n]
-        base = self._base[:n]
-        state[state == RESOLVED] = NORMAL  # resolved lasts one window
-        eligible = totals >= self.min_samples
-        ready = ~np.isnan(base)
-        with np.errstate(invalid="ignore"):
-            # fmax skips NaN: no spread measured yet means no widening.
-            fire_ratio = np.fmax(self.factor, np.exp(self.noise_sigmas * self._sigma[:n]))
-            clear_ratio = 1.0 + (fire_ratio - 1.0) * self._clear_scale
-            excess = p99 - base
-            bad = eligible & ready & (p99 > base * fire_ratio) & (excess > self.floor)
-            clear = eligible & ready & ((p99 <= base * clear_ratio) | (excess <= self.floor))
-        log_p99 = np.log(np.fmax(p99, self.min_value))  # only read for windows with samples
-        start_ns = window * self.window_ns
-        emitted: list[dict] = []
-
-        normal = state == NORMAL
-        pending = state == PENDING
-        firing = state == FIRING
-        to_feed = normal & eligible & ~bad
-        aborted = np.flatnonzero(pending & eligible & ~bad)
-        in_streak = np.flatnonzero((normal | pending) & bad)
-
-        # Windows of an aborted pending run were noise after all: they join
-        # the baseline before the current window does.
-        changed = to_feed.copy()
-        for sid in aborted.tolist():
-            for k in range(int(self._streak_n[sid])):
-                self._push_history(np.array([sid]), np.array([self._streak_log[sid, k]]))
-            self._streak_n[sid] = 0
-            self._incident[sid].clear()
-            state[sid] = NORMAL
-            changed[sid] = True
-        to_feed[aborted] = True
-        fed = np.flatnonzero(to_feed)
-        self._push_history(fed, log_p99[fed])
-
-        if in_streak.size:
-            fresh = in_streak[state[in_streak] == NORMAL]
-            self._streak_n[fresh] = 0
-            for sid in fresh.tolist():
-                self._incident[sid].clear()
-            k = self._streak_n[in_streak]
-            self._streak_p99[in_streak, k] = p99[in_streak]
-            self._streak_log[in_streak, k] = log_p99[in_streak]
-            self._streak_count[in_streak, k] = totals[in_streak]
-            self._streak_start[in_streak, k] = start_ns
-            self._streak_n[in_streak] = k + 1
-            state[in_streak] = PENDING
-        incident = (state == PENDING) | firing
-        self._add_contributors(tails, incident)
-
-        fired = in_streak[self._streak_n[in_streak] >= self.consecutive]
-        for sid in fired.tolist():
-            state[sid] = FIRING
-            self._fired_ns[sid] = start_ns + self.window_ns
-            emitted.append(self._anomaly(sid, "firing", start_ns, fire_ratio[sid], self._streak(sid)))
-
-        clearing = np.flatnonzero(firing & clear)
-        self._clear_n[np.flatnonzero(firing & eligible & ~clear)] = 0
-        if clearing.size:
-            k = self._clear_n[clearing]
-            self._clear_p99[clearing, k] = p99[clearing]
-            self._clear_count[clearing, k] = totals[clearing]
-            self._clear_start[clearing, k] = start_ns
-            self._clear_n[clearing] = k + 1
-        resolved = clearing[self._clear_n[clearing] >= self.clear_windows]
-        for sid in resolved.tolist():
-            state[sid] = RESOLVED
-            record = self._anomaly(sid, "resolved", start_ns, fire_ratio[sid], self._clears(sid))
-            record["evidence"]["fired_ts_ns"] = int(self._fired_ns[sid])
-            emitted.append(record)
-            self._clear_n[sid] = 0
-            self._streak_n[sid] = 0
-            self._incident[sid].clear()
-
-        self._refresh_baseline(np.flatnonzero(changed))
+        p99, totals, tails = self._windows.close(window, n_series)
+        self._intake.last_p99[:n_series] = p99
+        self._intake.last_count[:n_series] = totals
+        emitted = self._alarms.judge(window, p99, totals, tails, self._names, self._intake.rejected)
         for record in emitted:
             self._deliver(record)
         return emitted
-
-    def _push_history(self, rows: np.ndarray, log_p99: np.ndarray) -> None:
-        if rows.size == 0:
-            return
-        pos = self._hist_pos[rows]
-        self._hist[rows, pos] = log_p99
-        self._hist_pos[rows] = (pos + 1) % self.baseline_windows
-        self._hist_len[rows] = np.minimum(self._hist_len[rows] + 1, self.baseline_windows)
-
-    def _refresh_baseline(self, rows: np.ndarray) -> None:
-        rows = rows[self._hist_len[rows] >= self.min_baseline_windows]
-        if rows.size == 0:
-            return
-        hist = self._hist[rows]
-        lengths = self._hist_len[rows]
-        centre = _leading_median(hist, lengths)
-        spread = _leading_median(np.abs(hist - centre[:, None]), lengths)
-        self._base[rows] = np.exp(centre)
-        self._sigma[rows] = MAD_TO_SIGMA * spread
-
-    def _add_contributors(self, tails, incident: np.ndarray) -> None:
-        for series_ids, contrib, counts in tails:
-            mine = incident[series_ids]
-            if not mine.any():
-                continue
-            for sid, who, n in zip(series_ids[mine].tolist(), contrib[mine].tolist(), counts[mine].tolist()):
-                self._incident[sid][who] += n
-        for sid in np.flatnonzero(incident).tolist():
-            tally = self._incident[sid]
-            if len(tally) > 2 * KEPT_CONTRIBUTORS:
-                self._incident[sid] = Counter(dict(tally.most_common(KEPT_CONTRIBUTORS)))
-
-    def _streak(self, sid: int) -> list[dict]:
-        n = int(self._streak_n[sid])
-        return self._windows(self._streak_start[sid, :n], self._streak_p99[sid, :n], self._streak_count[sid, :n])
-
-    def _clears(self, sid: int) -> list[dict]:
-        n = int(self._clear_n[sid])
-        return self._windows(self._clear_start[sid, :n], self._clear_p99[sid, :n], self._clear_count[sid, :n])
-
-    def _windows(self, starts, p99s, counts) -> list[dict]:
-        return [
-            {"start_ns": int(s), "end_ns": int(s) + self.window_ns, "p99": float(p), "count": int(c)}
-            for s, p, c in zip(starts.tolist(), p99s.tolist(), counts.tolist())
-        ]
-
-    def _anomaly(self, sid: int, state: str, start_ns: int, fire_ratio: float, windows: list[dict]) -> dict:
-        baseline = float(self._base[sid])
-        return {
-            "detector": DETECTOR,
-            "series": self._names[sid],
-            "state": state,
-            "ts_ns": int(start_ns + self.window_ns),
-            "evidence": {
-                "windows": windows,
-                "p99": windows[-1]["p99"],
-                "baseline": baseline,
-                "factor": self.factor,
-                "fire_ratio": float(fire_ratio),
-                "threshold": max(baseline * float(fire_ratio), baseline + self.floor),
-                "floor": self.floor,
-                "samples": sum(w["count"] for w in windows),
-                "top_contributors": [
-                    [_plain(who), int(n)] for who, n in self._incident[sid].most_common(TOP_CONTRIBUTORS)
-                ],
-                "rejected": int(self._rejected[sid]),
-            },
-        }
 
     def _deliver(self, record: dict) -> None:
         if self.sink is None:
@@ -645,54 +338,31 @@ class P99Drift:
         """(Re)allocate per-series state for ``capacity`` series, keeping what exists."""
         self._resize(capacity, np.arange(self._capacity))
 
-    def _series_arrays(self):
-        """(attribute, row shape, dtype, fresh value) of each per-series array."""
-        yield "_state", (), np.int8, NORMAL
-        yield "_hist", (self.baseline_windows,), np.float64, np.nan
-        yield "_hist_pos", (), np.int64, 0
-        yield "_hist_len", (), np.int64, 0
-        yield "_base", (), np.float64, np.nan
-        yield "_sigma", (), np.float64, np.nan
-        for prefix, length in (("_streak", self.consecutive), ("_clear", self.clear_windows)):
-            yield prefix + "_n", (), np.int64, 0
-            yield prefix + "_p99", (length,), np.float64, np.nan
-            yield prefix + "_count", (length,), np.int64, 0
-            yield prefix + "_start", (length,), np.int64, 0
-        yield "_streak_log", (self.consecutive,), np.float64, np.nan
-        yield "_fired_ns", (), np.int64, 0
-        yield "_last_p99", (), np.float64, np.nan
-        yield "_last_count", (), np.int64, 0
-        for counter in ("_accepted", "_rejected", "_late"):
-            yield counter, (), np.int64, 0
-
     def _resize(self, capacity: int, keep: np.ndarray, used: int = 0) -> None:
-        """Per-series state for ``capacity`` series; row ``i`` of the new
-        arrays is row ``keep[i]`` of the old ones (``used`` of which were in
-        use), the rest is fresh. Fresh arrays where the capacity changes
-        (what is dropped goes back to the allocator), else packed in place."""
-        in_place = capacity == self._capacity
-        # keep is sorted: a prefix is taken as a slice, without a copy
-        rows_kept = slice(0, keep.size) if keep.size == 0 or keep[-1] == keep.size - 1 else keep
-        for name, shape_tail, dtype, fill in self._series_arrays():
-            if in_place:
-                rows = getattr(self, name)
-                rows[: keep.size] = rows[rows_kept]
-                rows[keep.size:used] = fill
-            else:
-                fresh = np.full((capacity,) + shape_tail, fill, dtype=dtype)
-                if keep.size:
-                    fresh[: keep.size] = getattr(self, name)[rows_kept]
-                setattr(self, name, fresh)
-        # int32: a bucket of one series would need 2**31 events in one window to wrap.
-        if in_place:
-            self._ring[:, : keep.size] = self._ring[:, rows_kept]
-            self._ring[:, keep.size:used] = 0
-        else:
-            ring = np.zeros((self.max_open_windows, capacity, self._columns), dtype=np.int32)
-            if keep.size:
-                ring[:, : keep.size] = self._ring[:, rows_kept]
-            self._ring = ring
+        for part in (self._windows, self._baselines, self._alarms, self._intake):
+            part.resize(capacity, keep, used)
         self._capacity = capacity
+
+
+def _check_settings(window_s, baseline_windows, min_baseline_windows, factor, clear_factor, floor,
+                    consecutive, clear_windows, min_samples, noise_sigmas, min_value, max_value,
+                    max_open_windows) -> None:
+    _require(window_s > 0 and math.isfinite(window_s), "window_s", "a positive number of seconds", window_s)
+    _require_int(baseline_windows, "baseline_windows", 1)
+    _require_int(min_baseline_windows, "min_baseline_windows", 1)
+    _require(min_baseline_windows <= baseline_windows, "min_baseline_windows",
+             f"at most baseline_windows={baseline_windows}", min_baseline_windows)
+    _require(factor > 1.0 and math.isfinite(factor), "factor", "a number > 1", factor)
+    _require(1.0 <= clear_factor <= factor, "clear_factor", f"a number in [1, factor={factor}]", clear_factor)
+    _require(floor >= 0.0 and math.isfinite(floor), "floor", "a number >= 0", floor)
+    _require_int(consecutive, "consecutive", 1)
+    _require_int(clear_windows, "clear_windows", 1)
+    _require_int(min_samples, "min_samples", 1)
+    _require(noise_sigmas >= 0.0 and math.isfinite(noise_sigmas), "noise_sigmas", "a number >= 0", noise_sigmas)
+    _require(0.0 < min_value < max_value and math.isfinite(max_value), "min_value/max_value",
+             "0 < min_value < max_value < inf", (min_value, max_value))
+    _require_int(max_open_windows, "max_open_windows", 1)
+
 
 def _require(ok: bool, name: str, expected: str, got) -> None:
     if not ok:
@@ -702,41 +372,3 @@ def _require(ok: bool, name: str, expected: str, got) -> None:
 def _require_int(value, name: str, minimum: int) -> None:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-
-
-def _require_same_length(**arrays) -> None:
-    lengths = {name: a.size for name, a in arrays.items() if a is not None}
-    if len(set(lengths.values())) > 1:
-        described = ", ".join(f"{name}={n}" for name, n in lengths.items())
-        raise ValueError(f"observe() needs arrays of one length, got {described}")
-
-
-def _as_timestamps(ts_ns) -> np.ndarray:
-    ts = np.asarray(ts_ns).ravel()
-    if ts.dtype.kind in "iu":
-        return ts.astype(np.int64, copy=False)
-    if ts.dtype.kind == "f":
-        # Non-finite times become -1, which the negative-time check rejects.
-        return np.where(np.isfinite(ts), ts, -1).astype(np.int64)
-    raise TypeError(f"ts_ns must be integer nanoseconds, got an array of dtype {ts.dtype}")
-
-
-def _leading_median(rows: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Median of each row's non-NaN entries (``lengths`` of them).
-
-    np.nanmedian goes through masked arrays and costs ~0.3 ms a call; a
-    sort puts the NaNs last, so the median sits at known positions.
-    """
-    ordered = np.sort(rows, axis=1)
-    lower = np.take_along_axis(ordered, ((lengths - 1) // 2)[:, None], axis=1)[:, 0]
-    upper = np.take_along_axis(ordered, (lengths // 2)[:, None], axis=1)[:, 0]
-    return 0.5 * (lower + upper)
-
-
-def _keep(mask: np.ndarray, *arrays):
-    return tuple(None if a is None else a[mask] for a in arrays)
-
-
-def _plain(value):
-    """numpy scalar -> the Python value json can write."""
-    return value.item() if isinstance(value, np.generic) else value

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
-from mmtrace.detectors.p99_drift import ALLOWED_TRANSITIONS, P99Drift
+from mmtrace.detectors.p99_alarms import ALLOWED_TRANSITIONS
+from mmtrace.detectors.p99_drift import P99Drift
 
 WINDOW_NS = 1_000_000_000
 T0_WINDOW = 5_000  # windows start at 5000 s of CLOCK_MONOTONIC, like a host up for a while
@@ -232,12 +233,12 @@ def test_dropped_series_free_their_windows_and_a_returning_name_starts_afresh():
     ids = np.array([detector.series_id(n) for n in names])
     ts = np.full(ids.size, T0_WINDOW * WINDOW_NS)
     detector.observe(ids, ts, np.full(ids.size, 0.01))       # every series holds an open window
-    held = detector._ring.nbytes
+    held = detector._windows.ring.nbytes
     kept = names[::100]                                       # ids 1, 101, 201, ... move
     assert detector.drop([n for n in names if n not in kept]) == 990
     assert detector.drop(names[1:100] + ["never seen"]) == 0
     assert detector.names == ["s"] + kept
-    assert detector._ring.nbytes <= held // 32                # 1024 slots down to at most 32
+    assert detector._windows.ring.nbytes <= held // 32                # 1024 slots down to at most 32
     detector.observe(np.array([detector.series_id(kept[3])]), ts[:1], [0.02])
     detector.advance((T0_WINDOW + 1) * WINDOW_NS)
     assert detector.snapshot(kept[3])["last_count"] == 2      # its own event, and this one
