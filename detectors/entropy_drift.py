@@ -64,88 +64,16 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 import numpy as np
 
+from mmtrace.detectors.entropy_samples import group_samples
+from mmtrace.detectors.entropy_state import Alarm, ModalityState
+
 __all__ = ["EntropyDriftDetector"]
 
-_KINDS = ("entropy_rise", "entropy_collapse", "entropy_spread")
-KINDS = _KINDS     # public: what exporters label
-_TOLERANCE = 1e-6  # float noise around the ends of [0, 1] is accepted and clipped
+KINDS = ("entropy_rise", "entropy_collapse", "entropy_spread")  # public: what exporters label
 _HOLD = 0.5  # a firing alarm holds while the deviation exceeds this share of its threshold
-
-
-@dataclass
-class _Series:
-    """Baseline and level of many series at once (numpy arrays by slot)."""
-
-    count: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    mean: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    var: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    level: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    up_run: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    down_run: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-
-    def grow(self, size: int) -> None:
-        extra = size - self.count.shape[0]
-        if extra <= 0:
-            return
-        self.count = np.concatenate([self.count, np.zeros(extra, dtype=np.int64)])
-        self.mean = np.concatenate([self.mean, np.zeros(extra)])
-        self.var = np.concatenate([self.var, np.zeros(extra)])
-        self.level = np.concatenate([self.level, np.full(extra, np.nan)])
-        self.up_run = np.concatenate([self.up_run, np.zeros(extra, dtype=np.int64)])
-        self.down_run = np.concatenate([self.down_run, np.zeros(extra, dtype=np.int64)])
-
-    def smooth(self, idx: np.ndarray, values: np.ndarray, smoothing: float) -> np.ndarray:
-        previous = self.level[idx]
-        level = np.where(np.isnan(previous), values, smoothing * values + (1.0 - smoothing) * previous)
-        self.level[idx] = level
-        return level
-
-    def learn(self, idx: np.ndarray, values: np.ndarray, warmup: int, alpha: float) -> None:
-        """Exact running mean / variance (Welford) up to `warmup`, EWMA after."""
-        count = self.count[idx] + 1
-        mean, var = self.mean[idx], self.var[idx]
-        delta = values - mean
-        exact = count <= warmup
-        new_mean = np.where(exact, mean + delta / count, mean + alpha * delta)
-        # var holds the population variance in both regimes.
-        exact_var = (var * (count - 1) + delta * (values - new_mean)) / count
-        ewma_var = (1.0 - alpha) * (var + alpha * delta * delta)
-        self.count[idx] = count
-        self.mean[idx] = new_mean
-        self.var[idx] = np.where(exact, exact_var, ewma_var)
-
-
-@dataclass
-class _Alarm:
-    firing: bool = False
-    quiet: int = 0  # observations in a row without the condition, while firing
-    fired_ts_ns: int = 0
-
-
-class _Modality:
-    def __init__(self) -> None:
-        self.slots: dict[tuple[str, int], int] = {}
-        self.names: list[tuple[str, int]] = []
-        self.heads = _Series()
-        self.spread = _Series()
-        self.spread.grow(1)
-        self.alarms = {kind: _Alarm() for kind in _KINDS}
-        self.observations = 0
-
-    def slots_for(self, keys: list[tuple[str, int]]) -> np.ndarray:
-        for key in keys:
-            if key not in self.slots:
-                self.slots[key] = len(self.names)
-                self.names.append(key)
-        self.heads.grow(len(self.names))
-        return np.fromiter((self.slots[key] for key in keys), dtype=np.int64, count=len(keys))
-
-    def firing(self) -> bool:
-        return any(alarm.firing for alarm in self.alarms.values())
 
 
 class EntropyDriftDetector:
@@ -217,7 +145,7 @@ class EntropyDriftDetector:
         self._on_anomaly = on_anomaly
         # sigma of the level relative to sigma of a raw value, for a steady input
         self._level_factor = math.sqrt(smoothing / (2.0 - smoothing))
-        self._modalities: dict[str | None, _Modality] = {}
+        self._modalities: dict[str | None, ModalityState] = {}
         self.accepted = 0
         self.rejected = 0
         self.fired = 0
@@ -228,13 +156,17 @@ class EntropyDriftDetector:
         """Feed one batch of samples; returns the anomaly records (firing and
         resolved) it produced. ts_ns stamps them; by default the latest
         `ts_ns` among the samples, else the clock (CLOCK_MONOTONIC)."""
-        rounds, latest_ts = self._validated_rounds(samples)
+        grouped = group_samples(samples, {m: state.slots for m, state in self._modalities.items()},
+                                self.max_heads, self.max_modalities)
+        self.accepted += grouped.accepted
+        self.rejected += grouped.rejected
+        latest_ts = grouped.latest_ts
         when = ts_ns if ts_ns is not None else (latest_ts if latest_ts is not None else self._clock())
         records = []
-        for modality, observations in rounds.items():
+        for modality, observations in grouped.rounds.items():
             state = self._modalities.get(modality)
             if state is None:
-                state = self._modalities[modality] = _Modality()
+                state = self._modalities[modality] = ModalityState(KINDS)
             for keys, values in observations:
                 records.extend(self._observe(state, modality, keys, values, when))
         self.fired += sum(record["state"] == "firing" for record in records)
@@ -255,78 +187,11 @@ class EntropyDriftDetector:
         state = self._modalities.get(modality)
         if state is None:
             return []
-        s = state.heads
-        return [
-            {"layer": layer, "head": head, "count": int(s.count[k]), "mean": float(s.mean[k]),
-             "std": float(math.sqrt(s.var[k])), "level": float(s.level[k])}
-            for k, (layer, head) in enumerate(state.names)
-        ]
-
-    # -- input checking ----------------------------------------------------
-
-    def _validated_rounds(self, samples):
-        """Group valid samples by modality, then into observations (a head's
-        n-th sample in this batch belongs to the n-th observation)."""
-        rounds: dict[str | None, list[tuple[list, list]]] = {}
-        seen: dict[tuple, int] = {}  # (modality, key) -> samples so far in this batch
-        new_heads: dict[str | None, int] = {}
-        latest_ts = None
-        if isinstance(samples, dict):
-            samples = [samples]
-        for sample in samples:
-            parsed = self._parse(sample)
-            if parsed is None or not self._has_room(parsed[0], parsed[1], seen, new_heads, rounds):
-                self.rejected += 1
-                continue
-            modality, key, value, ts = parsed
-            self.accepted += 1
-            if ts is not None:
-                latest_ts = ts if latest_ts is None else max(latest_ts, ts)
-            occurrence = seen.get((modality, key), 0)
-            seen[(modality, key)] = occurrence + 1
-            per_modality = rounds.setdefault(modality, [])
-            if occurrence == len(per_modality):
-                per_modality.append(([], []))
-            per_modality[occurrence][0].append(key)
-            per_modality[occurrence][1].append(value)
-        return rounds, latest_ts
-
-    def _has_room(self, modality, key, seen, new_heads, rounds) -> bool:
-        state = self._modalities.get(modality)
-        if state is None and modality not in rounds and len(self._modalities) + sum(
-            m not in self._modalities for m in rounds
-        ) >= self.max_modalities:
-            return False
-        if (modality, key) in seen or (state is not None and key in state.slots):
-            return True
-        known = 0 if state is None else len(state.names)
-        if known + new_heads.get(modality, 0) >= self.max_heads:
-            return False
-        new_heads[modality] = new_heads.get(modality, 0) + 1
-        return True
-
-    @staticmethod
-    def _parse(sample):
-        if not isinstance(sample, dict):
-            return None
-        layer, head, value = sample.get("layer"), sample.get("head"), sample.get("value")
-        modality = sample.get("modality")
-        if not isinstance(layer, str) or isinstance(head, bool) or not isinstance(head, int):
-            return None
-        if modality is not None and not isinstance(modality, str):
-            return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return None
-        value = float(value)
-        if not (-_TOLERANCE <= value <= 1.0 + _TOLERANCE):  # also false for NaN
-            return None
-        ts = sample.get("ts_ns")
-        ts = ts if isinstance(ts, int) and not isinstance(ts, bool) else None
-        return modality, (layer, head), min(max(value, 0.0), 1.0), ts
+        return state.baseline()
 
     # -- the rule --------------------------------------------------------------
 
-    def _observe(self, state: _Modality, modality, keys, values, ts_ns) -> list[dict]:
+    def _observe(self, state: ModalityState, modality, keys, values, ts_ns) -> list[dict]:
         state.observations += 1
         idx = state.slots_for(keys)
         values = np.asarray(values, dtype=np.float64)
@@ -386,7 +251,7 @@ class EntropyDriftDetector:
                     records.append(self._resolution(kind, state, modality, ts_ns, alarm))
         return records
 
-    def _judge_spread(self, state: _Modality, spread_now: float) -> bool:
+    def _judge_spread(self, state: ModalityState, spread_now: float) -> bool:
         s = state.spread
         slot = np.zeros(1, dtype=np.int64)
         level = s.smooth(slot, np.array([spread_now]), self.smoothing)[0]
@@ -394,45 +259,16 @@ class EntropyDriftDetector:
         s.up_run[0] = s.up_run[0] + 1 if high else 0
         return high
 
-    def _anomaly(self, kind, state: _Modality, modality, ts_ns, involved, values, idx) -> dict:
-        heads = state.heads
+    def _anomaly(self, kind, state: ModalityState, modality, ts_ns, involved, values, idx) -> dict:
         evidence = {
             "observations": state.observations,
             "consecutive": self.consecutive,
             "tau": self.tau,
         }
         if kind == "entropy_spread":
-            s = state.spread
-            evidence.update(
-                spread=float(s.level[0]),
-                last_spread=float(values.std()),
-                baseline_spread=float(s.mean[0]),
-                delta=float(s.level[0] - s.mean[0]),
-                delta_sigma=self.delta_sigma,
-                n_heads=int(values.shape[0]),
-            )
+            evidence.update(state.spread_evidence(values, self.delta_sigma))
         else:
-            latest = dict(zip(idx.tolist(), values.tolist()))
-            deviation = np.abs(heads.level[involved] - heads.mean[involved])
-            ordered = involved[np.argsort(-deviation, kind="stable")][: self.evidence_heads]
-            evidence.update(
-                n_heads=int(len(involved)),
-                heads=[
-                    {
-                        "layer": state.names[k][0],
-                        "head": state.names[k][1],
-                        "value": latest[k],
-                        "level": float(heads.level[k]),
-                        "baseline": float(heads.mean[k]),
-                        "baseline_std": float(math.sqrt(heads.var[k])),
-                    }
-                    for k in ordered.tolist()
-                ],
-                baseline={
-                    "mean": float(heads.mean[involved].mean()),
-                    "level": float(heads.level[involved].mean()),
-                },
-            )
+            evidence.update(state.head_evidence(involved, values, idx, self.evidence_heads))
         return {
             "detector": "attention_entropy",
             "kind": kind,
@@ -442,7 +278,7 @@ class EntropyDriftDetector:
             "evidence": evidence,
         }
 
-    def _resolution(self, kind, state: _Modality, modality, ts_ns, alarm: _Alarm) -> dict:
+    def _resolution(self, kind, state: ModalityState, modality, ts_ns, alarm: Alarm) -> dict:
         return {
             "detector": "attention_entropy",
             "kind": kind,
