@@ -16,7 +16,8 @@ from mmtrace.agent.recording import file_format as recording
 from mmtrace.agent.errors import MmtraceError
 from mmtrace.agent.ingest.event_ring import EventRing
 from mmtrace.agent.recording.flight import FlightRecorder
-from mmtrace.agent.socket.hint_socket import MAX_MESSAGE, HintServer
+from mmtrace.agent.socket.hint_protocol import MAX_MESSAGE
+from mmtrace.agent.socket.hint_socket import HintServer
 from mmtrace.bpf import device as device_stream
 from mmtrace.bpf.sched import RUNQ_EVENT
 

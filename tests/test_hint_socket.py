@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from mmtrace.agent.config import settings as config_mod
-from mmtrace.agent.socket import hint_socket
+from mmtrace.agent.socket import client_deadlines, hint_client, hint_listener
 from mmtrace.agent.daemon.loop import Daemon
 from mmtrace.agent.socket.hint_protocol import MAX_MESSAGE
-from mmtrace.agent.socket.hint_socket import ERROR_BURST, HintServer
+from mmtrace.agent.socket.hint_client import ERROR_BURST
+from mmtrace.agent.socket.hint_socket import HintServer
 
 SUBSCRIBE = b'{"v":1,"type":"subscribe"}\n'
 
@@ -285,7 +286,7 @@ def test_errors_within_the_allowed_rate_are_answered_without_disconnecting(tmp_p
         for _ in range(3 * ERROR_BURST):
             c.sendall(b"nope\n")
             assert served.read_line(c)["type"] == "error"
-            now[0] += 1.0 / hint_socket.ERROR_RATE_PER_S
+            now[0] += 1.0 / hint_client.ERROR_RATE_PER_S
         assert server.dropped_clients == 0
         c.sendall(b"nope\n" * (ERROR_BURST + 5))
         replies = [served.read_line(c) for _ in range(ERROR_BURST + 2)]
@@ -407,7 +408,7 @@ def test_a_message_sent_a_byte_at_a_time_is_cut_off_at_its_deadline(tmp_path):
         for byte in sample()[:-1]:                  # all but its newline
             slow.sendall(bytes([byte]))
             served.until(lambda: False, timeout=0.01)
-            now[0] += (hint_socket.LINE_DEADLINE_S - 1) / len(sample())
+            now[0] += (client_deadlines.LINE_DEADLINE_S - 1) / len(sample())
         assert len(server.clients) == 1 and server.dropped_clients == 0
         now[0] += 2.0
         reply = served.read_line(slow)
@@ -441,7 +442,7 @@ def test_a_subscriber_that_reads_nothing_is_let_go_at_its_deadline(tmp_path):
         for _ in range(10):
             assert server.broadcast({"v": 1, "type": "hint", "kind": "priority"}) == 2
         read = 0
-        for second in range(int(hint_socket.READ_DEADLINE_S) + 10):
+        for second in range(int(client_deadlines.READ_DEADLINE_S) + 10):
             if second % 5 == 0 and read < 10:
                 assert served.read_line(slow)["kind"] == "priority"
                 read += 1
@@ -471,7 +472,7 @@ def test_an_oversized_message_sent_slowly_is_cut_off_too(tmp_path):
         served = Served(lambda: server.poll(0.005))
         served.send(slow, b"x" * (MAX_MESSAGE + 10))
         assert served.read_line(slow)["message"].startswith("message longer than")
-        for _ in range(int(hint_socket.LINE_DEADLINE_S) + 2):
+        for _ in range(int(client_deadlines.LINE_DEADLINE_S) + 2):
             if server.dropped_clients:
                 break
             slow.sendall(b"x")
@@ -568,13 +569,13 @@ def test_the_socket_appears_with_its_mode_and_listening(tmp_path, monkeypatch):
     into place: when its mode is set the path is not there yet, so nobody
     sees the umask's mode or a socket that refuses connections."""
     path = tmp_path / "mmtrace.sock"
-    real_chmod, there_at_chmod = hint_socket.os.chmod, []
+    real_chmod, there_at_chmod = hint_listener.os.chmod, []
 
     def chmod(target, mode):
         there_at_chmod.append(path.exists())
         real_chmod(target, mode)
 
-    monkeypatch.setattr(hint_socket.os, "chmod", chmod)
+    monkeypatch.setattr(hint_listener.os, "chmod", chmod)
     server = HintServer(path, 0o660)
     try:
         assert there_at_chmod == [False]

@@ -20,6 +20,11 @@ import numpy  # noqa: F401  (imported before instrumentation: not ours to fuzz)
 
 with atheris.instrument_imports(include=["mmtrace.agent.socket.hint_protocol",
                                          "mmtrace.agent.socket.hint_socket",
+                                         "mmtrace.agent.socket.hint_client",
+                                         "mmtrace.agent.socket.hint_listener",
+                                         "mmtrace.agent.socket.client_connections",
+                                         "mmtrace.agent.socket.client_reading",
+                                         "mmtrace.agent.socket.client_deadlines",
                                          "mmtrace.agent.daemon.loop"]):
     from mmtrace.agent.socket import hint_socket
     from mmtrace.agent.config.settings import DaemonConfig
