@@ -2,7 +2,7 @@
 compare the streaming writer (exporters/files/perfetto.py) with."""
 
 from mmtrace.agent.recording.device_view import DeviceContext, decode
-from mmtrace.exporters.files.perfetto import Slice, device_items, runq_slices
+from mmtrace.exporters.files.perfetto_events import Slice, device_items, runq_slices
 
 
 def recording_slices(events: dict, meta=()) -> list[Slice]:

@@ -204,6 +204,7 @@ def test_flight_recordings_carry_the_gpu_samples_to_perfetto_counters(loaded_sta
     from mmtrace.agent.recording.file_format import RecordingReader
     from mmtrace.agent.recording.replay import replay
     from mmtrace.exporters.files import perfetto
+    from mmtrace.exporters.files import perfetto_fields as proto
     from test_perfetto import decoded
     write_state(loaded_standin, [FakeGpu("0000:17:00.0", sm_pct=30, membw_pct=50),
                                  FakeGpu("0000:65:00.0", sm_pct=90, membw_pct=10)])
@@ -228,18 +229,18 @@ def test_flight_recordings_carry_the_gpu_samples_to_perfetto_counters(loaded_sta
         assert sum(len(p) for p in rec.pieces("gpu.state")) == 4
         perfetto.write_recording(replay(rec), buf, source=rec, detectors=Detectors(rec))
     tracks, events = decoded(buf.getvalue())
-    names = {d[perfetto.TD_NAME][0].decode(): uuid for uuid, d in tracks.items()
+    names = {d[proto.TD_NAME][0].decode(): uuid for uuid, d in tracks.items()
              if uuid >> 58 == 1}
     assert sorted(names) == ["gpu 0 SM utilisation %", "gpu 0 memory-bandwidth utilisation %",
                              "gpu 1 SM utilisation %", "gpu 1 memory-bandwidth utilisation %"]
-    assert all(perfetto.TD_COUNTER in tracks[u] for u in names.values())
+    assert all(proto.TD_COUNTER in tracks[u] for u in names.values())
     import struct
     values = {}
     for ts, e in events:
         for name, uuid in names.items():
-            if e[perfetto.TE_TRACK_UUID] == [uuid]:
-                assert e[perfetto.TE_TYPE] == [perfetto.COUNTER]
-                raw = e[perfetto.TE_DOUBLE_COUNTER_VALUE][0]
+            if e[proto.TE_TRACK_UUID] == [uuid]:
+                assert e[proto.TE_TYPE] == [proto.COUNTER]
+                raw = e[proto.TE_DOUBLE_COUNTER_VALUE][0]
                 values.setdefault(name, []).append(
                     (ts, struct.unpack("<d", raw.to_bytes(8, "little"))[0]))
     assert values == {

@@ -8,7 +8,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mmtrace.exporters.files import perfetto  # noqa: E402
+from mmtrace.exporters.files import perfetto, perfetto_device, perfetto_events, perfetto_tracks  # noqa: E402
+from mmtrace.exporters.files import perfetto_fields as proto  # noqa: E402
 from mmtrace.exporters.files.protowire import read_fields, varint  # noqa: E402
 from mmtrace.agent.recording.offline_detectors import Detectors  # noqa: E402
 from perfetto_slices import recording_slices  # noqa: E402
@@ -19,7 +20,7 @@ def packets(blob: bytes):
     """Each TracePacket of a Trace, as {field: [values]}."""
     out = []
     for number, wire, value in read_fields(blob):
-        assert (number, wire) == (perfetto.TRACE_PACKET, 2)
+        assert (number, wire) == (proto.TRACE_PACKET, 2)
         fields = {}
         for n, _, v in read_fields(value):
             fields.setdefault(n, []).append(v)
@@ -36,35 +37,35 @@ def test_varint_matches_the_protobuf_encoding():
 def test_runq_waits_become_slices_on_thread_tracks():
     runq = np.concatenate([runq_records(3, tid=100), runq_records(2, start=10, tid=101)])
     buf = io.BytesIO()
-    n = perfetto.write_perfetto(recording_slices({"cpu.runq": runq}), buf)
+    n = perfetto_events.write_perfetto(recording_slices({"cpu.runq": runq}), buf)
     assert n == 5
     pkts = packets(buf.getvalue())
-    descriptors = [p for p in pkts if perfetto.TP_TRACK_DESCRIPTOR in p]
-    events = [p for p in pkts if perfetto.TP_TRACK_EVENT in p]
+    descriptors = [p for p in pkts if proto.TP_TRACK_DESCRIPTOR in p]
+    events = [p for p in pkts if proto.TP_TRACK_EVENT in p]
     assert len(descriptors) == 3                      # one process, two threads
     assert len(events) == 10                          # a begin and an end per slice
-    assert all(p[perfetto.TP_SEQUENCE_ID] == [perfetto.SEQUENCE_ID] for p in pkts)
-    assert pkts[0][perfetto.TP_SEQUENCE_FLAGS] == [perfetto.SEQ_INCREMENTAL_STATE_CLEARED]
+    assert all(p[proto.TP_SEQUENCE_ID] == [proto.SEQUENCE_ID] for p in pkts)
+    assert pkts[0][proto.TP_SEQUENCE_FLAGS] == [proto.SEQ_INCREMENTAL_STATE_CLEARED]
     threads = {}
     for p in descriptors:
-        desc = dict((n, v) for n, _, v in read_fields(p[perfetto.TP_TRACK_DESCRIPTOR][0]))
-        if perfetto.TD_THREAD in desc:
-            t = dict((n, v) for n, _, v in read_fields(desc[perfetto.TD_THREAD]))
-            threads[desc[perfetto.TD_UUID]] = (t[perfetto.THD_PID], t[perfetto.THD_TID],
-                                               t[perfetto.THD_NAME])
-            assert desc[perfetto.TD_PARENT_UUID] == perfetto.process_uuid(42)
+        desc = dict((n, v) for n, _, v in read_fields(p[proto.TP_TRACK_DESCRIPTOR][0]))
+        if proto.TD_THREAD in desc:
+            t = dict((n, v) for n, _, v in read_fields(desc[proto.TD_THREAD]))
+            threads[desc[proto.TD_UUID]] = (t[proto.THD_PID], t[proto.THD_TID],
+                                               t[proto.THD_NAME])
+            assert desc[proto.TD_PARENT_UUID] == perfetto_tracks.process_uuid(42)
     assert sorted(threads.values()) == [(42, 100, b"worker"), (42, 101, b"worker")]
     # First slice: the first record, waiting delay_ns up to its switch-in at ts_ns.
     begin, end = events[0], events[1]
-    ev_begin = dict((n, v) for n, _, v in read_fields(begin[perfetto.TP_TRACK_EVENT][0]))
-    assert ev_begin[perfetto.TE_TYPE] == perfetto.SLICE_BEGIN
-    assert ev_begin[perfetto.TE_NAME] == b"runq"
-    assert threads[ev_begin[perfetto.TE_TRACK_UUID]][1] == 100
+    ev_begin = dict((n, v) for n, _, v in read_fields(begin[proto.TP_TRACK_EVENT][0]))
+    assert ev_begin[proto.TE_TYPE] == proto.SLICE_BEGIN
+    assert ev_begin[proto.TE_NAME] == b"runq"
+    assert threads[ev_begin[proto.TE_TRACK_UUID]][1] == 100
     first = runq[0]
-    assert begin[perfetto.TP_TIMESTAMP] == [int(first["ts_ns"] - first["delay_ns"])]
-    ends = sorted(p[perfetto.TP_TIMESTAMP][0] for p in events
-                  if dict((n, v) for n, _, v in read_fields(p[perfetto.TP_TRACK_EVENT][0]))
-                  [perfetto.TE_TYPE] == perfetto.SLICE_END)
+    assert begin[proto.TP_TIMESTAMP] == [int(first["ts_ns"] - first["delay_ns"])]
+    ends = sorted(p[proto.TP_TIMESTAMP][0] for p in events
+                  if dict((n, v) for n, _, v in read_fields(p[proto.TP_TRACK_EVENT][0]))
+                  [proto.TE_TYPE] == proto.SLICE_END)
     assert ends == sorted(runq["ts_ns"].tolist())
 
 
@@ -77,7 +78,7 @@ def test_cli_exports_perfetto(tmp_path):
     result = CliRunner().invoke(cli, ["export", str(path), "--format", "perfetto", "-o", str(out)])
     assert result.exit_code == 0, result.output
     assert "40 slices" in result.stderr
-    events = [p for p in packets(out.read_bytes()) if perfetto.TP_TRACK_EVENT in p]
+    events = [p for p in packets(out.read_bytes()) if proto.TP_TRACK_EVENT in p]
     assert len(events) == 80
 
 
@@ -95,11 +96,11 @@ def decoded(blob: bytes):
     """(track descriptors by uuid, [(ts, track event fields)]) of a trace."""
     tracks, events = {}, []
     for p in packets(blob):
-        if perfetto.TP_TRACK_DESCRIPTOR in p:
-            desc = fields(p[perfetto.TP_TRACK_DESCRIPTOR][0])
-            tracks[desc[perfetto.TD_UUID][0]] = desc
-        if perfetto.TP_TRACK_EVENT in p:
-            events.append((p[perfetto.TP_TIMESTAMP][0], fields(p[perfetto.TP_TRACK_EVENT][0])))
+        if proto.TP_TRACK_DESCRIPTOR in p:
+            desc = fields(p[proto.TP_TRACK_DESCRIPTOR][0])
+            tracks[desc[proto.TD_UUID][0]] = desc
+        if proto.TP_TRACK_EVENT in p:
+            events.append((p[proto.TP_TIMESTAMP][0], fields(p[proto.TP_TRACK_EVENT][0])))
     return tracks, events
 
 
@@ -131,18 +132,18 @@ def test_submissions_get_stream_tracks_flows_to_their_sync_and_copy_counters():
     assert retired == {1: 170, 2: 305, 3: 170, 4: NONE, 5: 425, 6: NONE}
 
     # Stream tracks: one per (pid, stream) with a retired submission, under its process.
-    streams = {d[perfetto.TD_NAME][0]: uuid for uuid, d in tracks.items()
-               if perfetto.TD_NAME in d and perfetto.TD_COUNTER not in d}
+    streams = {d[proto.TD_NAME][0]: uuid for uuid, d in tracks.items()
+               if proto.TD_NAME in d and proto.TD_COUNTER not in d}
     assert sorted(streams) == [b"gpu stream 0x0", b"gpu stream 0x5", b"gpu stream 0x6"]
-    assert all(tracks[u][perfetto.TD_PARENT_UUID] == [perfetto.process_uuid(1)]
+    assert all(tracks[u][proto.TD_PARENT_UUID] == [perfetto_tracks.process_uuid(1)]
                for u in streams.values())
     # Their slices: from each submission to its retirement, as the host saw it.
     on_stream = {}
     for ts, e in events:
         for name, uuid in streams.items():
-            if e[perfetto.TE_TRACK_UUID] == [uuid]:
-                on_stream.setdefault(name, []).append((ts, e[perfetto.TE_TYPE][0]))
-    B, E = perfetto.SLICE_BEGIN, perfetto.SLICE_END
+            if e[proto.TE_TRACK_UUID] == [uuid]:
+                on_stream.setdefault(name, []).append((ts, e[proto.TE_TYPE][0]))
+    B, E = proto.SLICE_BEGIN, proto.SLICE_END
     assert on_stream == {b"gpu stream 0x5": [(100, B), (170, E), (120, B), (170, E)],
                          b"gpu stream 0x6": [(110, B), (305, E)],
                          b"gpu stream 0x0": [(400, B), (425, E)]}
@@ -150,50 +151,50 @@ def test_submissions_get_stream_tracks_flows_to_their_sync_and_copy_counters():
     # Flows: started on the calls of submissions a later sync retired, each
     # ended on exactly that sync (the one whose return is its retired_ns).
     started, ended = {}, {}
-    calls = [(ts, e) for ts, e in events if e[perfetto.TE_TRACK_UUID][0] >> 62 == 1]
+    calls = [(ts, e) for ts, e in events if e[proto.TE_TRACK_UUID][0] >> 62 == 1]
     for ts, e in calls:
-        for fid in e.get(perfetto.TE_FLOW_IDS, []):
+        for fid in e.get(proto.TE_FLOW_IDS, []):
             started[fid] = ts
-        for fid in e.get(perfetto.TE_TERMINATING_FLOW_IDS, []):
+        for fid in e.get(proto.TE_TERMINATING_FLOW_IDS, []):
             assert fid not in ended
             ended[fid] = ts
-    assert started == {perfetto.flow_id(1, 1): 100, perfetto.flow_id(1, 2): 110,
-                       perfetto.flow_id(1, 3): 120}
-    assert ended == {perfetto.flow_id(1, 1): 130, perfetto.flow_id(1, 3): 130,
-                     perfetto.flow_id(1, 2): 300}
+    assert started == {perfetto_tracks.flow_id(1, 1): 100, perfetto_tracks.flow_id(1, 2): 110,
+                       perfetto_tracks.flow_id(1, 3): 120}
+    assert ended == {perfetto_tracks.flow_id(1, 1): 130, perfetto_tracks.flow_id(1, 3): 130,
+                     perfetto_tracks.flow_id(1, 2): 300}
     assert 0 not in started and len(set(started)) == 3
 
     # Counters: each process's running total of bytes copied, at each copy.
-    counters = {uuid: d for uuid, d in tracks.items() if perfetto.TD_COUNTER in d}
-    assert {u: d[perfetto.TD_NAME][0] for u, d in counters.items()} == {
-        perfetto.copied_uuid(1): b"memcpy bytes", perfetto.copied_uuid(2): b"memcpy bytes"}
-    assert all(fields(d[perfetto.TD_COUNTER][0]) == {perfetto.CD_UNIT: [perfetto.UNIT_SIZE_BYTES]}
+    counters = {uuid: d for uuid, d in tracks.items() if proto.TD_COUNTER in d}
+    assert {u: d[proto.TD_NAME][0] for u, d in counters.items()} == {
+        perfetto_tracks.copied_uuid(1): b"memcpy bytes", perfetto_tracks.copied_uuid(2): b"memcpy bytes"}
+    assert all(fields(d[proto.TD_COUNTER][0]) == {proto.CD_UNIT: [proto.UNIT_SIZE_BYTES]}
                for d in counters.values())
-    values = [(e[perfetto.TE_TRACK_UUID][0], ts, e[perfetto.TE_COUNTER_VALUE][0])
-              for ts, e in events if e[perfetto.TE_TYPE] == [perfetto.COUNTER]]
-    assert values == [(perfetto.copied_uuid(1), 120, 4096), (perfetto.copied_uuid(1), 400, 5096),
-                      (perfetto.copied_uuid(2), 500, 77)]
+    values = [(e[proto.TE_TRACK_UUID][0], ts, e[proto.TE_COUNTER_VALUE][0])
+              for ts, e in events if e[proto.TE_TYPE] == [proto.COUNTER]]
+    assert values == [(perfetto_tracks.copied_uuid(1), 120, 4096), (perfetto_tracks.copied_uuid(1), 400, 5096),
+                      (perfetto_tracks.copied_uuid(2), 500, 77)]
 
 
 def test_flow_ids_are_nonzero_and_tell_processes_apart():
-    ids = {perfetto.flow_id(pid, op) for pid in range(1, 50) for op in range(200)}
+    ids = {perfetto_tracks.flow_id(pid, op) for pid in range(1, 50) for op in range(200)}
     assert len(ids) == 49 * 200 and 0 not in ids
-    assert perfetto.stream_uuid(1, 5) >> 63 == 1 and perfetto.stream_uuid(1, 5) != \
-        perfetto.stream_uuid(2, 5)
+    assert perfetto_tracks.stream_uuid(1, 5) >> 63 == 1 and perfetto_tracks.stream_uuid(1, 5) != \
+        perfetto_tracks.stream_uuid(2, 5)
 
 
 def test_array_hashes_are_the_per_value_ones():
     rng = np.random.default_rng(3)
     pid = rng.integers(0, 1 << 32, 500, dtype=np.uint64)
     value = rng.integers(0, 1 << 63, 500, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
-    assert perfetto.flow_ids(pid, value).tolist() == [
-        perfetto.flow_id(p, v) for p, v in zip(pid.tolist(), value.tolist())]
-    assert perfetto.stream_uuids(pid, value).tolist() == [
-        perfetto.stream_uuid(p, v) for p, v in zip(pid.tolist(), value.tolist())]
+    assert perfetto_tracks.flow_ids(pid, value).tolist() == [
+        perfetto_tracks.flow_id(p, v) for p, v in zip(pid.tolist(), value.tolist())]
+    assert perfetto_tracks.stream_uuids(pid, value).tolist() == [
+        perfetto_tracks.stream_uuid(p, v) for p, v in zip(pid.tolist(), value.tolist())]
 
 
 def test_pending_flows_are_bounded_and_end_on_a_later_batch():
-    flows = perfetto.Flows(limit=4)
+    flows = perfetto_device.Flows(limit=4)
     n = 10
     ts = np.arange(n, dtype=np.uint64) + 100
     retired = np.arange(n, dtype=np.int64) + 1000
@@ -207,7 +208,7 @@ def test_pending_flows_are_bounded_and_end_on_a_later_batch():
                                      np.array([1009, 1008], np.uint64),
                                      np.full(2, -1, np.int64), np.zeros(2, bool),
                                      np.ones(2, bool))
-    assert rows.tolist() == [0] and ended.tolist() == [perfetto.flow_id(1, 9)]
+    assert rows.tolist() == [0] and ended.tolist() == [perfetto_tracks.flow_id(1, 9)]
     assert fid2.tolist() == [0, 0] and len(flows) == 3
 
 
@@ -237,11 +238,11 @@ def annotations(event: dict) -> dict:
 def anomaly_instants(blob: bytes):
     from mmtrace.exporters.files.perfetto_anomalies import ANOMALY_TRACK
     tracks, events = decoded(blob)
-    assert tracks[ANOMALY_TRACK][perfetto.TD_NAME] == [b"mmtrace anomalies"]
-    assert perfetto.TD_PARENT_UUID not in tracks[ANOMALY_TRACK]
-    found = [(ts, e) for ts, e in events if e[perfetto.TE_TRACK_UUID] == [ANOMALY_TRACK]]
-    assert all(e[perfetto.TE_TYPE] == [perfetto.INSTANT] for _, e in found)
-    return [(ts, e[perfetto.TE_NAME][0].decode(), annotations(e)) for ts, e in found]
+    assert tracks[ANOMALY_TRACK][proto.TD_NAME] == [b"mmtrace anomalies"]
+    assert proto.TD_PARENT_UUID not in tracks[ANOMALY_TRACK]
+    found = [(ts, e) for ts, e in events if e[proto.TE_TRACK_UUID] == [ANOMALY_TRACK]]
+    assert all(e[proto.TE_TYPE] == [proto.INSTANT] for _, e in found)
+    return [(ts, e[proto.TE_NAME][0].decode(), annotations(e)) for ts, e in found]
 
 
 def test_anomalies_the_detectors_find_are_instants_with_their_evidence(tmp_path):
@@ -310,9 +311,9 @@ def test_a_recording_without_anomalies_has_no_anomaly_track(tmp_path):
 
 def test_syncs_that_end_many_flows_are_encoded_on_their_own_the_same(monkeypatch):
     rows = device_workload()
-    whole = perfetto.device_packets(rows)
-    monkeypatch.setattr(perfetto, "WIDE_FLOWS", 0)      # every sync that ends a flow
-    assert perfetto.device_packets(rows) == whole
+    whole = perfetto_device.device_packets(rows)
+    monkeypatch.setattr(perfetto_device, "WIDE_FLOWS", 0)      # every sync that ends a flow
+    assert perfetto_device.device_packets(rows) == whole
 
 
 # ------------------------------------- what dispatchers reported, and the hints
@@ -347,13 +348,13 @@ def test_request_latency_entropy_and_hints_are_in_the_trace(tmp_path):
     result = CliRunner().invoke(cli, ["export", str(path), "--format", "perfetto", "-o", str(out)])
     assert result.exit_code == 0, result.output
     tracks, events = decoded(out.read_bytes())
-    names = {uuid: d[perfetto.TD_NAME][0].decode() for uuid, d in tracks.items()}
+    names = {uuid: d[proto.TD_NAME][0].decode() for uuid, d in tracks.items()}
 
     def counter(track_name):
         uuid = next(u for u, n in names.items() if n == track_name)
-        assert perfetto.TD_COUNTER in tracks[uuid]
-        return [(ts, struct.unpack("<d", struct.pack("<Q", e[perfetto.TE_DOUBLE_COUNTER_VALUE][0]))[0])
-                for ts, e in events if e.get(perfetto.TE_TRACK_UUID) == [uuid]]
+        assert proto.TD_COUNTER in tracks[uuid]
+        return [(ts, struct.unpack("<d", struct.pack("<Q", e[proto.TE_DOUBLE_COUNTER_VALUE][0]))[0])
+                for ts, e in events if e.get(proto.TE_TRACK_UUID) == [uuid]]
 
     text = counter("request latency ms request_latency{series=e2e,modality=text}")
     assert [(ts, round(v, 6)) for ts, v in text] == [(10**9, 10.0), (3 * 10**9, 250.0)]
@@ -362,9 +363,9 @@ def test_request_latency_entropy_and_hints_are_in_the_trace(tmp_path):
     means = counter("attention entropy vision")
     assert [(ts, round(v, 6)) for ts, v in means] == [(10**9, 0.3), (2 * 10**9, 0.8)]
     [(ts, hint)] = [(ts, e) for ts, e in events
-                    if e.get(perfetto.TE_TRACK_UUID) and names.get(e[perfetto.TE_TRACK_UUID][0])
+                    if e.get(proto.TE_TRACK_UUID) and names.get(e[proto.TE_TRACK_UUID][0])
                     == "mmtrace hints"]
-    assert ts == 3 * 10**9 and hint[perfetto.TE_NAME] == [b"modality_batch vision -> 4"]
+    assert ts == 3 * 10**9 and hint[proto.TE_NAME] == [b"modality_batch vision -> 4"]
     notes = annotations(hint)
     assert (notes["kind"], notes["target"], notes["value"], notes["outcome"]) == (
         "modality_batch", "vision", 4, "sent")

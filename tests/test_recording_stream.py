@@ -26,7 +26,7 @@ from mmtrace.bpf import device as device_stream
 from mmtrace.bpf.sched import RUNQ_EVENT
 from mmtrace.exporters.files import chrome
 from mmtrace.exporters.files import jsonl
-from mmtrace.exporters.files import perfetto
+from mmtrace.exporters.files import perfetto, perfetto_device, perfetto_events
 from mmtrace.exporters.files.protowire import varint
 from mmtrace.exporters.files.rowtext import Rows, split
 import peak_rss
@@ -175,7 +175,7 @@ def test_runq_lines_say_what_the_records_say(runq):
 def test_runq_slices_in_batch_are_the_per_slice_bytes(runq):
     runq["delay_ns"] = np.minimum(runq["delay_ns"], runq["ts_ns"])
     one_by_one, batch = io.BytesIO(), io.BytesIO()
-    perfetto.write_perfetto(recording_slices({"cpu.runq": runq}), one_by_one)
+    perfetto_events.write_perfetto(recording_slices({"cpu.runq": runq}), one_by_one)
     perfetto.write_recording([Step({"cpu.runq": runq})], batch)
     assert batch.getvalue() == one_by_one.getvalue()
 
@@ -375,11 +375,11 @@ def test_device_packets_in_batch_are_the_per_slice_bytes(work, batch):
     ev, _ = work
     ev["bytes"] = np.arange(len(ev)) * 1000 + 1     # copies add up in the counters
     rows = decode(ev, CTX)
-    one_by_one = [b"".join(perfetto.item_packets(item) for item in items)
-                  for items in perfetto.device_items(rows, {})]
-    assert perfetto.device_packets(rows) == one_by_one
+    one_by_one = [b"".join(perfetto_events.item_packets(item) for item in items)
+                  for items in perfetto_events.device_items(rows, {})]
+    assert perfetto_device.device_packets(rows) == one_by_one
     # Flows and copy totals carry across batches (a flow may end batches later).
-    encoder = perfetto.DeviceEncoder()
+    encoder = perfetto_device.DeviceEncoder()
     assert [p for part in rows.batches(batch) for p in encoder.packets(part)] == one_by_one
 
 

@@ -1,6 +1,6 @@
 """Field numbers of Perfetto's trace_packet.proto, track_event.proto,
 track_descriptor.proto and counter_descriptor.proto that the trace
-writers use (perfetto.py and the anomaly and telemetry tracks beside it),
+writers use (perfetto.py and the perfetto_* modules beside it),
 and the packet every one of them is wrapped in."""
 
 from mmtrace.exporters.files.protowire import field_bytes, field_varint
