@@ -302,42 +302,65 @@ def run(config_path, pids, libs, state_dir, socket_path, trace_launches, metrics
       sudo mmtrace run --metrics-address 127.0.0.1:9464
     """
     import logging
-    import os
     from pathlib import Path
     from mmtrace.agent.daemon import log_format
-    from mmtrace.agent.config.settings import check as check_config
-    from mmtrace.agent.config.environment import load_layers
     log_format.configure(log_level)
     log = logging.getLogger("mmtrace.daemon")
     path = Path(config_path) if config_path else None
-
-    def layers():
-        """The file, the environment, then the flags over them (again at each SIGHUP)."""
-        cfg, warnings = load_layers(path, os.environ)
-        if pids:
-            cfg.pids = tuple(pids)
-        if libs:
-            cfg.libs = tuple(libs)
-        if state_dir:
-            cfg.state_dir = Path(state_dir)
-        if socket_path:
-            cfg.socket = Path(socket_path)
-        if trace_launches is not None:
-            cfg.adaptive_launches = not trace_launches
-        if metrics_address is not None:
-            cfg.metrics_address = metrics_address
-        return check_config(cfg), warnings
+    flags = _RunFlags(pids, libs, state_dir, socket_path, trace_launches, metrics_address)
 
     def configuration():
-        cfg, warnings = layers()
+        cfg, warnings = _run_settings(path, flags)
         for warning in warnings:
             log.warning(warning)
         return cfg
 
     if check:
-        _check(*layers(), path)
+        _check(*_run_settings(path, flags), path)
         return
-    cfg = configuration()
+    _run_daemon(configuration(), configuration, log)
+
+
+@dataclass(frozen=True)
+class _RunFlags:
+    """The flags of `run` that override the settings (empty or None: not given)."""
+    pids: tuple
+    libs: tuple
+    state_dir: str | None
+    socket_path: str | None
+    trace_launches: bool | None
+    metrics_address: str | None
+
+    def apply(self, cfg):
+        from pathlib import Path
+        if self.pids:
+            cfg.pids = tuple(self.pids)
+        if self.libs:
+            cfg.libs = tuple(self.libs)
+        if self.state_dir:
+            cfg.state_dir = Path(self.state_dir)
+        if self.socket_path:
+            cfg.socket = Path(self.socket_path)
+        if self.trace_launches is not None:
+            cfg.adaptive_launches = not self.trace_launches
+        if self.metrics_address is not None:
+            cfg.metrics_address = self.metrics_address
+
+
+def _run_settings(path, flags: _RunFlags):
+    """The file, the environment, then the flags over them (again at each
+    SIGHUP): the checked settings and the warnings of their loading."""
+    import os
+    from mmtrace.agent.config.environment import load_layers
+    from mmtrace.agent.config.settings import check as check_config
+    cfg, warnings = load_layers(path, os.environ)
+    flags.apply(cfg)
+    return check_config(cfg), warnings
+
+
+def _run_daemon(cfg, load_config, log):
+    """The daemon in the foreground until it is stopped; `load_config`
+    reads the settings again at each SIGHUP."""
     why_not = set_niceness(cfg.nice)
     if why_not:
         log.warning(why_not)
@@ -350,7 +373,7 @@ def run(config_path, pids, libs, state_dir, socket_path, trace_launches, metrics
     deadline = StopDeadline()
     deadline.install()
     try:
-        daemon.run(load_config=configuration)
+        daemon.run(load_config=load_config)
     except (MetricsAddressError, UnsafePathError) as exc:
         daemon.close()
         raise MmtraceError(str(exc)) from None
