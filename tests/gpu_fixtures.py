@@ -96,7 +96,7 @@ class DeviceSession:
     def __init__(self, libs=(), **options):
         from mmtrace.agent.kernel import probes
         from mmtrace.agent.ingest.device_names import DeviceNames
-        from mmtrace.agent.recording.recorder import exited_process_resolver
+        from mmtrace.agent.ingest.device_names import exited_process_resolver
         from mmtrace.bpf import device
         self.loaded = probes.load(probes.ProbeOptions(**options))
         self.states = []

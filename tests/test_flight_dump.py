@@ -78,7 +78,7 @@ def test_a_dump_that_cannot_be_written_says_why(tmp_path):
 # installs them, then a close that never ends.
 STUCK = textwrap.dedent("""
     import logging, sys, time
-    from mmtrace.agent.recording.recorder import StopFlag
+    from mmtrace.agent.stop_flag import StopFlag
     from mmtrace.agent.daemon.signals import StopDeadline
     logging.basicConfig(stream=sys.stderr)
     stop = StopFlag()

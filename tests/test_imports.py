@@ -132,7 +132,7 @@ LAYERS = (
     ("mmtrace.exporters",),                      # render what they are handed
     ("mmtrace.agent", "mmtrace.agent.errors", "mmtrace.agent.findings",
      "mmtrace.agent.safe_files", "mmtrace.agent.bounded_json", "mmtrace.agent.heap",
-     "mmtrace.agent.log_limit", "mmtrace.agent.priority"),
+     "mmtrace.agent.log_limit", "mmtrace.agent.priority", "mmtrace.agent.stop_flag"),
     ("mmtrace.agent.config",),
     ("mmtrace.agent.discovery",),
     ("mmtrace.agent.kernel",),                   # the only layer that imports bcc

@@ -102,7 +102,7 @@ def test_the_recordings_sink_writes_events_and_names_to_the_device_side_of_now(t
     before, after = Device(), Device()
     sink = RecordingSink(writer, before)
     sink.batch("cpu", runq(2, pid=9), [])
-    sink.device = after                             # what wire() gives once compiled
+    sink.device = after                             # the device side once compiled
     sink.batch("dev", dev(3), [[4242, 0x1000, "k"]])
     writer.close({})
     assert before.meta.tables == [] and after.meta.tables == [("op_names", [[4242, 0x1000, "k"]])]

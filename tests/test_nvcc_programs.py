@@ -167,7 +167,7 @@ def _named_by_callers(session: DeviceSession, pid: int) -> list:
     their callers, nvcc's host stubs, resolved afresh."""
     from mmtrace.agent.ingest.device_names import DeviceNames
     from mmtrace.agent.recording.device_view import DeviceContext, decode
-    from mmtrace.agent.recording.recorder import exited_process_resolver
+    from mmtrace.agent.ingest.device_names import exited_process_resolver
     from mmtrace.bpf import device
     events = session.events(pid).copy()
     launches = np.flatnonzero(events["kind"] == device.KIND_IDS["launch"])[:6]
@@ -191,7 +191,8 @@ def test_record_names_every_call_of_a_static_program_started_after_it(tmp_path):
     """mmtrace record, no --lib: the program starts after the recorder,
     is found by discovery, and exits at once after its last call."""
     from mmtrace.agent.recording.device_view import DeviceContext, decode
-    from mmtrace.agent.recording.recorder import StopFlag, record
+    from mmtrace.agent.recording.recorder import record
+    from mmtrace.agent.stop_flag import StopFlag
     from mmtrace.agent.recording.file_format import read_recording
     fresh = _private_copy(built("static-13")[0])
     output = tmp_path / "static.mmtr"

@@ -13,10 +13,13 @@ from pathlib import Path
 import pytest
 
 from native import compile_text
-from mmtrace.agent.recording import recorder as record
+from mmtrace.agent.kernel.probes import CPU_PROBE_STATE
 from mmtrace.agent.discovery.finder import Discoverer
 from mmtrace.agent.discovery.process_images import LOAD_FRAMES_LAYOUT, ProcessImages
 from mmtrace.agent.recording.file_format import MAX_META_BYTES, RecordingReader, RecordingWriter
+from mmtrace.agent.recording.meta_budget import (META_BUDGET_BYTES, META_CHUNK_BYTES, MetaBudget,
+                                                 fit_meta)
+from mmtrace.agent.recording.recorder import SCHEMAS
 from mmtrace.agent.discovery.symbols import AddressResolver
 
 NEEDS_GCC = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
@@ -258,30 +261,29 @@ def read_meta(path: Path):
 
 def test_a_flight_meta_over_the_budget_is_trimmed_and_reads_back_whole(tmp_path):
     rows = [[1000 + i, 0x400000 + i, "k" * 200 + str(i)] for i in range(60000)]
-    doc = {"apis": [], "probes": [record.CPU_PROBE_STATE] + probe_rows(2000),
+    doc = {"apis": [], "probes": [CPU_PROBE_STATE] + probe_rows(2000),
            "op_names": rows, "daemon_pid": 42}
     assert len(json.dumps(doc)) > MAX_META_BYTES
-    fitted = record.fit_meta(doc)
-    assert len(json.dumps(fitted, sort_keys=True)) <= record.META_BUDGET_BYTES
+    fitted = fit_meta(doc)
+    assert len(json.dumps(fitted, sort_keys=True)) <= META_BUDGET_BYTES
     assert fitted["op_names"][-1] == rows[-1]               # the newest names stay
     assert fitted["omitted"]["op_names"] == len(rows) - len(fitted["op_names"]) > 0
-    assert record.CPU_PROBE_STATE in fitted["probes"]
+    assert CPU_PROBE_STATE in fitted["probes"]
     folded = [r for r in fitted["probes"] if r.get("state") == "not_found"]
     assert len(folded) == 2000 and {r["count"] for r in folded} == {24}
-    writer = RecordingWriter(tmp_path / "f.mmtr", record.SCHEMAS)
+    writer = RecordingWriter(tmp_path / "f.mmtr", SCHEMAS)
     writer.write_meta(fitted)
     writer.close({})
     meta, warnings = read_meta(tmp_path / "f.mmtr")
     assert warnings == [] and meta[0]["daemon_pid"] == 42
-    small = {"probes": [record.CPU_PROBE_STATE], "op_names": rows[:10]}
-    assert record.fit_meta(small) is small
+    small = {"probes": [CPU_PROBE_STATE], "op_names": rows[:10]}
+    assert fit_meta(small) is small
 
 
 def test_a_recordings_tables_stay_within_the_budget_in_chunks_the_reader_takes(tmp_path):
     path = tmp_path / "r.mmtr"
-    writer = RecordingWriter(path, record.SCHEMAS)
-    budget = record.meta_budget(writer)
-    assert record.meta_budget(writer) is budget
+    writer = RecordingWriter(path, SCHEMAS)
+    budget = MetaBudget(writer)
     for i in range(40):                             # 2000 copies probed, 50 at a time
         budget.table("probes", probe_rows(50))
         budget.symbols({str(k): f"aclnnOp{k}" for k in range(i * 10)})
@@ -293,7 +295,7 @@ def test_a_recordings_tables_stay_within_the_budget_in_chunks_the_reader_takes(t
     meta, warnings = read_meta(path)
     assert warnings == []
     sizes = [len(json.dumps(doc, sort_keys=True)) for doc in meta]
-    assert max(sizes) <= record.META_CHUNK_BYTES + 4096
+    assert max(sizes) <= META_CHUNK_BYTES + 4096
     assert sum(sizes) <= MAX_META_BYTES
     assert [d for d in meta if "symbol_names" in d][-1]["symbol_names"]["389"] == "aclnnOp389"
     kept_names = sum(len(d["op_names"]) for d in meta if "op_names" in d)

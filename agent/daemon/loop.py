@@ -46,9 +46,12 @@ from mmtrace.agent.recording.flight import FlightRecorder
 from mmtrace.agent.socket.hint_socket import HintServer
 from mmtrace.agent.ingest.pipeline import Ingest
 from mmtrace.agent.log_limit import RateLimitedLog
-from mmtrace.agent.recording.recorder import (CPU_PROBE_STATE, DeviceCompile, DeviceSources, StopFlag,
-                     attach_and_release, device_programs_failed, exited_process_resolver,
-                     fit_meta)
+from mmtrace.agent.kernel.device_compile import DeviceCompile, device_programs_failed
+from mmtrace.agent.kernel.device_sources import DeviceSources, attach_and_release
+from mmtrace.agent.kernel.probes import CPU_PROBE_STATE
+from mmtrace.agent.ingest.device_names import exited_process_resolver
+from mmtrace.agent.recording.meta_budget import fit_meta
+from mmtrace.agent.stop_flag import StopFlag
 from mmtrace.agent.daemon.reload import ReloadRequest, reload
 from mmtrace.agent.daemon.sd_notify import Notifier
 from mmtrace.agent.ingest.series_keys import REQUEST, SeriesKey

@@ -42,7 +42,7 @@ def check_device_probes(targets: list) -> Check:
     Loads the programs and attaches to `targets`, then detaches."""
     from mmtrace.agent.kernel import probes
     from mmtrace.agent.errors import MmtraceError
-    from mmtrace.agent.recording.recorder import DEVICE_PROGRAMS
+    from mmtrace.agent.kernel.device_compile import DEVICE_PROGRAMS
     if not targets:
         return Check(NAME, True, False, "no CUDA or Ascend library found to probe "
                      "(the CPU stream is unaffected)", "mmtrace record --lib PATH adds one")

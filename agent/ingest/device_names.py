@@ -248,3 +248,14 @@ class DeviceNames:
 def _default_resolver():
     from mmtrace.agent.discovery.symbols import AddressResolver
     return AddressResolver()
+
+
+def exited_process_resolver(loaded, known_files):
+    """An AddressResolver that also names the addresses of processes gone by
+    the time their events are read, from the load frames the kernel took."""
+    from mmtrace.agent.discovery.process_images import ProcessImages
+    from mmtrace.agent.discovery.symbols import AddressResolver
+    device = loaded.device
+    # The probed files (released ones still open included) reach deleted files too.
+    files = device.decoding_files if device is not None else known_files
+    return AddressResolver(images=ProcessImages(loaded.bpf, files))

@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 
 TRACEFS_EVENTS = (Path("/sys/kernel/debug/tracing/events"),
                   Path("/sys/kernel/tracing/events"))
+# The probe state of the scheduler program once load_cpu has returned: the
+# first row of a recording's (and a flight recording's) probe states.
+CPU_PROBE_STATE = {"stream": "cpu", "program": sched_stream.SOURCE, "state": "attached"}
 
 
 @dataclass
