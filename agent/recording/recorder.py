@@ -94,87 +94,152 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
     if progress:
         progress.live("cpu", time.monotonic() - began,
                       "gpu/npu probes compiling" if options.device else "")
-    compiling = DeviceCompile(loaded) if loaded.device_pending else None
-    threads = ThreadProcesses()
+    run = _Recording(output, loaded, sources, progress, warn, began)
     own_stop = stop is None
     stop = StopFlag() if own_stop else stop     # an unset flag is falsy: keep it
     if own_stop:
         stop.install()
-    writer = telemetry = None
     try:
+        run.open(options.pids, socket_path)
+        run.drain(stop, duration_s, drain_interval_s)
+        return run.finish(stop)
+    finally:
+        run.close()
+        if own_stop:
+            stop.restore()
+
+
+class _Recording:
+    """One `record` run, in its steps: open the file (and the socket),
+    drain the probes into it through the ingest path until stopped, finish
+    it with its footer; close releases what is left, whatever happened."""
+
+    def __init__(self, output, loaded, sources, progress, warn, began: float):
+        self.output = output
+        self.loaded = loaded
+        self.sources = sources
+        self.progress = progress
+        self.warn = warn
+        self.began = began
+        self.compiling = DeviceCompile(loaded) if loaded.device_pending else None
+        self.threads = ThreadProcesses()
+        self.writer = self.telemetry = None
+        self.meta = self.device = self.sink = self.ingest = None     # once open
+        self.start_counters: dict = {}
+        self.started = time.monotonic()     # again once the drain starts
+        self.events = 0
+
+    def open(self, pids, socket_path):
+        """The file with its header and first meta chunk, the ingest path
+        into it, and the socket whose telemetry it records too."""
         if socket_path is not None:
             from mmtrace.agent.socket import telemetry as socket_telemetry
+        self.writer = self._new_writer(pids, socket_telemetry.SCHEMAS if socket_path else {})
+        self.meta = MetaBudget(self.writer)
+        self.device = _DeviceRecording(self.loaded, self.writer, self.meta, None)
+        self.sink = RecordingSink(self.writer, self.device)
+        self.ingest = Ingest(self.loaded, self.threads, self.device.names, [self.sink])
+        if socket_path is not None:
+            try:
+                self.telemetry = socket_telemetry.SocketTelemetry(socket_path, self.writer)
+            except OSError as exc:
+                raise MmtraceError(f"--socket {socket_path}: {exc}") from None
+        self.start_counters = self.loaded.counters()
+        self.writer.write_meta({"counters_at_start": self.start_counters,
+                                "apis": device_stream.default_table().to_json(),
+                                "probes": [probe_loader.CPU_PROBE_STATE]})
+
+    def _new_writer(self, pids, socket_schemas: dict) -> RecordingWriter:
         try:
-            writer = RecordingWriter(output, {**SCHEMAS, **(socket_telemetry.SCHEMAS
-                                                           if socket_path else {})}, info={
+            return RecordingWriter(self.output, {**SCHEMAS, **socket_schemas}, info={
                 "hostname": platform.node(),
                 "kernel": platform.release(),
-                "pids": list(options.pids),
+                "pids": list(pids),
                 "recorder_pid": os.getpid(),
             })
         except UnsafePathError as exc:
             raise MmtraceError(f"-o {exc}") from None
         except OSError as exc:
-            raise MmtraceError(f"-o {output}: cannot write: {exc.strerror or exc}") from None
-        meta = MetaBudget(writer)
-        device = _DeviceRecording(loaded, writer, meta, None)
-        sink = RecordingSink(writer, device)
-        ingest = Ingest(loaded, threads, device.names, [sink])
-        if socket_path is not None:
-            try:
-                telemetry = socket_telemetry.SocketTelemetry(socket_path, writer)
-            except OSError as exc:
-                raise MmtraceError(f"--socket {socket_path}: {exc}") from None
-        start_counters = loaded.counters()
-        writer.write_meta({"counters_at_start": start_counters,
-                           "apis": device_stream.default_table().to_json(),
-                           "probes": [probe_loader.CPU_PROBE_STATE]})
+            raise MmtraceError(f"-o {self.output}: cannot write: {exc.strerror or exc}") \
+                from None
+
+    def drain(self, stop, duration_s: float | None, drain_interval_s: float):
+        """Every tick: wire the GPU/NPU side once compiled, attach to what
+        discovery found, and drain the rings (and the socket) into the
+        file; until `stop`, or `duration_s` after every stream is live.
+        A write the disk refused ends the drain (finish says so)."""
         # The duration counts from when every stream is live; the CPU
         # stream is recorded from its start.
-        started = time.monotonic()
+        self.started = time.monotonic()
         deadline = None
-        events = 0
         try:
             while True:
-                if compiling is not None and compiling.done() and \
-                        (sources is None or sources.ready()):
-                    device = sink.device = _wired_device(compiling, writer, meta, sources, warn)
-                    ingest.names = device.names
-                    compiling = None
-                    if progress and device.device is not None:
-                        progress.live("gpu/npu", time.monotonic() - began)
-                if compiling is None and deadline is None and duration_s:
+                self._wire_once_compiled()
+                if self.compiling is None and deadline is None and duration_s:
                     deadline = time.monotonic() + duration_s
                 finishing = bool(stop) or (deadline is not None and time.monotonic() >= deadline)
-                device.attach()
-                events += ingest.drain()
-                if telemetry is not None:
-                    telemetry.drain()
-                # The first progress line once every stream that is coming is live.
-                if progress and (finishing or (compiling is None and progress.due())):
-                    lost = bpf_counters.total_lost(_delta(loaded.counters(), start_counters))
-                    progress.update(time.monotonic() - started, events, lost, force=finishing)
+                self.device.attach()
+                self.events += self.ingest.drain()
+                if self.telemetry is not None:
+                    self.telemetry.drain()
+                self._show_progress(finishing)
                 if finishing:
                     break
                 time.sleep(drain_interval_s)
         except OSError:
-            if writer.failed is None:
+            if self.writer.failed is None:
                 raise
-        end_counters = loaded.counters()
-        delta = _delta(end_counters, start_counters)
+
+    def _wire_once_compiled(self):
+        """The recording's device side once compiled (and the first scan is
+        over). Where the programs failed, the file says so in its probe
+        states (a report then tells why it holds no GPU/NPU events) and
+        `warn` is told: the CPU stream goes on."""
+        compiling = self.compiling
+        if compiling is None or not compiling.done() or \
+                (self.sources is not None and not self.sources.ready()):
+            return
+        error = compiling.finish()
+        if error is None:
+            device = _DeviceRecording(self.loaded, self.writer, self.meta, self.sources)
+        else:
+            if self.warn is not None:
+                self.warn(f"GPU/NPU probes unavailable ({error}); recording the CPU stream")
+            failed = device_programs_failed(error)
+            self.writer.write_meta({"probes": [failed]})
+            device = _DeviceRecording(self.loaded, self.writer, self.meta, None, failed=failed)
+        self.device = self.sink.device = device
+        self.ingest.names = device.names
+        self.compiling = None
+        if self.progress and device.device is not None:
+            self.progress.live("gpu/npu", time.monotonic() - self.began)
+
+    def _show_progress(self, finishing: bool):
+        # The first progress line once every stream that is coming is live.
+        progress = self.progress
+        if progress and (finishing or (self.compiling is None and progress.due())):
+            lost = bpf_counters.total_lost(_delta(self.loaded.counters(), self.start_counters))
+            progress.update(time.monotonic() - self.started, self.events, lost,
+                            force=finishing)
+
+    def finish(self, stop) -> RecordResult:
+        """The footer written (after a refused write, as far as the disk
+        takes it), and the file checked to be still where it was made."""
+        writer, output, events = self.writer, self.output, self.events
+        delta = _delta(self.loaded.counters(), self.start_counters)
         lost = bpf_counters.total_lost(delta)
-        elapsed = time.monotonic() - started
+        elapsed = time.monotonic() - self.started
         footer = {
             "end_monotonic_ns": time.monotonic_ns(),
             "duration_s": elapsed,
             "events": events,
             "counters": delta,
             "lost_events": lost,
-            "runq_hist_log2_us": loaded.runq_hist(),
-            "unresolved_pids": threads.unresolved,
+            "runq_hist_log2_us": self.loaded.runq_hist(),
+            "unresolved_pids": self.threads.unresolved,
             "stopped_by": stop.reason or "duration",
-            **device.footer(),
-            **(telemetry.footer() if telemetry is not None else {}),
+            **self.device.footer(),
+            **(self.telemetry.footer() if self.telemetry is not None else {}),
         }
         if writer.failed is not None:
             _stop_on_write_error(writer, output, footer)
@@ -183,31 +248,17 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
             raise MmtraceError(f"-o {output}: removed or replaced while it was written; the "
                                f"{events:,} events recorded are lost with it")
         return RecordResult(events, lost, elapsed, stop.reason or "duration")
-    finally:
-        if compiling is not None:
-            compiling.thread.join()     # it compiles on the scheduler's maps
-        if telemetry is not None:
-            telemetry.close()
-        if writer is not None and not writer.closed:
-            writer.close({"stopped_by": "error"})
-        loaded.close()
-        if own_stop:
-            stop.restore()
 
-
-def _wired_device(compiling, writer, meta, sources, warn=None) -> "_DeviceRecording":
-    """The recording's device side once compiled. Where the programs
-    failed, the file says so in its probe states (a report then tells
-    why it holds no GPU/NPU events) and `warn` is told: the CPU stream
-    goes on."""
-    error = compiling.finish()
-    if error is None:
-        return _DeviceRecording(compiling.loaded, writer, meta, sources)
-    if warn is not None:
-        warn(f"GPU/NPU probes unavailable ({error}); recording the CPU stream")
-    failed = device_programs_failed(error)
-    writer.write_meta({"probes": [failed]})
-    return _DeviceRecording(compiling.loaded, writer, meta, None, failed=failed)
+    def close(self):
+        """What is still open: the compiling thread waited for, the socket,
+        the file (its footer says the recording ended in an error), the probes."""
+        if self.compiling is not None:
+            self.compiling.thread.join()    # it compiles on the scheduler's maps
+        if self.telemetry is not None:
+            self.telemetry.close()
+        if self.writer is not None and not self.writer.closed:
+            self.writer.close({"stopped_by": "error"})
+        self.loaded.close()
 
 
 def _stop_on_write_error(writer, output, footer: dict):
