@@ -62,7 +62,7 @@ def agent(sock: str, anomalies: int):
 
         def tick(self, now_ns=None):
             records, self.inject = self.inject, []
-            self._act(records)
+            self.alarms.act(records)
             super().tick(now_ns)
 
     logging.getLogger("mmtrace").setLevel(logging.ERROR)

@@ -32,7 +32,7 @@ def main(sock, state_dir, out):
             next_report = now + 0.25
             clients = list(daemon.server.clients.values())
             report = {"clients": len(clients), "names": sorted(c.name for c in clients),
-                      "samples": int(daemon.request_ring.window()["value_s"].size),
+                      "samples": int(daemon.streams.request_ring.window()["value_s"].size),
                       "errors_sent": daemon.server.errors_sent,
                       "dropped_clients": daemon.server.dropped_clients}
             Path(out + ".tmp").write_text(json.dumps(report))

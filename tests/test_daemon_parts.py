@@ -216,7 +216,7 @@ def test_entropy_over_the_socket_fires_live_and_again_offline(tmp_path):
         send_entropy_rise(daemon, client, start)
     finally:
         daemon.close()
-    fired = [a for a in daemon.anomalies if a.get("state") == "firing"]
+    fired = [a for a in daemon.alarms.anomalies if a.get("state") == "firing"]
     assert [a["kind"] for a in fired] == ["entropy_rise"]
     assert fired[0]["modality"] == "vision"
     assert fired[0]["ts_ns"] > start + 60 * 10**8
@@ -255,17 +255,17 @@ def test_series_of_exited_processes_are_dropped(tmp_path):
     rec = recording.read_recording(synthetic_recording(tmp_path / "s.mmtr"))
     runq = rec.events["cpu.runq"]
     dev = rec.events["dev.event"]
-    daemon.submitters.learn(dev)
-    daemon._on_runq(runq[runq["tid"] == 77])
-    daemon._act(daemon.p99.advance(int(runq["ts_ns"].max()) + 5 * 10**9))
+    daemon.streams.submitters.learn(dev)
+    daemon.streams.batch("cpu", runq[runq["tid"] == 77], [])
+    daemon.alarms.act(daemon.p99.advance(int(runq["ts_ns"].max()) + 5 * 10**9))
     assert daemon.p99.state("runq_delay{pid=70}") == "firing"
     daemon.forget_exited()                       # still alive: kept
     assert daemon.p99.state("runq_delay{pid=70}") == "firing"
     (daemon.proc_root / "70").rmdir()
     daemon.forget_exited()
     assert "runq_delay{pid=70}" not in daemon.p99.names
-    assert daemon.forgotten_series == 1
-    daemon._on_runq(runq[runq["tid"] == 77][:1])   # the pid given again: a fresh series
+    assert daemon.streams.forgotten_series == 1
+    daemon.streams.batch("cpu", runq[runq["tid"] == 77][:1], [])   # the pid given again: a fresh series
     assert daemon.p99.state("runq_delay{pid=70}") == "normal"
     assert daemon.p99.baseline("runq_delay{pid=70}") is None
 
@@ -281,13 +281,13 @@ def test_a_dispatchers_series_named_like_a_pid_is_not_swept_with_exited_processe
             SeriesKey(REQUEST, series="e2e", modality="pid=424242"),
             SeriesKey(RUNQ, pid=424242), SeriesKey(SYNC, pid=424243, stream=0)]
     for key in keys:
-        daemon._series_id(key)
+        daemon.streams.series_id(key)
     assert daemon.p99.names == ["request_latency{series=pid\\=424242,modality=text}",
                                 "request_latency{series=e2e,modality=pid\\=424242}",
                                 "runq_delay{pid=424242}", "sync_wait{pid=424243,stream=0x0}"]
     daemon.forget_exited()
     assert daemon.p99.names == [str(k) for k in keys[:2]]
-    assert list(daemon.series_keys.values()) == keys[:2]
+    assert list(daemon.streams.series_keys.values()) == keys[:2]
 
 
 def test_kernel_names_of_an_exited_process_outlive_it_by_the_rings_reach(tmp_path):
@@ -299,20 +299,20 @@ def test_kernel_names_of_an_exited_process_outlive_it_by_the_rings_reach(tmp_pat
     (daemon.proc_root / "70").mkdir(parents=True)
     (daemon.proc_root / "71").mkdir()
     (daemon.proc_root / "72").mkdir()
-    daemon.op_names = [[70, 0x1000, "vision::patch(int)"], [71, 0x1000, "text::embed(int)"],
+    daemon.streams.op_names = [[70, 0x1000, "vision::patch(int)"], [71, 0x1000, "text::embed(int)"],
                        [72, 0x1000, "audio::fft(int)"]]
-    daemon.op_name_of = {(pid, addr): name for pid, addr, name in daemon.op_names}
+    daemon.streams.op_name_of = {(pid, addr): name for pid, addr, name in daemon.streams.op_names}
     (daemon.proc_root / "70").rmdir()
     (daemon.proc_root / "72").rmdir()
-    daemon._forget_names_of_exited(100 * 10**9)             # their exits are seen
+    daemon.streams.forget_names_of_exited(daemon.proc_root, 100 * 10**9)             # their exits are seen
     (daemon.proc_root / "72").mkdir()                       # 72 given to a new process
-    daemon._forget_names_of_exited(129 * 10**9)             # their events may still be held
-    assert [row[0] for row in daemon.op_names] == [70, 71, 72]
-    daemon._forget_names_of_exited(130 * 10**9)
-    assert [row[0] for row in daemon.op_names] == [71, 72]
-    assert daemon.op_name_of == {(71, 0x1000): "text::embed(int)",
+    daemon.streams.forget_names_of_exited(daemon.proc_root, 129 * 10**9)             # their events may still be held
+    assert [row[0] for row in daemon.streams.op_names] == [70, 71, 72]
+    daemon.streams.forget_names_of_exited(daemon.proc_root, 130 * 10**9)
+    assert [row[0] for row in daemon.streams.op_names] == [71, 72]
+    assert daemon.streams.op_name_of == {(71, 0x1000): "text::embed(int)",
                                  (72, 0x1000): "audio::fft(int)"}
-    assert daemon._names_exited_ns == {}
+    assert daemon.streams.names_exited_ns == {}
 
 
 def test_niceness_outside_the_kernels_range_is_refused(tmp_path):

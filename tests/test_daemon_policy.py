@@ -103,8 +103,8 @@ def drift(tmp_path, dry_run):
             daemon.tick(S)                     # on the recording's clock
         rec = recording.read_recording(synthetic_recording(tmp_path / "s.mmtr"))
         runq = rec.events["cpu.runq"]
-        daemon.submitters.learn(rec.events["dev.event"])
-        daemon._on_runq(runq[runq["tid"] == 77])
+        daemon.streams.submitters.learn(rec.events["dev.event"])
+        daemon.streams.batch("cpu", runq[runq["tid"] == 77], [])
         daemon.tick(int(runq["ts_ns"].max()) + 5 * S)
         got = [m for m in received(client) if m.get("type") == "hint"]
         return daemon, got
@@ -129,7 +129,7 @@ def test_a_drift_of_a_server_of_both_modalities_sends_its_hints_with_evidence(tm
     assert not any("evidence" in e for e in status["policy"]["audit"])
     assert {h["id"] for h in status["hints"]} == {h["id"] for h in got}
     # the flight recording of the drift carries the audit log as it stood
-    fired = [a for a in daemon.anomalies if a["state"] == "firing"]
+    fired = [a for a in daemon.alarms.anomalies if a["state"] == "firing"]
     meta = recording.read_recording(fired[0]["flight_recording"]).meta[0]
     assert "hint_audit" in meta
 

@@ -72,17 +72,17 @@ def test_forged_samples_steer_only_the_forger_and_kernel_alarms_reach_everyone(t
                            for _ in range(20)))
         deadline = time.monotonic() + 10
         while sum(c.subscribed for c in daemon.server.clients.values()) < 2 or \
-                "request_latency{series=e2e,modality=vision}" not in daemon.request_senders:
+                "request_latency{series=e2e,modality=vision}" not in daemon.messages.request_senders:
             assert time.monotonic() < deadline, "the clients were not served"
             daemon.tick()
         forged = "request_latency{series=e2e,modality=vision}"
-        assert set(daemon.request_senders[forged]) == {__import__("os").getpid()}
-        daemon._act([{"detector": "p99_drift", "series": forged, "state": "firing", "ts_ns": 1,
+        assert set(daemon.messages.request_senders[forged]) == {__import__("os").getpid()}
+        daemon.alarms.act([{"detector": "p99_drift", "series": forged, "state": "firing", "ts_ns": 1,
                       "evidence": {"p99": 0.9, "baseline": 0.01}}])
         daemon.tick()
         kernel = SeriesKey(RUNQ, pid=victim.pid)      # a kernel series, as ingest makes it
-        daemon._series_id(kernel)
-        daemon._act([{"detector": "p99_drift", "series": str(kernel),
+        daemon.streams.series_id(kernel)
+        daemon.alarms.act([{"detector": "p99_drift", "series": str(kernel),
                       "state": "firing", "ts_ns": 2, "evidence": {"p99": 0.004,
                                                                    "baseline": 0.001}}])
         daemon.tick()

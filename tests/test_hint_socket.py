@@ -125,12 +125,12 @@ def serve_server(server):
 def serve_daemon(daemon):
     """Served by Daemon.tick(): anything raising out of it fails the test."""
     got = []
-    original = daemon._on_messages
+    original = daemon.messages.handle
 
-    def keep(messages):
+    def keep(server, messages, now, answer):
         got.extend(messages)
-        original(messages)
-    daemon._on_messages = keep
+        original(server, messages, now, answer)
+    daemon.messages.handle = keep
 
     def step():
         daemon.tick()
@@ -168,7 +168,7 @@ def test_deep_nesting_is_an_error_and_the_valid_message_beside_it_is_kept(daemon
     assert reply == {"v": 1, "type": "error", "message":
                      "malformed message: expected JSON nested at most 8 deep, got 2000"}
     assert served.until(lambda: [m["type"] for _, m in served.messages] == ["sample"])
-    assert daemon.message_failures == 0
+    assert daemon.messages.failures == 0
     assert_serves_a_good_client(daemon.config.socket, served, daemon.server.broadcast)
 
 
@@ -210,8 +210,8 @@ def test_messages_outside_the_schema_get_an_error_reply(daemon, bad, expected):
     assert reply["type"] == "error" and expected in reply["message"], reply
     # nothing of the bad message reached the daemon; the good one did
     assert served.until(lambda: [m["type"] for _, m in served.messages] == ["sample"])
-    assert daemon.message_failures == 0
-    assert len(daemon.request_ring) == 1
+    assert daemon.messages.failures == 0
+    assert len(daemon.streams.request_ring) == 1
     assert_serves_a_good_client(daemon.config.socket, served, daemon.server.broadcast)
 
 
@@ -224,9 +224,9 @@ def test_a_stamp_far_from_the_agents_clock_is_refused(daemon):
         assert reply["type"] == "error" and "from the agent's CLOCK_MONOTONIC" in reply["message"]
     # the detectors' clocks did not move: a sample stamped now is on time
     c.sendall(sample())
-    assert served.until(lambda: len(daemon.request_ring) == 1)
-    assert daemon.entropy.accepted == 0 and len(daemon.entropy_ring) == 0
-    assert daemon.message_failures == 0
+    assert served.until(lambda: len(daemon.streams.request_ring) == 1)
+    assert daemon.entropy.accepted == 0 and len(daemon.streams.entropy_ring) == 0
+    assert daemon.messages.failures == 0
 
 
 def test_a_failure_while_acting_on_a_message_is_caught_counted_and_logged(daemon, caplog):
@@ -238,8 +238,8 @@ def test_a_failure_while_acting_on_a_message_is_caught_counted_and_logged(daemon
     c = connect(daemon.config.socket)
     with caplog.at_level(logging.ERROR, "mmtrace.daemon"):
         c.sendall(entropy() + entropy() + sample())
-        assert served.until(lambda: len(daemon.request_ring) == 1)
-    assert daemon.message_failures == 2
+        assert served.until(lambda: len(daemon.streams.request_ring) == 1)
+    assert daemon.messages.failures == 2
     failures = [r for r in caplog.records if "acting on a entropy message failed" in r.message]
     assert len(failures) == 1          # rate-limited
     assert_serves_a_good_client(daemon.config.socket, served, daemon.server.broadcast)
@@ -536,8 +536,8 @@ def test_request_series_are_capped_per_daemon(daemon):
                                 f"request_latency{{series=s{MAX_CLIENT_SERIES},modality=vision}} "
                                 "ignored")
     served.send(c, sample(series="s0"))
-    assert served.until(lambda: len(daemon.request_ring) == MAX_CLIENT_SERIES + 1)
-    assert len(daemon.samples.request_series.table()) == MAX_CLIENT_SERIES
+    assert served.until(lambda: len(daemon.streams.request_ring) == MAX_CLIENT_SERIES + 1)
+    assert len(daemon.messages.samples.request_series.table()) == MAX_CLIENT_SERIES
 
 
 def test_entropy_heads_and_modalities_from_clients_are_bounded(daemon):
@@ -560,7 +560,7 @@ def test_entropy_heads_and_modalities_from_clients_are_bounded(daemon):
     assert heads["m0"] == MAX_ENTROPY_HEADS
     assert sum(1 for n in heads.values() if n) == MAX_MODALITIES
     assert detector.rejected == sent - MAX_ENTROPY_HEADS - (MAX_MODALITIES - 1)
-    assert daemon.message_failures == 0
+    assert daemon.messages.failures == 0
 
 
 

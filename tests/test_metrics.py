@@ -28,7 +28,7 @@ KIND = device_stream.KIND_IDS
 
 def feed_device(daemon, events):
     """A GPU/NPU batch through the daemon's sink, named as ingest names it."""
-    daemon.batch("dev", events, daemon.names.process(events))
+    daemon.streams.batch("dev", events, daemon.streams.names.process(events))
 
 
 def dev_events(rows) -> np.ndarray:
@@ -69,12 +69,12 @@ def daemon(tmp_path):
         (proc / str(pid)).mkdir(parents=True)
         (proc / str(pid) / "comm").write_text(name + "\n")
     d = Daemon(DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "sock"))
-    d.counts.proc_root = proc
+    d.streams.counts.proc_root = proc
     return d
 
 
 def scrape(daemon, **labels) -> list[str]:
-    registry = prometheus.registry_for(daemon, prometheus.Labels(**labels))
+    registry = prometheus.registry_for(daemon.metrics_snapshot, prometheus.Labels(**labels))
     return generate_latest(registry).decode().splitlines()
 
 
@@ -127,9 +127,9 @@ def test_a_garbled_copy_length_cannot_turn_the_bytes_counter_negative(daemon):
 
 def test_submitter_runq_is_per_process_name_capped_at_top_k(daemon):
     feed_gpu_work(daemon)
-    daemon._on_runq(runq_events(
+    daemon.streams.batch("cpu", runq_events(
         [(100, 101, 1_500)] * 5 + [(200, 201, 3_000_000)] * 2 + [(300, 301, 10)] * 2
-        + [(400, 401, 700_000)] + [(500, 501, 9_000_000)]))   # 500 submits nothing
+        + [(400, 401, 700_000)] + [(500, 501, 9_000_000)]), [])   # 500 submits nothing
     lines = scrape(daemon, top_k=2)
     counts = family(lines, "mmtrace_submitter_runq_delay_seconds_count")
     # busiest first: vision_enc 5, decoder = pids 200 + 300 (4), tok folded into other
@@ -152,7 +152,7 @@ def test_submitter_runq_is_per_process_name_capped_at_top_k(daemon):
 
 def test_a_process_gone_from_proc_is_named_by_its_threads(daemon):
     feed_device(daemon, dev_events([launch(600, 601, 1000, 1)]))
-    daemon._on_runq(runq_events([(600, 601, 5_000, b"short_lived")]))
+    daemon.streams.batch("cpu", runq_events([(600, 601, 5_000, b"short_lived")]), [])
     assert family(scrape(daemon), "mmtrace_submitter_runq_delay_seconds_count") == [
         'mmtrace_submitter_runq_delay_seconds_count{process="short_lived"} 1.0']
 
@@ -165,13 +165,13 @@ def test_detectors_anomalies_hints_and_entropy(daemon):
     assert ('mmtrace_detector_series{detector="attention_entropy",series="entropy_rise",'
             'state="firing"} 0.0') in lines
     from mmtrace.agent.ingest.series_keys import RUNQ, SYNC, SeriesKey
-    daemon._series_id(SeriesKey(RUNQ, pid=100))
-    daemon._series_id(SeriesKey(SYNC, pid=100, stream=7))
-    daemon._act([{"detector": "p99_drift", "series": "runq_delay{pid=100}",
+    daemon.streams.series_id(SeriesKey(RUNQ, pid=100))
+    daemon.streams.series_id(SeriesKey(SYNC, pid=100, stream=7))
+    daemon.alarms.act([{"detector": "p99_drift", "series": "runq_delay{pid=100}",
                   "state": "firing", "ts_ns": 1, "evidence": {}},
                  {"detector": "p99_drift", "series": "runq_delay{pid=100}",
                   "state": "resolved", "ts_ns": 2, "evidence": {}}])
-    daemon._on_messages([(None, hint_protocol.validate({
+    daemon.messages.handle(None, [(None, hint_protocol.validate({
         "v": 1, "type": "entropy", "modality": "vision", "values": [
             {"layer": "0", "head": 0, "value": 0.25}, {"layer": "0", "head": 1, "value": 0.75}]}))])
     lines = scrape(daemon)
@@ -193,10 +193,10 @@ def test_names_no_scrape_can_encode_are_escaped_not_a_500(daemon):
     """A library path of undecodable bytes (a user can make one) and a lone
     surrogate held from before the socket checked names."""
     feed_gpu_work(daemon)
-    daemon.probe_states = [
+    daemon.probes.probe_states = [
         {"stream": "gpu", "program": "/opt/x/cuda\udcff.c", "state": "failed", "reason": "r"},
         {"stream": "gpu", "program": "/opt/x/\ud800.c", "state": "failed", "reason": "r"}]
-    registry = prometheus.registry_for(daemon, prometheus.Labels())
+    registry = prometheus.registry_for(daemon.metrics_snapshot, prometheus.Labels())
     endpoint = prometheus.MetricsEndpoint("127.0.0.1:0", registry)
     try:
         reply = urllib.request.urlopen(f"http://127.0.0.1:{endpoint.port}/metrics", timeout=10)
@@ -219,7 +219,7 @@ def test_exposition_passes_promtool(daemon):
 
 
 def test_endpoint_serves_and_a_taken_port_is_one_error(daemon):
-    registry = prometheus.registry_for(daemon, prometheus.Labels())
+    registry = prometheus.registry_for(daemon.metrics_snapshot, prometheus.Labels())
     endpoint = prometheus.MetricsEndpoint("127.0.0.1:0", registry)
     try:
         url = f"http://127.0.0.1:{endpoint.port}/metrics"
@@ -272,12 +272,7 @@ def test_events_of_unknown_apis_are_not_counted(daemon):
 
 
 def test_bpf_program_run_time_where_the_kernel_measures_it(tmp_path):
-    class Fn:
-        def __init__(self, fd):
-            self.fd = fd
-
-    class Bpf:
-        funcs = {b"tracepoint__sched__sched_switch": Fn(7), "on_cudaLaunchKernel": Fn(9)}
+    programs = {"tracepoint__sched__sched_switch": 7, "on_cudaLaunchKernel": 9}
 
     proc = tmp_path / "proc"
     (proc / "sys" / "kernel").mkdir(parents=True)
@@ -285,13 +280,19 @@ def test_bpf_program_run_time_where_the_kernel_measures_it(tmp_path):
     (proc / "self" / "fdinfo" / "7").write_text(
         "pos:\t0\nprog_type:\t5\nrun_time_ns:\t2500000000\nrun_cnt:\t1000\n")
     (proc / "self" / "fdinfo" / "9").write_text("pos:\t0\nprog_type:\t2\n")   # no stats
-    collector = prometheus.DaemonCollector(None, proc_root=proc)
+    # Only the collector's own reads: a snapshot with the kernel's figures alone.
+    from mmtrace.exporters.live.event_counts import EventCounts
+    snapshot = prometheus.DaemonSnapshot(
+        kernel=prometheus.KernelFigures(runq_slots=[0] * 32, runq_total_ns=0, counters={},
+                                        programs=programs),
+        counts=EventCounts(device_stream.default_infos()).snapshot())
+    collector = prometheus.DaemonCollector(lambda: snapshot, proc_root=proc)
     (proc / "sys" / "kernel" / "bpf_stats_enabled").write_text("0\n")
-    families = {f.name: f for f in collector._bpf_run_time(Bpf())}
+    families = {f.name: f for f in collector.collect()}
     assert [s.value for s in families["mmtrace_bpf_stats_enabled"].samples] == [0]
     assert "mmtrace_bpf_program_run_seconds" not in families
     (proc / "sys" / "kernel" / "bpf_stats_enabled").write_text("1\n")
-    families = {f.name: f for f in collector._bpf_run_time(Bpf())}
+    families = {f.name: f for f in collector.collect()}
     run_s = families["mmtrace_bpf_program_run_seconds"].samples
     assert [(s.labels, s.value) for s in run_s] == [
         ({"program": "tracepoint__sched__sched_switch"}, 2.5)]
@@ -314,8 +315,8 @@ def test_hints_count_what_subscribed_dispatchers_received(daemon, tmp_path):
             daemon.server.poll(0.02)
         from mmtrace.agent.ingest.series_keys import RUNQ, SeriesKey
         me = SeriesKey(RUNQ, pid=os.getpid())          # a live process: the sweep keeps it
-        daemon._series_id(me)                           # the series, as ingest makes it
-        daemon._act([{"detector": "p99_drift", "series": str(me),
+        daemon.streams.series_id(me)                           # the series, as ingest makes it
+        daemon.alarms.act([{"detector": "p99_drift", "series": str(me),
                       "state": "firing", "ts_ns": 1, "evidence": {"p99": 0.004,
                                                                    "baseline": 0.001}}])
         daemon.tick()                   # the hint policy decides at the tick

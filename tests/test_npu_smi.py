@@ -49,23 +49,23 @@ def test_source_reads_every_chip_and_follows_changes(standin):
 
 def test_daemon_exposes_npu_gauges_and_state(standin, tmp_path):
     daemon = Daemon(DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "sock"))
-    daemon.npu = npu_smi.monitor(binary=str(standin))
-    assert daemon.npu.interval_s == npu_smi.MIN_INTERVAL_S
-    assert daemon.npu.start(), daemon.npu.error
+    daemon.monitors.npu = npu_smi.monitor(binary=str(standin))
+    assert daemon.monitors.npu.interval_s == npu_smi.MIN_INTERVAL_S
+    assert daemon.monitors.npu.start(), daemon.monitors.npu.error
     try:
-        registry = prometheus.registry_for(daemon, prometheus.Labels())
+        registry = prometheus.registry_for(daemon.metrics_snapshot, prometheus.Labels())
         lines = generate_latest(registry).decode().splitlines()
         assert "mmtrace_npu_smi_up 1.0" in lines
         assert 'mmtrace_npu_device_weight{npu="2"} 0.6' in lines
         assert 'mmtrace_npu_temperature_celsius{npu="0"} 70.0' in lines
         assert "mmtrace_nvml_up 0.0" in lines
-        state = daemon.device_state()
+        state = daemon.monitors.state()
         assert state["npus_source"] == "up" and state["gpus_source"] == "off"
         assert [round(d["weight"], 6) for d in state["npus"]] == [0.4, 0.9, 0.6]
         # npu-smi starts failing: the monitor says so, the last figures stay
         (standin.parent / "common-1").unlink()
-        daemon.npu.poll()
-        assert not daemon.npu.up and "npu-smi info -t common -i 1 exited 1" in daemon.npu.error
+        daemon.monitors.npu.poll()
+        assert not daemon.monitors.npu.up and "npu-smi info -t common -i 1 exited 1" in daemon.monitors.npu.error
         lines = generate_latest(registry).decode().splitlines()
         assert "mmtrace_npu_smi_up 0.0" in lines
         assert 'mmtrace_npu_device_weight{npu="2"} 0.6' in lines

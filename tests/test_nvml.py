@@ -174,15 +174,15 @@ def test_daemon_state_and_gauges_carry_the_standins_gpus(loaded_standin, tmp_pat
     from mmtrace.exporters.live import prometheus
     write_state(loaded_standin, [FakeGpu("0000:17:00.0", sm_pct=30, membw_pct=50, temp_c=61)])
     daemon = Daemon(DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "sock"))
-    daemon.nvml = nvml.monitor(interval_s=10)
-    assert daemon.nvml.start(), daemon.nvml.error
+    daemon.monitors.nvml = nvml.monitor(interval_s=10)
+    assert daemon.monitors.nvml.start(), daemon.monitors.nvml.error
     try:
-        state = daemon.device_state()
+        state = daemon.monitors.state()
         assert state["gpus_source"] == "up" and state["npus_source"] == "off"
         (gpu,) = state["gpus"]
         assert gpu["weight"] == pytest.approx(0.7 * 0.5) and gpu["hops"] == 0
         assert gpu["bus_id"] == "0000:17:00.0" and gpu["name"] == "StandinGPU"
-        lines = generate_latest(prometheus.registry_for(daemon, prometheus.Labels())) \
+        lines = generate_latest(prometheus.registry_for(daemon.metrics_snapshot, prometheus.Labels())) \
             .decode().splitlines()
         assert "mmtrace_nvml_up 1.0" in lines
         assert 'mmtrace_gpu_device_weight{gpu="0"} 0.35' in lines
@@ -209,18 +209,18 @@ def test_flight_recordings_carry_the_gpu_samples_to_perfetto_counters(loaded_sta
     write_state(loaded_standin, [FakeGpu("0000:17:00.0", sm_pct=30, membw_pct=50),
                                  FakeGpu("0000:65:00.0", sm_pct=90, membw_pct=10)])
     daemon = Daemon(DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "sock"))
-    daemon.nvml = nvml.monitor(interval_s=10)
-    assert daemon.nvml.start(), daemon.nvml.error
+    daemon.monitors.nvml = nvml.monitor(interval_s=10)
+    assert daemon.monitors.nvml.start(), daemon.monitors.nvml.error
     try:
         t0 = time.monotonic_ns() - 3 * 10**9      # inside the flight recorder's window
-        daemon._sample_gpus(t0)
+        daemon.sample_devices(t0)
         write_state(loaded_standin, [FakeGpu("0000:17:00.0", sm_pct=70, membw_pct=20),
                                      FakeGpu("0000:65:00.0", sm_pct=90, membw_pct=10)])
-        daemon.nvml.poll()
-        daemon._sample_gpus(t0 + 10**8)        # within the second: not sampled
-        daemon._sample_gpus(t0 + 10**9)
+        daemon.monitors.nvml.poll()
+        daemon.sample_devices(t0 + 10**8)        # within the second: not sampled
+        daemon.sample_devices(t0 + 10**9)
 
-        path = daemon._flight_record({"detector": "p99_drift", "series": "x",
+        path = daemon.alarms.flight_record({"detector": "p99_drift", "series": "x",
                                       "state": "firing", "ts_ns": t0})
     finally:
         daemon.close()

@@ -37,7 +37,7 @@ P99_ANOMALY = {
 
 def feed_device(daemon, events):
     """A GPU/NPU batch through the daemon's sink, named as ingest names it."""
-    daemon.batch("dev", events, daemon.names.process(events))
+    daemon.streams.batch("dev", events, daemon.streams.names.process(events))
 
 
 def traces(exporter=None, clock=time.monotonic, **kw):
@@ -273,13 +273,13 @@ def test_a_dead_collector_leaves_the_daemon_running_and_counts_failures(tmp_path
             time.sleep(0.02)
     finally:
         daemon.close()
-    assert any(a.get("state") == "firing" for a in daemon.anomalies)
+    assert any(a.get("state") == "firing" for a in daemon.alarms.anomalies)
     assert daemon.otlp.stats.failed >= 1 and daemon.otlp.stats.failed_batches >= 1
     assert slowest < 0.25, f"a tick took {slowest:.3f} s while the collector was down"
     # ... and the failures are in the metrics
     from prometheus_client import generate_latest
     from mmtrace.exporters.live import prometheus
-    text = generate_latest(prometheus.registry_for(daemon, prometheus.Labels())).decode()
+    text = generate_latest(prometheus.registry_for(daemon.metrics_snapshot, prometheus.Labels())).decode()
     failed = re.search(r'^mmtrace_otlp_spans_total\{outcome="failed"\} (\S+)$', text, re.M)
     assert failed and float(failed.group(1)) == daemon.otlp.stats.failed
     assert re.search(r"^mmtrace_otlp_export_failures_total [1-9]", text, re.M)

@@ -29,7 +29,7 @@ def test_live_keys_change_and_the_rest_wait_for_a_restart(tmp_path, caplog):
     write(path, "tick_s = 0.025\n")
     daemon = daemon_from(path)
     daemon.p99.series_id("runq_delay{pid=7}")                    # state that must survive
-    ring = daemon.runq_ring
+    ring = daemon.streams.runq_ring
     write(path, "tick_s = 0.05\nflight_min_interval_s = 5.0\nring_capacity = 4096\n"
                 "[policy]\ndry_run = true\nttl_s = 9.0\n")
     with caplog.at_level(logging.INFO, "mmtrace.daemon"):
@@ -37,7 +37,7 @@ def test_live_keys_change_and_the_rest_wait_for_a_restart(tmp_path, caplog):
     assert daemon.config.tick_s == 0.05 and daemon.flight.min_interval_s == 5.0
     assert daemon.steering.policy.settings.dry_run and daemon.steering.dry_run
     assert daemon.steering.policy.settings.ttl_s == 9.0
-    assert daemon.config.ring_capacity == 1 << 20 and daemon.runq_ring is ring   # at restart
+    assert daemon.config.ring_capacity == 1 << 20 and daemon.streams.runq_ring is ring   # at restart
     assert "runq_delay{pid=7}" in daemon.p99.names
     assert "ring_capacity take effect at restart" in caplog.text
     daemon.close()

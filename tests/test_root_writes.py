@@ -261,9 +261,9 @@ def test_odd_entries_of_the_state_directory_stop_no_anomaly_or_dump_of_the_daemo
     written = []
     try:
         for n in range(6):
-            daemon._act([{"detector": "p99_drift", "series": f"runq_delay{{pid={n}}}",
+            daemon.alarms.act([{"detector": "p99_drift", "series": f"runq_delay{{pid={n}}}",
                           "state": "firing", "ts_ns": n, "evidence": {"p99": 0.1}}])
-            written.append(daemon.anomalies[-1]["flight_recording"])
+            written.append(daemon.alarms.anomalies[-1]["flight_recording"])
             daemon.tick()
             if n in (2, 5):
                 asked = subprocess.Popen([MMTRACE, "dump", "--socket", cfg.socket],

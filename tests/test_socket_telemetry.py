@@ -162,13 +162,13 @@ def test_record_and_the_daemon_take_a_dispatchers_samples_by_the_same_rules(tmp_
         client.connect(str(cfg.socket))
         client.sendall(payload)
         deadline = time.monotonic() + 10
-        while daemon.samples.sizes()[1] < MAX_MODALITIES and time.monotonic() < deadline:
+        while daemon.messages.samples.sizes()[1] < MAX_MODALITIES and time.monotonic() < deadline:
             daemon.tick()
         served = errors_of(client)
     finally:
         client.close()
         daemon.close()
-    assert daemon.samples.modalities.table() == telemetry.samples.modalities.table()
+    assert daemon.messages.samples.modalities.table() == telemetry.samples.modalities.table()
     assert len(recorded) == 1 and recorded[0].startswith("sample: ts_ns ")
     assert [e.split(" s from")[1] for e in recorded] == [e.split(" s from")[1] for e in served]
 

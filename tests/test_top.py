@@ -25,7 +25,7 @@ PID, TID = 4321, 4322
 
 def feed_device(daemon, events):
     """A GPU/NPU batch through the daemon's sink, named as ingest names it."""
-    daemon.batch("dev", events, daemon.names.process(events))
+    daemon.streams.batch("dev", events, daemon.streams.names.process(events))
 
 
 def api_id(symbol):
@@ -127,8 +127,8 @@ def test_top_shows_the_live_figures_and_quits_on_q(tmp_path):
         last = daemon.started_ns
         while not stop.is_set():
             now = time.monotonic_ns()
-            daemon.submitters.learn(device_events(last, now))
-            daemon._on_runq(runq_events(last, now))
+            daemon.streams.submitters.learn(device_events(last, now))
+            daemon.streams.batch("cpu", runq_events(last, now), [])
             feed_device(daemon, device_events(last, now))
             last = now
             for _ in range(10):

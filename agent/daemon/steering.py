@@ -2,15 +2,20 @@
 sees (see policy_inputs), the hints it issues counted by kind, and its
 audit log in a form status replies and flight recordings carry."""
 
+import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 
 from mmtrace.dispatch.policy import HintPolicy, PolicySettings
+from mmtrace.exporters.live import status as status_view
 
 from mmtrace.agent.daemon.cpu_load import CpuLoad
 from mmtrace.agent.daemon.policy_inputs import PolicyInputs
 
+log = logging.getLogger("mmtrace.daemon")
+
 AUDIT_IN_STATUS = 16
+HINT_FIELDS = ("id", "kind", "target", "value", "ttl_s", "reason", "issued_ns")
 
 
 class Steering:
@@ -19,6 +24,8 @@ class Steering:
         self.inputs = PolicyInputs(cpu, clock)
         self.policy = HintPolicy(settings, hint_id=hint_id)
         self.issued: Counter = Counter()         # kind -> hints issued (dry-run issues none)
+        self.sent: Counter = Counter()           # kind -> deliveries to dispatchers
+        self.recent: deque[dict] = deque(maxlen=status_view.MAX_HINTS)   # for status replies
 
     @property
     def dry_run(self) -> bool:
@@ -29,6 +36,24 @@ class Steering:
         hints = self.policy.decide(self.inputs.observations(now_ns))
         self.issued.update(h["kind"] for h in hints)
         return hints
+
+    def deliver(self, now_ns: int, server, scope) -> None:
+        """Send what the policy decides now through `server` (if any): each
+        hint to the processes `scope(hint)` names, or to every subscriber
+        when it names none. Dry-run sends nothing; the audit log has every
+        decision."""
+        for hint in self.step(now_ns):
+            self.recent.append({k: hint[k] for k in HINT_FIELDS})
+            log.warning("hint %s %s -> %s: %s", hint["kind"], hint["target"], hint["value"],
+                        hint["reason"])
+            if server is not None:
+                pids = scope(hint)
+                sent = server.broadcast(hint) if pids is None else server.send_to(pids, hint)
+                self.sent[hint["kind"]] += sent
+
+    @property
+    def hints_sent(self) -> int:
+        return sum(self.sent.values())
 
     def audit(self, last: int | None = None) -> list[dict]:
         """The audit log, oldest first (the last `last` entries)."""

@@ -13,8 +13,9 @@ import errno
 import os
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
@@ -23,7 +24,6 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from mmtrace.bpf import counters as bpf_counters
-from mmtrace.bpf import sched as sched_stream
 from mmtrace.detectors import entropy_drift
 
 from mmtrace.exporters.live.event_counts import Histogram, top_k
@@ -132,15 +132,41 @@ def _encodable_labels(family):
     return family
 
 
-class DaemonCollector:
-    """Reads the daemon at scrape time. `daemon` offers: lock, loaded (or
-    None), counts (EventCounts), probe_states, p99 and series_keys (its
-    series' names -> agent.series_keys.SeriesKey), entropy, entropy_latest,
-    anomaly_counts, hint_counts, nvml and npu (DeviceMonitors or None),
-    otlp (exporters.otlp.OtlpTraces or None)."""
+@dataclass(frozen=True)
+class KernelFigures:
+    """What the eBPF programs' maps hold at scrape time (read, never cleared)."""
+    runq_slots: list                # the run-queue histogram's slots (sched.c)
+    runq_total_ns: int              # the sum of its delays
+    counters: dict                  # every counter, by name (bpf/counters.py)
+    programs: dict                  # program name -> its fd (for run-time stats)
 
-    def __init__(self, daemon, labels: Labels = Labels(), proc_root: Path = Path("/proc")):
-        self.daemon = daemon
+
+@dataclass(frozen=True)
+class DaemonSnapshot:
+    """The daemon's state as the collector renders it, handed out by the
+    daemon at each scrape (agent/daemon/views.py). The collector reads
+    nothing else of the daemon."""
+    kernel: KernelFigures | None = None     # None until the CPU stream is loaded
+    counts: object = None                   # event_counts.EventCounts.snapshot()
+    p99_series: list = field(default_factory=list)        # (series kind, state) per series
+    entropy_modalities: dict = field(default_factory=dict)  # modality -> kinds firing
+    entropy_latest: dict = field(default_factory=dict)    # modality -> mean entropy
+    anomalies: dict = field(default_factory=dict)         # detector -> fired
+    hints: dict = field(default_factory=dict)             # kind -> delivered
+    program_states: list = field(default_factory=list)    # the programs' own states
+    device_probes: list | None = None       # the GPU/NPU probes' states, once wired
+    device_held: dict | None = None         # what they hold (files, links)
+    nvml: object = None                     # devices.device_state.DeviceMonitor or None
+    npu: object = None
+    otlp_stats: object = None               # live.otlp's stats, when OTLP is on
+
+
+class DaemonCollector:
+    """Renders the daemon's snapshot, taken at each scrape."""
+
+    def __init__(self, snapshot: Callable[[], DaemonSnapshot], labels: Labels = Labels(),
+                 proc_root: Path = Path("/proc")):
+        self.snapshot = snapshot
         self.labels = labels
         self.proc_root = Path(proc_root)
 
@@ -152,30 +178,21 @@ class DaemonCollector:
             yield _encodable_labels(family)
 
     def _families(self):
-        d = self.daemon
-        loaded = d.loaded
-        if loaded is not None:
-            yield from self._kernel(loaded)
-        counts = d.counts.snapshot()
-        yield from self._submitters(counts)
-        yield from self._device(counts)
-        with d.lock:
-            detector_rows = _detector_rows(d)
-            entropy = dict(d.entropy_latest)
-            anomalies = dict(d.anomaly_counts)
-            hints = dict(d.hint_counts)
-            probe_states = list(d.probe_states)
-        yield from self._probes(loaded, probe_states)
-        yield from self._detectors(detector_rows, entropy, anomalies, hints)
+        d = self.snapshot()
+        if d.kernel is not None:
+            yield from self._kernel(d.kernel)
+        yield from self._submitters(d.counts)
+        yield from self._device(d.counts)
+        yield from self._probes(d.program_states, d.device_probes, d.device_held)
+        yield from self._detectors(_detector_rows(d), d.entropy_latest, d.anomalies, d.hints)
         yield from self._devices(d.nvml, d.npu)
-        if getattr(d, "otlp", None) is not None:
-            yield from self._otlp(d.otlp.stats)
+        if d.otlp_stats is not None:
+            yield from self._otlp(d.otlp_stats)
 
     # ------------------------------------------------------------ kernel
 
-    def _kernel(self, loaded):
-        slots = loaded.runq_hist()
-        total_ns = sched_stream.sum_from_table(loaded.bpf[sched_stream.SUM_MAP])
+    def _kernel(self, figures: KernelFigures):
+        slots, total_ns = figures.runq_slots, figures.runq_total_ns
         hist = Histogram(KERNEL_RUNQ_BOUNDS)
         hist.counts[:KERNEL_RUNQ_SLOTS] = slots[:KERNEL_RUNQ_SLOTS]
         hist.counts[KERNEL_RUNQ_SLOTS] = sum(slots[KERNEL_RUNQ_SLOTS:])
@@ -184,7 +201,7 @@ class DaemonCollector:
                                   "no --pid is given), from the kernel's histogram.")
         h.add_metric([], hist.cumulative(), total_ns / 1e9)
         yield h
-        counters = loaded.counters()
+        counters = figures.counters
         lost = CounterMetricFamily("mmtrace_events_lost_total",
                                    "Events or facts the eBPF programs could not deliver, "
                                    "by stream and kernel counter (as `record` counts them).",
@@ -198,9 +215,9 @@ class DaemonCollector:
         for name in bpf_counters.COUNTER_NAMES:
             kernel.add_metric([COUNTER_STREAM.get(name, "dev"), name], counters.get(name, 0))
         yield kernel
-        yield from self._bpf_run_time(loaded.bpf)
+        yield from self._bpf_run_time(figures.programs)
 
-    def _bpf_run_time(self, bpf):
+    def _bpf_run_time(self, programs: dict):
         """Run time of our programs, where kernel.bpf_stats_enabled is on."""
         try:
             enabled = (self.proc_root / BPF_STATS_SYSCTL).read_text().strip() == "1"
@@ -217,10 +234,8 @@ class DaemonCollector:
                                       labels=["program"])
         runs = CounterMetricFamily("mmtrace_bpf_program_runs", "Runs of each eBPF program.",
                                    labels=["program"])
-        funcs = {(n.decode() if isinstance(n, bytes) else n): fn
-                 for n, fn in getattr(bpf, "funcs", {}).items()}
-        for name, fn in sorted(funcs.items()):
-            stats = _prog_stats(self.proc_root / "self" / "fdinfo" / str(fn.fd))
+        for name, fd in sorted(programs.items()):
+            stats = _prog_stats(self.proc_root / "self" / "fdinfo" / str(fd))
             if stats is not None:
                 seconds.add_metric([name], stats[0] / 1e9)
                 runs.add_metric([name], stats[1])
@@ -265,7 +280,7 @@ class DaemonCollector:
 
     # ------------------------------------------------------------ probes
 
-    def _probes(self, loaded, program_states):
+    def _probes(self, program_states, device_probes, held):
         """1 attached, 0 failed; a symbol absent from its library, or a
         per-launch probe detached on purpose (adaptive mode), is not down."""
         up: dict[tuple[str, str], int] = {}
@@ -278,8 +293,7 @@ class DaemonCollector:
                  "reason": s.get("reason", "")}
                 for s in program_states
                 if s.get("stream") == "cpu" or (s.get("state") == "failed" and s.get("program"))]
-        if loaded is not None and loaded.device is not None:
-            rows += loaded.device.states()
+        rows += device_probes or []
         failures: dict[tuple[str, str, str], str] = {}
         for row in rows:
             state = row["state"]
@@ -307,8 +321,7 @@ class DaemonCollector:
         for state in ("attached", "detached", "not_found", "failed"):
             s.add_metric([state], by_state.get(state, 0))
         yield s
-        if loaded is not None and loaded.device is not None:
-            held = loaded.device.footprint()
+        if held is not None:
             yield GaugeMetricFamily("mmtrace_probed_files", "Files (libraries, executables) "
                                     "the GPU/NPU probes are attached to now.",
                                     value=held["libraries"])
@@ -410,19 +423,18 @@ def _device_gauges(kind: str, devices: list):
     yield link
 
 
-def _detector_rows(d) -> dict:
+def _detector_rows(d: DaemonSnapshot) -> dict:
     """(detector, series kind, state) -> number of series; zeros included,
     so that alert expressions always have series to evaluate."""
     rows = {}
-    for name, key in d.series_keys.items():     # the kind from the key, not the name
-        for state in DETECTOR_STATES:
-            rows.setdefault(("p99_drift", key.kind, state), 0)
-        rows[("p99_drift", key.kind, d.p99.state(name))] += 1
+    for kind, state in d.p99_series:
+        for each in DETECTOR_STATES:
+            rows.setdefault(("p99_drift", kind, each), 0)
+        rows[("p99_drift", kind, state)] += 1
     for kind in entropy_drift.KINDS:
         for state in ("normal", "firing"):
             rows[("attention_entropy", kind, state)] = 0
-    for modality in d.entropy_latest:
-        firing = set(d.entropy.firing(modality))
+    for firing in d.entropy_modalities.values():
         for kind in entropy_drift.KINDS:
             rows[("attention_entropy", kind, "firing" if kind in firing else "normal")] += 1
     return rows
@@ -441,11 +453,13 @@ def _prog_stats(fdinfo: Path) -> tuple[int, int] | None:
         return None
 
 
-def registry_for(daemon, labels: Labels, proc_root: Path = Path("/proc")) -> CollectorRegistry:
-    """The daemon's collector, and the agent's own CPU and memory
-    (mmtrace_process_cpu_seconds_total, mmtrace_process_resident_memory_bytes, ...)."""
+def registry_for(snapshot: Callable[[], DaemonSnapshot], labels: Labels,
+                 proc_root: Path = Path("/proc")) -> CollectorRegistry:
+    """The daemon's collector (rendering `snapshot()` at each scrape), and
+    the agent's own CPU and memory (mmtrace_process_cpu_seconds_total,
+    mmtrace_process_resident_memory_bytes, ...)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(DaemonCollector(daemon, labels, proc_root))
+    registry.register(DaemonCollector(snapshot, labels, proc_root))
     ProcessCollector(namespace="mmtrace", pid=lambda: os.getpid(), proc=str(proc_root),
                      registry=registry)
     return registry

@@ -25,7 +25,8 @@ with atheris.instrument_imports(include=["mmtrace.agent.socket.hint_protocol",
                                          "mmtrace.agent.socket.client_connections",
                                          "mmtrace.agent.socket.client_reading",
                                          "mmtrace.agent.socket.client_deadlines",
-                                         "mmtrace.agent.daemon.loop"]):
+                                         "mmtrace.agent.daemon.loop",
+                                         "mmtrace.agent.daemon.client_messages"]):
     from mmtrace.agent.socket import hint_socket
     from mmtrace.agent.config.settings import DaemonConfig
     from mmtrace.agent.daemon.loop import Daemon
@@ -70,8 +71,8 @@ class Harness:
         finally:
             client.close()
         self.daemon.tick()
-        if self.daemon.message_failures or server.internal_errors:
-            raise RuntimeError(f"caught failures: {self.daemon.message_failures} acting on "
+        if self.daemon.messages.failures or server.internal_errors:
+            raise RuntimeError(f"caught failures: {self.daemon.messages.failures} acting on "
                                f"messages, {server.internal_errors} in the server")
 
     def _send(self, client, piece):

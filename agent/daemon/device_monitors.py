@@ -1,0 +1,52 @@
+"""GPU and NPU device state beside the probes: NVML and, where it is
+installed, npu-smi, each polled in a thread of its own. The dispatcher's
+device weights and the flight recorder's once-a-second samples come from
+here."""
+
+from mmtrace.exporters.devices import npu_smi, nvml
+
+GPU_SAMPLE_INTERVAL_NS = 10**9
+
+
+class DeviceMonitors:
+    def __init__(self):
+        self.nvml = None                    # DeviceMonitor of the GPUs
+        self.npu = None                     # ... of the Ascend NPUs, where npu-smi is
+        self._next_gpu_sample = 0
+
+    def start(self, interval_s: float):
+        if interval_s <= 0:
+            return
+        self.nvml = nvml.monitor(interval_s)
+        self.nvml.start()
+        if npu_smi.available():
+            self.npu = npu_smi.monitor(interval_s)
+            self.npu.start()
+
+    def state(self) -> dict:
+        """Device state for the dispatcher: per GPU / NPU its weight, resource
+        profile and the figures they come from; for each source, "up" or why not."""
+        out = {}
+        for kind, monitor in (("gpus", self.nvml), ("npus", self.npu)):
+            out[kind] = [d.as_dict() for d in monitor.devices()] if monitor else []
+            out[f"{kind}_source"] = (monitor.error or "up") if monitor else "off"
+        return out
+
+    def gpu_sample_due(self, now_ns: int) -> list:
+        """NVML's latest states, once a second (else none), for the flight
+        recorder's ring."""
+        if self.nvml is None or now_ns < self._next_gpu_sample:
+            return []
+        self._next_gpu_sample = now_ns + GPU_SAMPLE_INTERVAL_NS
+        return self.nvml.devices()
+
+    def gpu_weights(self) -> dict | None:
+        """The GPUs' weights by ordinal (the gpu label of the metrics), where NVML answers."""
+        gpus = self.nvml.devices() if self.nvml is not None else []
+        return {str(d.index): d.weight for d in gpus} or None
+
+    def close(self):
+        for monitor in (self.nvml, self.npu):
+            if monitor is not None:
+                monitor.close()
+        self.nvml = self.npu = None

@@ -1,0 +1,172 @@
+"""The daemon's sink of the one ingest path (agent/ingest/pipeline.py):
+each enriched batch goes into the bounded rings of the recent past, the
+metrics' counts and the latency series the P99-drift detector watches;
+what the detector says goes to `act`. The dispatchers' samples arrive
+here too, by way of the socket's messages (agent/daemon/client_messages.py).
+"""
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from mmtrace.bpf import device as device_stream
+from mmtrace.bpf import sched as sched_stream
+from mmtrace.detectors.p99_drift import P99Drift
+from mmtrace.exporters.devices.device_state import GPU_STATE, state_records
+from mmtrace.exporters.live.event_counts import EventCounts
+
+from mmtrace.agent.config.settings import DaemonConfig
+from mmtrace.agent.ingest import latency_series as ls
+from mmtrace.agent.ingest.align import Aligner, ApiRoles
+from mmtrace.agent.ingest.device_names import DeviceNames
+from mmtrace.agent.ingest.event_ring import EventRing
+from mmtrace.agent.ingest.packed_ring import PackedRing
+from mmtrace.agent.ingest.series_keys import SeriesKey
+from mmtrace.agent.socket.telemetry import ENTROPY_SAMPLE, REQUEST_SAMPLE
+
+SCHEMAS = {"cpu.runq": sched_stream.RUNQ_EVENT, "dev.event": device_stream.DEV_EVENT,
+           "model.entropy": ENTROPY_SAMPLE, "request.latency": REQUEST_SAMPLE,
+           "gpu.state": GPU_STATE}
+MAX_OP_NAMES = 1 << 16
+
+
+class Streams:
+    """What the daemon keeps of its streams, fed batch by batch."""
+
+    def __init__(self, config: DaemonConfig, p99: P99Drift, act: Callable[[list], None],
+                 infos=None):
+        self.config = config
+        self.p99 = p99
+        self.act = act
+        age = int(config.ring_seconds * 1e9)
+        infos = self.infos = infos or device_stream.default_infos()
+        # The highest-rate stream: its reach is held compressed.
+        self.runq_ring = PackedRing(sched_stream.RUNQ_EVENT, config.ring_capacity, age)
+        self.entropy_ring = EventRing(ENTROPY_SAMPLE, 1 << 16, age)
+        self.request_ring = EventRing(REQUEST_SAMPLE, 1 << 16, age)
+        self.gpu_state_ring = EventRing(GPU_STATE, 1 << 12, age)   # NVML, once a second
+        self.aligner = Aligner(ApiRoles.from_infos(infos), capacity=config.device_ring_capacity,
+                               max_age_ns=age, compress=True)
+        self.names = DeviceNames(infos)
+        self.series_keys: dict[str, SeriesKey] = {}   # the P99 series' names -> their keys
+        self.op_names: list[list] = []
+        self.op_name_of: dict[tuple[int, int], str] = {}
+        self.names_exited_ns: dict[int, int] = {}   # pid -> when its exit was seen
+        self.submitters = ls.Submitters()
+        self.counts = EventCounts(infos)
+        self.forgotten_series = 0
+        self.otlp = None                # live.otlp.OtlpTraces, when configured
+
+    # ---------------------------------------------------------- the sink
+
+    def batch(self, stream, events, op_names):
+        """One enriched batch of the ingest path."""
+        if stream == "cpu":
+            self.runq_ring.push(events)
+            self.counts.on_runq(events, self.submitters)
+            self.observe(ls.runq_series(self.series_id, events, self.submitters))
+        else:
+            self._on_device(events, op_names)
+
+    def _on_device(self, batch, rows):
+        if rows:
+            self.op_names = (self.op_names + rows)[-MAX_OP_NAMES:]
+            self.op_name_of.update(((pid, addr), name) for pid, addr, name in rows)
+            if len(self.op_name_of) > 2 * len(self.op_names):      # bounded like the list
+                self.op_name_of = {(pid, addr): name for pid, addr, name in self.op_names}
+        self.submitters.learn(batch)
+        aligned = self.aligner.push(batch)
+        self.counts.on_device(aligned, self.aligner.last_retired)
+        self.observe(ls.sync_series(self.series_id, aligned))
+        self.observe(ls.retire_series(self.series_id, self.aligner.last_retired))
+        if self.otlp is not None:
+            self.otlp.submissions(self.aligner.last_retired)
+
+    def series_id(self, key: SeriesKey) -> int:
+        """The P99 detector's id of the series `key`; the key is kept by its
+        name, so that what is known of a series is read from it, not parsed."""
+        name = str(key)
+        self.series_keys.setdefault(name, key)
+        return self.p99.series_id(name)
+
+    def observe(self, series: ls.Series):
+        if len(series):
+            self.act(self.p99.observe(series.ids, series.ts_ns, series.values_s,
+                                      series.contributors))
+
+    def observe_requests(self, requests: list):
+        """(series id, ts_ns, value_s, socket series id) of request samples."""
+        ids, ts, values, sids = (np.array(c) for c in zip(*requests))
+        self.act(self.p99.observe(ids, ts, values))
+        rec = np.zeros(len(ids), REQUEST_SAMPLE)
+        rec["ts_ns"], rec["value_s"], rec["series"] = ts, values, sids
+        self.request_ring.push(rec)
+
+    def sample_gpus(self, states: list, now_ns: int):
+        if states:
+            self.gpu_state_ring.push(state_records(states, now_ns))
+
+    # -------------------------------------------------------- the exited
+
+    def forget_exited(self, proc_root: Path, now_ns: int) -> list[str]:
+        """Series of processes that have exited are dropped: a pid's alarm
+        must not stay firing for ever, nor greet the next process given that
+        pid, and each series holds ~23 KiB of windows (kept, those of 2 000
+        short-lived processes that called the runtime took RssAnon from 58 to
+        184 MB). Returns the names of the series dropped."""
+        gone, alive = [], {}
+        for name, key in self.series_keys.items():
+            if not key.per_process:
+                continue
+            if key.pid not in alive:
+                alive[key.pid] = (proc_root / str(key.pid)).exists()
+            if not alive[key.pid]:
+                gone.append(name)
+        for name in gone:
+            del self.series_keys[name]
+        self.forgotten_series += self.p99.drop(gone)
+        self.counts.forget_exited()
+        self.forget_names_of_exited(proc_root, now_ns)
+        return gone
+
+    def forget_names_of_exited(self, proc_root: Path, now_ns: int):
+        """The kernel names of a process outlive it by ring_seconds, while
+        the rings hold its events and a flight recording may name them."""
+        named = {row[0] for row in self.op_names}
+        exited = self.names_exited_ns
+        for pid in [p for p in exited if p not in named]:
+            del exited[pid]
+        for pid in named - exited.keys():
+            if not (proc_root / str(pid)).exists():
+                exited[pid] = now_ns
+        expired = {pid for pid, at in exited.items()
+                   if now_ns - at >= self.config.ring_seconds * 1e9}
+        for pid in [p for p in expired if (proc_root / str(p)).exists()]:
+            expired.discard(pid)            # the pid given to a new process: its names stay
+            del exited[pid]
+        if expired:
+            self.op_names = [row for row in self.op_names if row[0] not in expired]
+            self.op_name_of = {(pid, addr): name for pid, addr, name in self.op_names}
+            for pid in expired:
+                del exited[pid]
+
+    # ------------------------------------------------------- the windows
+
+    def windows(self) -> dict:
+        """The rings' windows, by schema (SCHEMAS), for a flight recording.
+        The compressed rings give their windows a block at a time, written as
+        they come: taken whole, 30 s of both streams at the rated rate held
+        100 MB more while a recording was written."""
+        return {"cpu.runq": self.runq_ring.pieces(),
+                "dev.event": map(_plain_device, self.aligner.pieces()),
+                "model.entropy": self.entropy_ring.window(),
+                "request.latency": self.request_ring.window(),
+                "gpu.state": self.gpu_state_ring.window()}
+
+
+def _plain_device(aligned: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(aligned), device_stream.DEV_EVENT)
+    for name in device_stream.DEV_EVENT.names:
+        out[name] = aligned[name]
+    return out
