@@ -34,7 +34,7 @@ RSS_LIMIT_MB = 2048
 # A long open search is made of fuzzer sessions this long, each starting
 # from the corpus the previous ones grew. atheris keeps the results of
 # instrumented comparisons of numpy arrays alive (tracemalloc shows the
-# boolean arrays of `sections["type"] == kind` and the like in symbols.py
+# boolean arrays of `sections["type"] == kind` and the like in elf_reader.py
 # retained): the elf_symbols target grows about 4.6 KB per input, 2 GB in
 # two minutes, where the same code run without instrumentation stays flat.
 # One long session would end at the RSS limit, not on a bug.

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from native import compile_text, finish
-from mmtrace.agent.discovery.finder import Discoverer, LibraryTarget, doctor_checks, find_targets
+from mmtrace.agent.discovery.discoverer import Discoverer, find_targets
+from mmtrace.agent.discovery.library_files import LibraryTarget
+from mmtrace.agent.doctor.runtime_libraries import doctor_checks
 from mmtrace.agent.findings import Check
 from mmtrace.agent.doctor.host import Host
 

@@ -41,7 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpu_fixtures import (api_names, build_library, build_program,  # noqa: F401
                           natives)
 from mmtrace.agent.recording import file_format as recording
-from mmtrace.agent.discovery.symbols import ElfSymbols
+from mmtrace.agent.discovery.elf_symbols import ElfSymbols
 from test_metrics_bpf import Daemon, free_port, held
 from test_sched_bpf import start_recorder, stop, wait_for_line
 
@@ -150,7 +150,7 @@ def symbol_file_offset(lib, symbol: str) -> int:
                          text=True, check=True).stdout
     vaddr = next(int(line.split()[0], 16) for line in out.splitlines()
                  if line.split()[-1].split("@")[0] == symbol)
-    return ElfSymbols.read(str(lib)).offset_of_vaddr(vaddr)
+    return ElfSymbols.read(str(lib)).segments.offset_of_vaddr(vaddr)
 
 
 # ----- 500 short-lived processes ----------------------------------------------

@@ -246,7 +246,7 @@ def _probes_attached(path, target) -> bool:
 @pytest.mark.bpf
 def test_static_runtime_of_a_new_process_is_discovered_without_lib():
     from mmtrace.agent.kernel.device_probes import wanted
-    from mmtrace.agent.discovery.finder import Discoverer
+    from mmtrace.agent.discovery.discoverer import Discoverer
     fresh = _private_copy(built("static-13")[0])
     session = DeviceSession([])
     try:
@@ -276,8 +276,8 @@ def stripped(build: str) -> Path:
 
 
 def test_only_a_stripped_static_runtime_is_untraceable():
-    from mmtrace.agent.discovery.finder import untraceable_reason
-    from mmtrace.agent.discovery.symbols import ElfSymbols
+    from mmtrace.agent.discovery.elf_symbols import ElfSymbols
+    from mmtrace.agent.discovery.library_files import untraceable_reason
     reasons = {name: untraceable_reason(ElfSymbols.read(path)) for name, path in [
         ("static", built("static-13")[0]), ("shared stripped", stripped("shared-13")),
         ("static stripped", stripped("static-13"))]}

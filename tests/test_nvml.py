@@ -127,7 +127,7 @@ def test_poll_failure_keeps_the_monitor_alive():
 
 
 def _doctor_nvml(env) -> dict:
-    code = ("import json; from mmtrace.agent.discovery.finder import check_nvml; "
+    code = ("import json; from mmtrace.agent.doctor.runtime_libraries import check_nvml; "
             "print(json.dumps(check_nvml().as_dict()))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=60, check=True)

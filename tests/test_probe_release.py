@@ -14,13 +14,13 @@ import pytest
 
 from native import compile_text
 from mmtrace.agent.kernel.probes import CPU_PROBE_STATE
-from mmtrace.agent.discovery.finder import Discoverer
+from mmtrace.agent.discovery.discoverer import Discoverer
 from mmtrace.agent.discovery.process_images import LOAD_FRAMES_LAYOUT, ProcessImages
 from mmtrace.agent.recording.file_format import MAX_META_BYTES, RecordingReader, RecordingWriter
 from mmtrace.agent.recording.meta_budget import (META_BUDGET_BYTES, META_CHUNK_BYTES, MetaBudget,
                                                  fit_meta)
 from mmtrace.agent.recording.recorder import SCHEMAS
-from mmtrace.agent.discovery.symbols import AddressResolver
+from mmtrace.agent.discovery.address_resolver import AddressResolver
 
 NEEDS_GCC = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 
@@ -310,7 +310,7 @@ def test_released_files_give_back_links_and_descriptors_and_many_links_close_fas
     import library_churn
     from mmtrace.agent.kernel import probes
     from mmtrace.agent.kernel.device_probes import RETIRED_KEEP_S, target_from_path
-    from mmtrace.agent.discovery.finder import LibraryTarget
+    from mmtrace.agent.discovery.library_files import LibraryTarget
     built = library_churn.build(tmp_path / "bin")
     now = [0.0]
     loaded = probes.load(probes.ProbeOptions())

@@ -13,8 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from native import compile_text, finish
-from mmtrace.agent.discovery.symbols import (AddressResolver, ElfError, ElfSymbols, NotElfError,
-                                   demangle, parse_maps)
+from mmtrace.agent.discovery.address_resolver import AddressResolver
+from mmtrace.agent.discovery.demangle import demangle
+from mmtrace.agent.discovery.elf_cache import ElfCache
+from mmtrace.agent.discovery.elf_reader import ElfError, NotElfError
+from mmtrace.agent.discovery.elf_symbols import ElfSymbols
+from mmtrace.agent.discovery.proc_maps import parse_maps
 
 NEEDS_GCC = pytest.mark.skipif(not (shutil.which("gcc") and shutil.which("g++")),
                                reason="needs gcc and g++ to build test binaries")
@@ -239,13 +243,14 @@ def test_runtime_address_to_vaddr_through_segments():
     elf = ElfSymbols.read(CUDART)
     value = nm_defined(CUDART, dynamic=True)["cudaLaunchKernel"][0]
     base = 0x7F00_0000_0000
-    assert elf.load_bias(base, 0) == base
-    assert elf.runtime_to_vaddr(base + value + 4, base, 0) == value + 4
-    assert elf.function_at(elf.runtime_to_vaddr(base + value + 4, base, 0)) == "cudaLaunchKernel"
+    assert elf.segments.load_bias(base, 0) == base
+    vaddr = elf.segments.runtime_to_vaddr(base + value + 4, base, 0)
+    assert vaddr == value + 4
+    assert elf.function_at(vaddr) == "cudaLaunchKernel"
     # The writable segment sits at vaddr 0x2b0000 but file offset 0xb0000: the
     # bias comes from the segment, not from the mapping's start alone.
-    assert elf.vaddr_of_offset(0xB0010) == 0x2B0010
-    assert elf.vaddr_of_offset(10 ** 9) is None
+    assert elf.segments.vaddr_of_offset(0xB0010) == 0x2B0010
+    assert elf.segments.vaddr_of_offset(10 ** 9) is None
 
 
 # ----- damaged files -----------------------------------------------------------
@@ -303,7 +308,7 @@ def test_corrupted_elf_files_raise_elf_error_or_parse(built, tmp_path_factory, f
     assert elf.defined_functions_starting(("vi", "_", "m")) == {
         n for n in everything if n.startswith(("vi", "_", "m"))}
     elf.functions_at(np.arange(0, 0x3000, 7, dtype=np.uint64))
-    elf.vaddrs_of_offsets(np.arange(0, 0x3000, 7, dtype=np.uint64))
+    elf.segments.vaddrs_of_offsets(np.arange(0, 0x3000, 7, dtype=np.uint64))
 
 
 @NEEDS_GCC
@@ -312,13 +317,14 @@ def test_open_caches_per_inode_and_sees_replacement(tmp_path, built):
     shutil.copy(built["stubs"], lib)
     (tmp_path / "link.so").symlink_to(lib)
     os.link(lib, tmp_path / "hard.so")
-    first = ElfSymbols.open(lib)
-    assert ElfSymbols.open(tmp_path / "link.so") is first
-    assert ElfSymbols.open(tmp_path / "hard.so") is first
+    cache = ElfCache()
+    first = cache.open(lib)
+    assert cache.open(tmp_path / "link.so") is first
+    assert cache.open(tmp_path / "hard.so") is first
     replacement = tmp_path / "new.so"
     shutil.copy(built["encoders"], replacement)
     os.replace(replacement, lib)
-    again = ElfSymbols.open(lib)
+    again = cache.open(lib)
     assert again is not first
     assert "print_cpp_addresses" in again.defined_dynamic_functions()
 
@@ -438,7 +444,7 @@ def test_gone_process_resolves_from_the_files_its_load_frames_name(built, tmp_pa
     frames["ids"]["status"][:2] = [1, 1]
     frames["ids"]["build_id"][0] = elf.build_id.ljust(20, b"\0")
     frames["ids"]["build_id"][1] = b"\x42" * 20
-    frames["ids"]["offset"][0] = elf.offset_of_vaddr(launch)
+    frames["ids"]["offset"][0] = elf.segments.offset_of_vaddr(launch)
     frames["ips_bytes"], frames["ids_bytes"] = 16, 64
     found = frame_biases(frames, {elf.build_id: elf}.get)
     assert [(b, e.path) for b, e in found] == [(bias, elf.path)]

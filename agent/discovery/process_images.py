@@ -17,7 +17,9 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from mmtrace.agent.discovery.symbols import ElfError, ElfSymbols, FileKey
+from mmtrace.agent.discovery.elf_cache import ElfCache
+from mmtrace.agent.discovery.elf_reader import ElfError, FileKey
+from mmtrace.agent.discovery.elf_symbols import ElfSymbols
 
 LOAD_FRAMES = 8
 # Files whose build ids are remembered, the most recently seen first: the
@@ -46,7 +48,7 @@ def frame_biases(frames: np.void, files_by_build_id: Callable[[bytes], ElfSymbol
         elf = files_by_build_id(bytes(frame["build_id"]))
         if elf is None:
             continue
-        vaddr = elf.vaddr_of_offset(int(frame["offset"]))
+        vaddr = elf.segments.vaddr_of_offset(int(frame["offset"]))
         if vaddr is not None:
             bias = (ip - vaddr) % (1 << 64)
             out.setdefault((bias, elf.path), (bias, elf))
@@ -62,10 +64,13 @@ class ProcessImages:
     build_id_unknown (no file at hand has a frame's build id).
 
     A file's symbols stay indexed after it is gone (released, deleted),
-    for the `max_files` build ids seen last."""
+    for the `max_files` build ids seen last. Files are read through
+    `elf_cache` (one of its own where none is given)."""
 
     def __init__(self, bpf, known_files: Callable[[], Iterable[str]] = list,
-                 max_processes: int = 4096, max_files: int = MAX_INDEXED_FILES):
+                 max_processes: int = 4096, max_files: int = MAX_INDEXED_FILES,
+                 elf_cache: ElfCache | None = None):
+        self.elf_cache = elf_cache if elf_cache is not None else ElfCache()
         self.bpf = bpf
         self.known_files = known_files
         self.max_processes = max_processes
@@ -139,7 +144,7 @@ class ProcessImages:
                 # Keys are small: remember more of them than there are files
                 # out at once, so that none is parsed again each lookup.
                 _remember(self._indexed, key, None, 4 * self.max_files)
-                elf = ElfSymbols.open(path)
+                elf = self.elf_cache.open(path)
             except (ElfError, OSError):
                 continue
             if elf.build_id:

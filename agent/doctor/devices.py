@@ -20,7 +20,7 @@ def device_checks(host, ready: bool) -> list[Check]:
     if Path(host.proc) != Path("/proc") or Path(host.sys) != Path("/sys"):
         return [Check(NAME, False, False, "not tried on an injected host root")]
     from mmtrace.agent.kernel.device_probes import wanted
-    from mmtrace.agent.discovery.finder import Discoverer
+    from mmtrace.agent.discovery.discoverer import Discoverer
     discoverer = Discoverer(wanted)
     targets = discoverer.poll()
     return [check_device_probes(targets), check_untraceable(discoverer.untraceable)]

@@ -123,8 +123,8 @@ def run_checks(host: Host | None = None) -> list[Check]:
     checks = [check_privileges(host), check_tracefs(host), check_btf(host),
               check_uprobes(host), check_bcc(), check_kernel_headers(host), check_ringbuf(),
               check_tools()]
-    from mmtrace.agent.discovery import finder as discovery
-    checks += discovery.doctor_checks(host)
+    from mmtrace.agent.doctor.runtime_libraries import doctor_checks
+    checks += doctor_checks(host)
     from mmtrace.agent.doctor.devices import device_checks
     return checks + device_checks(host, tracing_ready(checks))
 

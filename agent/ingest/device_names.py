@@ -45,7 +45,7 @@ def kernel_of_stub(raw: str, elf) -> str | None:
     None: _Z41__device_stub__ZN6vision11patch_embedEPfiPfi ->
     "vision::patch_embed(float*, int)". The stub's name always carries a
     mangled name; an extern "C" kernel's host function has the plain one."""
-    from mmtrace.agent.discovery.symbols import demangle
+    from mmtrace.agent.discovery.demangle import demangle
     match = _DEVICE_STUB.match(demangle(raw))
     if match is None:
         return None
@@ -246,7 +246,7 @@ class DeviceNames:
 
 
 def _default_resolver():
-    from mmtrace.agent.discovery.symbols import AddressResolver
+    from mmtrace.agent.discovery.address_resolver import AddressResolver
     return AddressResolver()
 
 
@@ -254,8 +254,9 @@ def exited_process_resolver(loaded, known_files):
     """An AddressResolver that also names the addresses of processes gone by
     the time their events are read, from the load frames the kernel took."""
     from mmtrace.agent.discovery.process_images import ProcessImages
-    from mmtrace.agent.discovery.symbols import AddressResolver
+    from mmtrace.agent.discovery.address_resolver import AddressResolver
     device = loaded.device
     # The probed files (released ones still open included) reach deleted files too.
     files = device.decoding_files if device is not None else known_files
-    return AddressResolver(images=ProcessImages(loaded.bpf, files))
+    return AddressResolver(images=ProcessImages(loaded.bpf, files, elf_cache=loaded.elf_cache),
+                           elf_cache=loaded.elf_cache)

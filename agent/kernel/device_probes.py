@@ -54,7 +54,7 @@ from pathlib import Path
 from mmtrace.bpf import device as device_stream
 
 from mmtrace.agent import heap
-from mmtrace.agent.discovery.symbols import forget_file
+from mmtrace.agent.discovery.elf_cache import ElfCache
 from mmtrace.agent.kernel.uprobe_link import BPF_TRACE_UPROBE_MULTI, CookieLink, LinkError, UprobeMultiLink
 
 log = logging.getLogger(__name__)
@@ -208,12 +208,17 @@ class DeviceProbes:
     library_failures (files that could not be probed; the latest
     MAX_LIBRARY_FAILURES keep their row), exited_before_attach (files whose
     process, the one discovery found mapping them, had exited by the time
-    their probes were attached: that process went untraced)."""
+    their probes were attached: that process went untraced).
+
+    `elf_cache`, where given, is told to forget each released file once its
+    descriptor closes: the names of its addresses are read through it."""
 
     def __init__(self, bpf, table: device_stream.ApiTable | None = None,
                  launches: bool = True, mode: str | None = None, *,
-                 proc_root: Path = Path("/proc"), clock=time.monotonic):
+                 proc_root: Path = Path("/proc"), clock=time.monotonic,
+                 elf_cache: ElfCache | None = None):
         self.bpf = bpf
+        self.elf_cache = elf_cache
         self.table = table or device_stream.default_table()
         self.mode = mode or MULTI
         self.proc_root = Path(proc_root)
@@ -337,8 +342,8 @@ class DeviceProbes:
     def _close_oldest_retired(self):
         _, fd, _, library = self._retired.popleft()
         os.close(fd)
-        if library.key not in self._libraries:
-            forget_file(*library.key)       # its parsed symbols, unless probed again
+        if library.key not in self._libraries and self.elf_cache is not None:
+            self.elf_cache.forget(*library.key)     # its parsed symbols, unless probed again
 
     def decoding_files(self) -> list[str]:
         """Paths that reach every probed file and every file released in the

@@ -18,12 +18,11 @@ class DeviceSources:
         self.warn = warn
         self._warned: set[str] = set()
         self.libs = tuple(str(p) for p in libs)
-        from mmtrace.agent.discovery import finder as discovery
+        from mmtrace.agent.discovery.discoverer import Discoverer
         if discover:
             try:
-                self.discoverer = discovery.Discoverer(wanted, pids=pids or None,
-                                                       extra_paths=self.libs,
-                                                       interval_s=interval_s)
+                self.discoverer = Discoverer(wanted, pids=pids or None, extra_paths=self.libs,
+                                             interval_s=interval_s)
             except ValueError as exc:
                 raise MmtraceError(str(exc)) from None
         self._first: list = []

@@ -17,6 +17,7 @@ from mmtrace.bpf import cuda as cuda_stream
 from mmtrace.bpf import device as device_stream
 from mmtrace.bpf import sched as sched_stream
 
+from mmtrace.agent.discovery.elf_cache import ElfCache
 from mmtrace.agent.kernel import compiler_memory
 
 from mmtrace.agent.kernel import compiler_output
@@ -148,6 +149,9 @@ class LoadedProbes:
     options: ProbeOptions = field(default_factory=ProbeOptions)
     split: bool = False         # the GPU/NPU programs compiled apart (load_device)
     device_program: object = None   # compiled, not yet wired (compile_device)
+    # The parsed files this session's addresses are named from: the device
+    # probes forget each file they release (exited_process_resolver reads it).
+    elf_cache: ElfCache = field(default_factory=ElfCache)
 
     def read(self) -> dict[str, np.ndarray]:
         """One batch from every ring; streams with nothing new are left out."""
@@ -197,7 +201,8 @@ class LoadedProbes:
             from mmtrace.agent.kernel.device_probes import DeviceProbes
             self.device = DeviceProbes(program.device if self.split else program,
                                        launches=self.options.trace_launches,
-                                       mode=attach_mode(self.options))
+                                       mode=attach_mode(self.options),
+                                       elf_cache=self.elf_cache)
         except LayoutMismatch as exc:
             raise MmtraceError(str(exc)) from None
 

@@ -14,7 +14,7 @@ MAX_KERNEL_NAMES = 1 << 16
 
 class DeviceReplay:
     def __init__(self, ctx: DeviceContext, max_held: int = 1 << 16):
-        from mmtrace.agent.discovery.symbols import demangle
+        from mmtrace.agent.discovery.demangle import demangle
         self.ctx = ctx
         self.max_held = max_held
         self._demangle = demangle

@@ -73,7 +73,7 @@ def _name_text(raw: bytes, truncated: bool) -> str | None:
 
 def decode(events: np.ndarray, ctx: DeviceContext) -> DeviceRows:
     """Every device event at once: aligned, sorted, decoded."""
-    from mmtrace.agent.discovery.symbols import demangle
+    from mmtrace.agent.discovery.demangle import demangle
     aligned = align(events, ApiRoles.from_infos(ctx.infos))
     aligned = take(aligned, np.argsort(aligned["ts_ns"], kind="stable"))
     return decode_aligned(aligned, ctx,

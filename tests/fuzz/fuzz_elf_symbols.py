@@ -8,8 +8,9 @@ import sys
 import atheris
 
 with atheris.instrument_imports():
-    from mmtrace.agent.discovery.finder import untraceable_reason
-    from mmtrace.agent.discovery.symbols import ElfError, ElfSymbols
+    from mmtrace.agent.discovery.elf_reader import ElfError
+    from mmtrace.agent.discovery.elf_symbols import ElfSymbols
+    from mmtrace.agent.discovery.library_files import untraceable_reason
 
 
 def test_one_input(data: bytes):
@@ -29,11 +30,11 @@ def test_one_input(data: bytes):
         untraceable_reason(elf)
         for vaddr in (0, 0x1000, len(data), (1 << 64) - 1):
             elf.function_at(vaddr)
-            elf.holds_vaddr(vaddr)
-            offset = elf.offset_of_vaddr(vaddr)
+            elf.segments.holds_vaddr(vaddr)
+            offset = elf.segments.offset_of_vaddr(vaddr)
             if offset is not None:
                 # Overlapping segments (corrupt headers) may map it elsewhere.
-                elf.vaddr_of_offset(offset)
+                elf.segments.vaddr_of_offset(offset)
     finally:
         os.close(fd)
 
