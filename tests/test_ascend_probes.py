@@ -101,13 +101,13 @@ def test_over_long_op_type_is_truncated_and_flagged(ascend_session, natives):
 def test_per_symbol_attachment(natives, monkeypatch, cookies):
     """Kernels without uprobe_multi: a uprobe per symbol, aclnn ops named by
     cookie (5.15+) or, without, by their address while the process lives."""
-    from mmtrace.agent.kernel import device_probes
+    from mmtrace.agent.kernel import probe_attach
     from mmtrace.agent.recording.device_view import decode
     from mmtrace.agent.kernel.uprobe_link import LinkError
     if not cookies:
         def refuse(*args, **kwargs):
             raise LinkError(22, "no cookies on this kernel")
-        monkeypatch.setattr(device_probes, "CookieLink", refuse)
+        monkeypatch.setattr(probe_attach, "CookieLink", refuse)
     session = DeviceSession([natives.ascendcl, natives.opapi], attach_mode="single")
     try:
         assert session.device.mode == "single"

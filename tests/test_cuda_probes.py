@@ -164,7 +164,8 @@ def test_process_killed_inside_a_call_is_counted(driver_session, natives):
 
 
 def test_library_replaced_on_disk(natives, tmp_path):
-    from mmtrace.agent.kernel.device_probes import DeviceProbes, target_from_path
+    from mmtrace.agent.kernel.device_probes import DeviceProbes
+    from mmtrace.agent.kernel.probed_file import target_from_path
     lib_dir = tmp_path / "lib"
     lib_dir.mkdir()
     lib = lib_dir / "libcuda.so.1"

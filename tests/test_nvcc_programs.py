@@ -245,7 +245,7 @@ def _probes_attached(path, target) -> bool:
 
 @pytest.mark.bpf
 def test_static_runtime_of_a_new_process_is_discovered_without_lib():
-    from mmtrace.agent.kernel.device_probes import wanted
+    from mmtrace.agent.kernel.probed_symbols import wanted
     from mmtrace.agent.discovery.discoverer import Discoverer
     fresh = _private_copy(built("static-13")[0])
     session = DeviceSession([])

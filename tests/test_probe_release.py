@@ -309,7 +309,8 @@ def test_a_recordings_tables_stay_within_the_budget_in_chunks_the_reader_takes(t
 def test_released_files_give_back_links_and_descriptors_and_many_links_close_fast(tmp_path):
     import library_churn
     from mmtrace.agent.kernel import probes
-    from mmtrace.agent.kernel.device_probes import RETIRED_KEEP_S, target_from_path
+    from mmtrace.agent.kernel.probed_file import target_from_path
+    from mmtrace.agent.kernel.retired_files import RETIRED_KEEP_S
     from mmtrace.agent.discovery.library_files import LibraryTarget
     built = library_churn.build(tmp_path / "bin")
     now = [0.0]
@@ -375,8 +376,8 @@ def test_the_launch_probes_flag_turns_once_they_are_attached_or_detached():
     from mmtrace.agent.kernel.device_probes import DeviceProbes
     probes = DeviceProbes(bpf=None)
     seen = []
-    probes._detach = lambda targets, reason: seen.append(("detach", probes.launches_attached))
-    probes._attach = lambda targets: seen.append(("attach", probes.launches_attached))
+    probes.attacher.detach = lambda targets, reason: seen.append(("detach", probes.launches_attached))
+    probes.attacher.attach = lambda targets: seen.append(("attach", probes.launches_attached))
     probes.detach_launches()
     assert not probes.launches_attached
     probes.attach_launches()

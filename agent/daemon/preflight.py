@@ -97,7 +97,7 @@ def _cpu_stream(cfg: DaemonConfig, report: Report):
 
 
 def _device_probes(cfg: DaemonConfig, loaded, report: Report):
-    from mmtrace.agent.kernel.device_probes import LAUNCHES_OFF
+    from mmtrace.agent.kernel.probed_file import LAUNCHES_OFF
     from mmtrace.agent.kernel.device_sources import DeviceSources
     if loaded.device is None:
         report.add("device probes", False, "the GPU/NPU programs are not compiled")

@@ -19,7 +19,7 @@ def device_checks(host, ready: bool) -> list[Check]:
         return [Check(NAME, False, False, "not tried: fix the MISSING lines first")]
     if Path(host.proc) != Path("/proc") or Path(host.sys) != Path("/sys"):
         return [Check(NAME, False, False, "not tried on an injected host root")]
-    from mmtrace.agent.kernel.device_probes import wanted
+    from mmtrace.agent.kernel.probed_symbols import wanted
     from mmtrace.agent.discovery.discoverer import Discoverer
     discoverer = Discoverer(wanted)
     targets = discoverer.poll()

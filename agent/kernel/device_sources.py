@@ -13,7 +13,7 @@ class DeviceSources:
 
     def __init__(self, libs=(), pids=(), discover: bool = True, warn=None,
                  interval_s: float = 2.0):
-        from mmtrace.agent.kernel.device_probes import wanted
+        from mmtrace.agent.kernel.probed_symbols import wanted
         self.discoverer = None
         self.warn = warn
         self._warned: set[str] = set()
@@ -96,7 +96,7 @@ class DeviceSources:
 
 
 def device_probe_target(path: str):
-    from mmtrace.agent.kernel.device_probes import target_from_path
+    from mmtrace.agent.kernel.probed_file import target_from_path
     try:
         return target_from_path(path)
     except OSError as exc:

@@ -145,7 +145,7 @@ _exported = False
 class LoadedProbes:
     bpf: object
     rings: list[StreamRing] = field(default_factory=list)
-    device: object = None       # agent.device_probes.DeviceProbes: uprobes per library
+    device: object = None       # agent.kernel.device_probes.DeviceProbes: uprobes per library
     options: ProbeOptions = field(default_factory=ProbeOptions)
     split: bool = False         # the GPU/NPU programs compiled apart (load_device)
     device_program: object = None   # compiled, not yet wired (compile_device)
@@ -252,7 +252,7 @@ def _device_programs(options: ProbeOptions) -> str:
 
 
 def attach_mode(options: ProbeOptions) -> str:
-    """How the GPU/NPU probes attach (agent/kernel/device_probes.py): uprobe_multi
+    """How the GPU/NPU probes attach (agent/kernel/probe_attach.py): uprobe_multi
     links where the kernel has them, else one uprobe per symbol."""
     if options.attach_mode is not None:
         if options.attach_mode not in ("multi", "single"):
