@@ -89,7 +89,7 @@ def doctor(as_json):
       sudo mmtrace doctor --json | jq '.checks[] | select(.ok | not)'
     """
     from mmtrace.agent.doctor import host as doctor_checks
-    results = doctor_checks.run_checks()
+    results = doctor_checks.run_checks(compile_apart=True)    # this process's only load
     ready = doctor_checks.tracing_ready(results)
     if as_json:
         click.echo(json.dumps({"ready": ready, "checks": [r.as_dict() for r in results]},
@@ -164,6 +164,7 @@ def record(output, duration, pids, libs, nice, socket_path):
         click.echo(f"mmtrace: warning: {why_not}", err=True)
     result = recorder.record(output, duration, pids=pids, libs=libs,
                              progress=recorder.Progress(), socket_path=socket_path,
+                             compile_apart=True,      # this process's only load
                              warn=lambda text: click.echo(f"mmtrace: warning: {text}",
                                                           err=True))
     click.echo(f"wrote {output}: {result.events:,} events, {result.lost:,} lost, "
@@ -368,7 +369,7 @@ def _run_daemon(cfg, load_config, log):
     from mmtrace.agent.daemon.loop import Daemon
     from mmtrace.agent.safe_files import UnsafePathError
     from mmtrace.agent.daemon.signals import StopDeadline
-    daemon = Daemon(cfg)
+    daemon = Daemon(cfg, compile_apart=True)     # this process's only load
     daemon.stop.install()
     deadline = StopDeadline()
     deadline.install()
@@ -397,7 +398,8 @@ def _check(cfg, warnings, path):
     sources = f"config {path}" if path else "built-in defaults"
     if named:
         sources += " with " + ", ".join(named)
-    report = preflight.run_check(cfg, sources, warnings)
+    report = preflight.run_check(cfg, sources, warnings,
+                                 compile_apart=True)     # this process's only load
     click.echo("mmtrace run --check:")
     click.echo("\n".join(report.lines()))
     if report.failures:

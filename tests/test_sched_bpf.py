@@ -415,6 +415,33 @@ def test_maps_stay_bounded_when_threads_come_and_go():
         loaded.close()
 
 
+FIRST_LOAD_APART = """
+from mmtrace.agent.kernel import probes
+first = probes.load_cpu(compile_apart=True)
+assert first.split and first.device_pending and [r.stream for r in first.rings] == ["cpu"]
+first.compile_device()
+first.load_device()
+assert first.device is not None and [r.stream for r in first.rings] == ["cpu", "dev"]
+probes.set_thread_tgids(first.bpf.sched, {999999: 4242})
+threads = first.bpf.device["threads"]
+assert threads[threads.Key(999999)].tgid == 4242      # the very map the scheduler's fills
+first.close()
+later = probes.load()
+assert not later.split and [r.stream for r in later.rings] == ["cpu", "dev"]
+later.close()
+print("ok")
+"""
+
+
+def test_a_first_load_compiles_apart_on_the_maps_it_exports_and_a_later_one_as_one_unit():
+    """The caller says which load compiles apart (only a process's first
+    may: bcc keeps exported maps by name for the process), so a fresh
+    process; the GPU/NPU programs then read and write the scheduler's maps."""
+    done = subprocess.run([sys.executable, "-c", FIRST_LOAD_APART], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
 def test_recording_killed_with_sigkill_reads_back(tmp_path, workloads, mmtrace_cli):
     path = tmp_path / "killed.mmtr"
     recorder = start_recorder(path)

@@ -23,8 +23,9 @@ log = logging.getLogger("mmtrace.daemon")
 
 
 class LiveProbes:
-    def __init__(self, config: DaemonConfig):
+    def __init__(self, config: DaemonConfig, compile_apart: bool = False):
         self.config = config
+        self.compile_apart = compile_apart      # probes.load_cpu's
         self.loaded = None
         self.sources = None
         self.ingest: Ingest | None = None           # once the CPU stream is loaded (start)
@@ -42,7 +43,7 @@ class LiveProbes:
                                             trace_launches=not cfg.adaptive_launches)
         self.sources = DeviceSources(cfg.libs, cfg.pids, discover=True, warn=log.warning,
                                      interval_s=cfg.discover_interval_s)
-        self.loaded = probe_loader.load_cpu(options)
+        self.loaded = probe_loader.load_cpu(options, compile_apart=self.compile_apart)
         # One round a tick: the tick's other work (socket, detectors) waits for it.
         self.ingest = Ingest(self.loaded, threads, sinks=[sink], max_rounds=1)
         self.counters_at_start = self.loaded.counters()

@@ -72,7 +72,11 @@ def entropy_detector(e: EntropySettings) -> EntropyDriftDetector:
 
 
 class Daemon:
-    def __init__(self, config: DaemonConfig, stop: StopFlag | None = None):
+    def __init__(self, config: DaemonConfig, stop: StopFlag | None = None, *,
+                 compile_apart: bool = False):
+        """`compile_apart`: this is the process's only load, so the CPU
+        stream goes live before the GPU/NPU programs compile
+        (probes.load_cpu)."""
         self.config = config
         self.stop = stop or StopFlag()
         self.p99 = p99_detector(config.p99)
@@ -81,7 +85,7 @@ class Daemon:
         self.proc_root = Path("/proc")
         self.server = None                  # the hint socket, once started
         self.threads = ThreadProcesses()
-        self.probes = LiveProbes(config)
+        self.probes = LiveProbes(config, compile_apart)
         self.monitors = DeviceMonitors()
         self.steering = Steering(config.policy, hint_id=lambda seq: f"{os.getpid()}-{seq}")
         self.flight = FlightRecorder(config.state_dir, config.ring_seconds,

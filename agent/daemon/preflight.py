@@ -56,14 +56,16 @@ class Report:
         return [i.line() for i in self.items]
 
 
-def run_check(cfg: DaemonConfig, sources: str, warnings: list[str]) -> Report:
-    """Every item of the check, in the order the daemon starts them."""
+def run_check(cfg: DaemonConfig, sources: str, warnings: list[str], *,
+              compile_apart: bool = False) -> Report:
+    """Every item of the check, in the order the daemon starts them;
+    `compile_apart` as for probes.load_cpu (as the daemon loads)."""
     report = Report()
     report.add("configuration", True, sources)
     for warning in warnings:
         report.add("environment", False, warning)
     report.items.append(_metrics(cfg.metrics_address))
-    loaded = _cpu_stream(cfg, report)
+    loaded = _cpu_stream(cfg, report, compile_apart)
     if loaded is not None:
         try:
             _device_probes(cfg, loaded, report)
@@ -76,12 +78,12 @@ def run_check(cfg: DaemonConfig, sources: str, warnings: list[str]) -> Report:
     return report
 
 
-def _cpu_stream(cfg: DaemonConfig, report: Report):
+def _cpu_stream(cfg: DaemonConfig, report: Report, compile_apart: bool):
     from mmtrace.agent.kernel import probes as probe_loader
     options = probe_loader.ProbeOptions(pids=tuple(cfg.pids),
                                         trace_launches=not cfg.adaptive_launches)
     try:
-        loaded = probe_loader.load(options)
+        loaded = probe_loader.load(options, compile_apart=compile_apart)
     except MmtraceError as exc:
         report.add("cpu stream", False, exc.message, fatal=True)
         return None

@@ -12,9 +12,10 @@ NAME = "gpu_npu_probes"
 UNTRACEABLE = "untraceable_cuda"
 
 
-def device_checks(host, ready: bool) -> list[Check]:
+def device_checks(host, ready: bool, *, compile_apart: bool = False) -> list[Check]:
     """The probes check, and the files running CUDA code that no probe can
-    reach, from one discovery scan (as `record` would make it)."""
+    reach, from one discovery scan (as `record` would make it).
+    `compile_apart`: as for probes.load_cpu."""
     if not ready:
         return [Check(NAME, False, False, "not tried: fix the MISSING lines first")]
     if Path(host.proc) != Path("/proc") or Path(host.sys) != Path("/sys"):
@@ -23,7 +24,8 @@ def device_checks(host, ready: bool) -> list[Check]:
     from mmtrace.agent.discovery.discoverer import Discoverer
     discoverer = Discoverer(wanted)
     targets = discoverer.poll()
-    return [check_device_probes(targets), check_untraceable(discoverer.untraceable)]
+    return [check_device_probes(targets, compile_apart=compile_apart),
+            check_untraceable(discoverer.untraceable)]
 
 
 def check_untraceable(untraceable: dict[str, str]) -> Check:
@@ -37,9 +39,10 @@ def check_untraceable(untraceable: dict[str, str]) -> Check:
                  f"{len(untraceable)} file(s) cannot be traced: " + detail)
 
 
-def check_device_probes(targets: list) -> Check:
+def check_device_probes(targets: list, *, compile_apart: bool = False) -> Check:
     """Not required: a host without GPU/NPU libraries still traces the CPU.
-    Loads the programs and attaches to `targets`, then detaches."""
+    Loads the programs (`compile_apart`: as for probes.load_cpu) and
+    attaches to `targets`, then detaches."""
     from mmtrace.agent.kernel import probes
     from mmtrace.agent.errors import MmtraceError
     from mmtrace.agent.kernel.device_compile import DEVICE_PROGRAMS
@@ -47,7 +50,7 @@ def check_device_probes(targets: list) -> Check:
         return Check(NAME, True, False, "no CUDA or Ascend library found to probe "
                      "(the CPU stream is unaffected)", "mmtrace record --lib PATH adds one")
     try:
-        loaded = probes.load_cpu(probes.ProbeOptions())
+        loaded = probes.load_cpu(probes.ProbeOptions(), compile_apart=compile_apart)
     except MmtraceError as exc:
         return Check(NAME, False, False, f"not tried: the scheduler program did not load: {exc}")
     try:

@@ -118,7 +118,8 @@ def check_tools() -> Check:
                  "" if gcc else "apt-get install gcc")
 
 
-def run_checks(host: Host | None = None) -> list[Check]:
+def run_checks(host: Host | None = None, *, compile_apart: bool = False) -> list[Check]:
+    """Every check; `compile_apart` as for probes.load_cpu (the GPU/NPU probes' check)."""
     host = host or Host()
     checks = [check_privileges(host), check_tracefs(host), check_btf(host),
               check_uprobes(host), check_bcc(), check_kernel_headers(host), check_ringbuf(),
@@ -126,7 +127,7 @@ def run_checks(host: Host | None = None) -> list[Check]:
     from mmtrace.agent.doctor.runtime_libraries import doctor_checks
     checks += doctor_checks(host)
     from mmtrace.agent.doctor.devices import device_checks
-    return checks + device_checks(host, tracing_ready(checks))
+    return checks + device_checks(host, tracing_ready(checks), compile_apart=compile_apart)
 
 
 def tracing_ready(checks: list[Check]) -> bool:

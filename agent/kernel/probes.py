@@ -134,20 +134,13 @@ class Programs:
         owner.detach_tracepoint(tp)
 
 
-# bcc keeps exported maps by name, once per process, and keeps a name after
-# its program is gone (the descriptor it holds may then name another map):
-# only the first load of a process exports them; any later one compiles its
-# programs as one unit.
-_exported = False
-
-
 @dataclass
 class LoadedProbes:
     bpf: object
     rings: list[StreamRing] = field(default_factory=list)
     device: object = None       # agent.kernel.device_probes.DeviceProbes: uprobes per library
     options: ProbeOptions = field(default_factory=ProbeOptions)
-    split: bool = False         # the GPU/NPU programs compiled apart (load_device)
+    split: bool = False         # the GPU/NPU programs compiled apart (load_cpu's compile_apart)
     device_program: object = None   # compiled, not yet wired (compile_device)
     # The parsed files this session's addresses are named from: the device
     # probes forget each file they release (exited_process_resolver reads it).
@@ -304,11 +297,12 @@ def threads_of(pid: int, proc_root: Path = Path("/proc")) -> list[int]:
         return []
 
 
-def load(options: ProbeOptions = ProbeOptions()) -> LoadedProbes:
+def load(options: ProbeOptions | None = None, *, compile_apart: bool = False) -> LoadedProbes:
     """Compile, load and attach the scheduler program, and ready the GPU/NPU
     programs (attached per library through `probes.device`); raise
-    MmtraceError with the reason when this host cannot."""
-    probes = load_cpu(options)
+    MmtraceError with the reason when this host cannot. `compile_apart`:
+    as for load_cpu."""
+    probes = load_cpu(options, compile_apart=compile_apart)
     try:
         probes.load_device()
     except BaseException:
@@ -317,12 +311,22 @@ def load(options: ProbeOptions = ProbeOptions()) -> LoadedProbes:
     return probes
 
 
-def load_cpu(options: ProbeOptions = ProbeOptions()) -> LoadedProbes:
+def load_cpu(options: ProbeOptions | None = None, *,
+             compile_apart: bool = False) -> LoadedProbes:
     """The CPU stream live: the scheduler program compiled, loaded and
     attached, its ring read. The GPU/NPU programs follow through
-    load_device (compile_device may run in another thread meanwhile);
-    after the first load of a process, everything compiles now as one unit. Raises MmtraceError with the reason when this host cannot."""
-    global _exported
+    load_device. Raises MmtraceError with the reason when this host cannot.
+
+    With `compile_apart`, the scheduler program compiles alone and exports
+    the maps every stream shares: the CPU stream is live at once, and the
+    GPU/NPU programs compile afterwards on those very maps (compile_device,
+    in any thread meanwhile). bcc keeps exported maps by name, once per
+    process, and keeps a name after its program is gone (the descriptor it
+    holds may then name another map): only the first load of a process may
+    compile apart, and only its caller knows that it is the first (the
+    daemon and the `record`, `doctor` and `run --check` commands load once
+    per process). Otherwise everything compiles now as one unit."""
+    options = options or ProbeOptions()
     require_privileges()
     require_tracefs()
     import_bcc()
@@ -331,13 +335,11 @@ def load_cpu(options: ProbeOptions = ProbeOptions()) -> LoadedProbes:
                         ("device ring buffer pages", options.dev_ringbuf_pages)):
         if value <= 0 or value & (value - 1):
             raise MmtraceError(f"{what} must be a power of two, got {value}")
-    split = options.device and not _exported
+    split = options.device and compile_apart
     if split:
         program = _compile(sched_text(), cflags(options) + ["-DMMTRACE_SHARED_PUBLIC"])
-        _exported = True
     else:
         program = _compile(program_text(options), cflags(options) + ["-DMMTRACE_DEVICE_IN_UNIT"])
-    if not split:
         compiler_memory.release()      # compiling is done: its leftovers go
     probes = LoadedProbes(bpf=program, options=options, split=split)
     try:

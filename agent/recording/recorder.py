@@ -75,13 +75,16 @@ class Progress:
 def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 0.025,
            progress: Progress | None = None, stop: StopFlag | None = None,
            options: probe_loader.ProbeOptions | None = None, libs=(),
-           discover: bool = True, warn=None, socket_path=None) -> RecordResult:
+           discover: bool = True, warn=None, socket_path=None,
+           compile_apart: bool = False) -> RecordResult:
     """Record every stream to `output`. GPU/NPU probes go on every library
     given in `libs` and, with `discover`, every one found while recording;
     all probes trace (per-launch ones included) unless `options` says not.
     `warn(text)` is told of files that run CUDA code and cannot be traced.
     With `socket_path`, dispatchers' request latencies and entropy samples
-    reported on that socket are recorded too (see socket_telemetry)."""
+    reported on that socket are recorded too (see socket_telemetry).
+    `compile_apart` (only for a process's first load, probes.load_cpu): the
+    CPU stream is recorded while the GPU/NPU programs compile."""
     options = options or probe_loader.ProbeOptions(pids=tuple(pids))
     try:
         refuse_unsafe_output(output)    # said before the probes load; the writer checks again
@@ -90,7 +93,7 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
     began = time.monotonic()
     heap.keep_large_blocks_mapped()
     sources = DeviceSources(libs, options.pids, discover, warn) if options.device else None
-    loaded = probe_loader.load_cpu(options)
+    loaded = probe_loader.load_cpu(options, compile_apart=compile_apart)
     if progress:
         progress.live("cpu", time.monotonic() - began,
                       "gpu/npu probes compiling" if options.device else "")
