@@ -115,7 +115,7 @@ def test_mmtrace_record_with_a_socket_keeps_the_dispatchers_reports(tmp_path):
 
 
 def test_record_and_the_daemon_take_a_dispatchers_samples_by_the_same_rules(tmp_path):
-    """One implementation (socket_telemetry.Samples) for both: a stamp
+    """One implementation (agent/socket/telemetry.py Samples) for both: a stamp
     outside the window is refused with the daemon's words, and modalities
     are capped at the daemon's MAX_MODALITIES."""
     from mmtrace.agent.config.settings import DaemonConfig

@@ -21,7 +21,7 @@ class Ingest:
     def __init__(self, loaded, threads, names=None, sinks=(), max_rounds: int = 8):
         self.loaded = loaded        # probes.LoadedProbes: the rings to read
         self.threads = threads      # threads.ThreadProcesses
-        self.names = names          # dev_names.DeviceNames, once the device stream is wired
+        self.names = names          # ingest.device_names.DeviceNames, once the device stream is wired
         self.sinks: list[Sink] = list(sinks)
         # A few rounds at most, so that a producer faster than the sinks
         # cannot keep the caller from seeing a stop.

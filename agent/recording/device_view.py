@@ -132,7 +132,7 @@ def decode_aligned(aligned: np.ndarray, ctx: DeviceContext, kernel_names: dict) 
 def _runtime_launch_names(rows: np.ndarray, op_names: dict, kernel_names: dict) -> list:
     """A runtime launch's kernel: its handle (a host function, or a
     cudaKernel_t __cudaGetKernel made), else its caller when that is the
-    kernel's host stub (dev_names.py)."""
+    kernel's host stub (agent/ingest/device_names.py)."""
     out = []
     callers = "return_ip" in (rows.dtype.names or ())
     for i, (pid, handle) in enumerate(zip(rows["pid"].tolist(), rows["handle"].tolist())):

@@ -82,7 +82,7 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
     all probes trace (per-launch ones included) unless `options` says not.
     `warn(text)` is told of files that run CUDA code and cannot be traced.
     With `socket_path`, dispatchers' request latencies and entropy samples
-    reported on that socket are recorded too (see socket_telemetry).
+    reported on that socket are recorded too (see agent/socket/telemetry.py).
     `compile_apart` (only for a process's first load, probes.load_cpu): the
     CPU stream is recorded while the GPU/NPU programs compile."""
     options = options or probe_loader.ProbeOptions(pids=tuple(pids))

@@ -39,7 +39,7 @@ def _present(fields: list, names) -> dict[str, np.ndarray]:
 
 
 def device_rows(rows) -> Rows:
-    """One line per GPU/NPU event of agent.device_view.DeviceRows (newline
+    """One line per GPU/NPU event of a recording's decoded DeviceRows (newline
     included), for a whole batch."""
     ev = rows.events
     n = len(ev)
@@ -47,7 +47,7 @@ def device_rows(rows) -> Rows:
     has = _present(rows.fields, (ds.HANDLE, ds.STREAM, ds.GRID, ds.BLOCK, ds.SHARED_MEM,
                                  ds.BYTES))
     sync = rows.kind == "sync"
-    from_record = (ev["flags"] & 16) != 0       # agent.align.FLAG_STREAM_FROM_RECORD
+    from_record = (ev["flags"] & 16) != 0       # agent/ingest/align.py FLAG_STREAM_FROM_RECORD
     # An event sync whose record was not seen has no stream.
     stream_known = has[ds.STREAM] & ~(sync & has[ds.HANDLE] & ~from_record)
 
@@ -99,6 +99,6 @@ def write_step(step, out) -> int:
 
 
 def write_jsonl(steps, out) -> int:
-    """Write the events of `steps` (agent.replay.replay) to the binary
+    """Write the events of `steps` (a recording's replay) to the binary
     stream `out`; returns the number of lines."""
     return sum(write_step(step, out) for step in steps)
