@@ -16,6 +16,7 @@ from mmtrace.agent.socket.hint_socket import HintServer
 from mmtrace.bpf import device as device_stream
 from mmtrace.bpf.sched import RUNQ_EVENT
 from mmtrace.exporters.live import status as status_view
+from mmtrace.exporters.terminal import top as top_view
 
 from conftest import MMTRACE
 from test_daemon_parts import connect, send_entropy_rise
@@ -167,3 +168,54 @@ def test_top_without_a_daemon_says_so_in_one_line(tmp_path):
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "no mmtrace daemon is running" in proc.stderr
+
+
+class DyingDaemon:
+    """A socket whose server goes away mid-request: `reset` closes with the
+    request unread (the client's read fails, ECONNRESET), `silent` reads it
+    and closes without a word."""
+
+    def __init__(self, path, how: str):
+        import socket
+        self.listener = socket.socket(socket.AF_UNIX)
+        self.listener.bind(str(path))
+        self.listener.listen()
+        self.how = how
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            select.select([conn], [], [], 5)        # the request is there
+            if self.how == "silent":
+                conn.recv(65536)
+            conn.close()
+
+    def close(self):
+        self.listener.close()
+
+
+def test_clients_of_a_daemon_that_dies_mid_request_say_so_in_one_line(tmp_path):
+    for how in ("reset", "silent"):
+        path = tmp_path / f"{how}.sock"
+        server = DyingDaemon(path, how)
+        try:
+            for args in (["dump"], ["top", "--once"], ["top", "--json"]):
+                proc = subprocess.run([str(MMTRACE), *args, "--socket", str(path)],
+                                      capture_output=True, text=True, timeout=30)
+                assert proc.returncode == 2, (how, args, proc.stderr)
+                assert "Traceback" not in proc.stderr, (how, args, proc.stderr)
+                assert proc.stderr.count("\n") == 1, (how, args, proc.stderr)
+                assert "closed the connection" in proc.stderr, (how, args, proc.stderr)
+        finally:
+            server.close()
+
+
+def test_only_the_live_view_says_how_to_quit():
+    status = {"daemon_pid": 1, "uptime_s": 3.0, "span_s": 3.0, "launch_probes": "on"}
+    assert "(q quits)" not in top_view.render(status)[0]
+    assert "(q quits)" in top_view.render(status, live=True)[0]

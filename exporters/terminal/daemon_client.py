@@ -43,6 +43,13 @@ def ask(path: Path, kind: str, timeout_s: float = 2.0) -> dict:
                        "(run as root or as a member of the socket's group)") from None
     except socket.timeout:
         raise NoDaemon(f"the daemon on {path} did not answer within {timeout_s:g} s") from None
+    except OSError as exc:          # reset, broken pipe: it went away mid-request
+        raise NoDaemon(f"the daemon on {path} closed the connection during the {kind} "
+                       f"request ({(exc.strerror or str(exc)).lower()}); is it still "
+                       "running?") from None
+    if not buf:
+        raise NoDaemon(f"the daemon on {path} closed the connection before answering the "
+                       f"{kind} request; is it still running?")
     for line in bytes(buf).splitlines():
         try:
             msg = json.loads(line)

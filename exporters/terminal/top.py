@@ -24,12 +24,13 @@ def fetch_status(path: Path, timeout_s: float = 2.0) -> dict:
     return ask(path, "status", timeout_s)
 
 
-def render(status: dict, width: int = 100) -> list[str]:
-    """The screen, as lines: processes, then anomalies and hints, then losses."""
+def render(status: dict, width: int = 100, live: bool = False) -> list[str]:
+    """The screen, as lines: processes, then anomalies and hints, then
+    losses; `live` (the refreshing view) says how to quit."""
     up = status.get("uptime_s", 0.0)
     lines = [f"mmtrace top — daemon pid {status.get('daemon_pid')}, up {_duration(up)}, "
              f"last {status.get('span_s', 0):g} s, per-launch probes "
-             f"{status.get('launch_probes', '?')}   (q quits)", ""]
+             f"{status.get('launch_probes', '?')}" + ("   (q quits)" if live else ""), ""]
     lines.append(f"{'PID':>8} {'COMM':<16} {'RUNQ p99':>10} {'LAUNCH/s':>10} "
                  f"{'SYNC p99':>10} {'MEMCPY':>11}")
     processes = status.get("processes") or []
@@ -73,7 +74,7 @@ def run(path: Path, interval_s: float = 1.0, out=sys.stdout, keys=sys.stdin) -> 
             tty.setcbreak(keys.fileno())
         while True:
             width = _width(out)
-            out.write(CLEAR + "\n".join(render(status, width)) + "\n")
+            out.write(CLEAR + "\n".join(render(status, width, live=True)) + "\n")
             out.flush()
             if _quit_within(keys, interval_s):
                 return
