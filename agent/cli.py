@@ -167,7 +167,8 @@ def record(output, duration, pids, libs, nice, socket_path):
                              compile_apart=True,      # this process's only load
                              warn=lambda text: click.echo(f"mmtrace: warning: {text}",
                                                           err=True))
-    click.echo(f"wrote {output}: {result.events:,} events, {result.lost:,} lost, "
+    lost = f" ({result.lost_by})" if result.lost else ""
+    click.echo(f"wrote {output}: {result.events:,} events, {result.lost:,} lost{lost}, "
                f"{result.duration_s:.1f} s", err=True)
 
 
@@ -451,10 +452,12 @@ def dump(socket_path, timeout):
 def top(socket_path, interval, once, as_json):
     """Live view of the running daemon, refreshed every second; q quits.
 
-    Per process doing GPU/NPU work: run-queue p99 of its device threads,
-    launches/s, sync-wait p99 and memcpy GB/s over the last 5 s; then the
-    active anomalies and the latest hints; then what was lost. Works over
-    ssh in any terminal. Needs access to the socket (root or its group).
+    Per process doing GPU/NPU work, by its name: run-queue p99 of its
+    device threads and sync-wait p99 (both in ms), launches/s ("off" while
+    the per-launch probes wait for an alarm) and memcpy GB/s, over the last
+    5 s; then the active anomalies and the latest hints; then what was
+    lost. Works over ssh in any terminal. Needs access to the socket (root
+    or its group).
 
     \b
     Examples:

@@ -80,7 +80,7 @@ def empty_multi_link(cudart: Path, program=None, attach: bool = True):
     import os
 
     import bcc
-    from mmtrace.agent.kernel.elf_segments import file_offset, load_segments
+    from mmtrace.agent.discovery.elf_reader import load_segments_of
     from mmtrace.agent.kernel.uprobe_link import BPF_TRACE_UPROBE_MULTI, UprobeMultiLink
     program = program or bcc.BPF(text=EMPTY_PROGRAM)
     fn = program.load_func(b"empty", bcc.BPF.KPROBE, attach_type=BPF_TRACE_UPROBE_MULTI)
@@ -89,7 +89,7 @@ def empty_multi_link(cudart: Path, program=None, attach: bool = True):
     (_, vaddr), = bcc.BPF.get_user_functions_and_addresses(str(cudart), b"^cudaLaunchKernel$")
     fd = os.open(cudart, os.O_RDONLY)
     try:
-        offset = file_offset(load_segments(fd), vaddr)
+        offset = load_segments_of(fd, str(cudart)).offset_of_vaddr(vaddr)
     finally:
         os.close(fd)
     return program, UprobeMultiLink(fn.fd, str(cudart).encode(), [offset], [0])

@@ -5,7 +5,7 @@ the socket and the dispatcher's agent link.
     python bench/bench_hint_loop.py [--anomalies 200]
 
 A child process runs the daemon's loop (Daemon.tick every tick_s with a
-real HintServer; no eBPF, so no root) and, every 100 ms, hands its _act()
+real HintServer; no eBPF, so no root) and, every 100 ms, hands its alarms.act()
 a firing run-queue alarm for a new process, resolved one tick later: the
 same path a detector's record takes. The policy answers each with a
 cpu_contention hint whose evidence carries `detected_ns`, the daemon's

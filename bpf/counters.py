@@ -32,6 +32,29 @@ LOSS_COUNTERS = (
 )
 
 
+# Which stream each counter belongs to; the GPU and NPU programs share one
+# ring buffer and one set of counters ("dev").
+CPU_COUNTERS = frozenset({"ringbuf_full_cpu", "enqueue_map_full", "thread_map_full",
+                          "negative_delta", "runq_events", "switch_in_unseen"})
+
+
+def stream_of(counter: str) -> str:
+    return "cpu" if counter in CPU_COUNTERS else "dev"
+
+
+def losses(counters: dict[str, int]) -> dict[str, int]:
+    """The loss counters that are not zero, largest first."""
+    found = {name: counters.get(name, 0) for name in LOSS_COUNTERS if counters.get(name, 0)}
+    return dict(sorted(found.items(), key=lambda kv: -kv[1]))
+
+
+def describe_losses(counters: dict[str, int]) -> str:
+    """What was lost, by stream and reason, for a person: "741,824 dev
+    ringbuf_full_dev, 2 cpu switch_in_unseen" ("none" when nothing was)."""
+    found = losses(counters)
+    return ", ".join(f"{n:,} {stream_of(name)} {name}" for name, n in found.items()) or "none"
+
+
 def read_counters(table) -> dict[str, int]:
     """Sum a per-CPU counter array; never clears it (other readers share it)."""
     if len(table) != len(COUNTER_NAMES):

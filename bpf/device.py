@@ -78,6 +78,7 @@ FLAG_RETURNED = 1
 FLAG_NAME_TRUNCATED = 2
 FLAG_READ_FAILED = 4
 FLAG_NAME_FROM_USERSPACE = 8    # set by the agent: name read through /proc/PID/mem
+FLAG_STREAM_FROM_RECORD = 16    # set by the agent: an event sync's stream_handle came from its record
 
 # The BPF cookie of a probe: API id | call slot << 16 | aclnn symbol id << 32.
 COOKIE_SLOT_SHIFT = 16

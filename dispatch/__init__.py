@@ -2,7 +2,8 @@
 
 Imports nothing of the agent's and neither bcc nor torch, so a server can
 use it without root. The dispatcher itself (and asyncio with it) is
-imported on first use: the agent imports only the hint policy from here."""
+imported on first use: the agent imports only the hint policy and the
+duration checks from here."""
 
 import importlib
 

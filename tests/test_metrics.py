@@ -17,6 +17,7 @@ from prometheus_client import generate_latest
 from mmtrace.agent.socket import hint_protocol
 from mmtrace.agent.config.settings import DaemonConfig
 from mmtrace.agent.daemon.loop import Daemon
+from mmtrace.agent.ingest.device_names import DeviceNames
 from mmtrace.bpf import device as device_stream
 from mmtrace.bpf import sched as sched_stream
 from mmtrace.exporters.live import prometheus
@@ -28,7 +29,8 @@ KIND = device_stream.KIND_IDS
 
 def feed_device(daemon, events):
     """A GPU/NPU batch through the daemon's sink, named as ingest names it."""
-    daemon.streams.batch("dev", events, daemon.streams.names.process(events))
+    names = DeviceNames(device_stream.default_infos())
+    daemon.streams.batch("dev", events, names.process(events))
 
 
 def dev_events(rows) -> np.ndarray:

@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from mmtrace.agent.config import settings as config_mod
 from mmtrace.agent.daemon.loop import Daemon
+from mmtrace.agent.ingest.device_names import DeviceNames
 from mmtrace.agent.socket.hint_socket import HintServer
 from mmtrace.bpf import device as device_stream
 from mmtrace.exporters.live import otlp
@@ -37,7 +38,8 @@ P99_ANOMALY = {
 
 def feed_device(daemon, events):
     """A GPU/NPU batch through the daemon's sink, named as ingest names it."""
-    daemon.streams.batch("dev", events, daemon.streams.names.process(events))
+    names = DeviceNames(device_stream.default_infos())
+    daemon.streams.batch("dev", events, names.process(events))
 
 
 def traces(exporter=None, clock=time.monotonic, **kw):

@@ -429,6 +429,11 @@ first.close()
 later = probes.load()
 assert not later.split and [r.stream for r in later.rings] == ["cpu", "dev"]
 later.close()
+try:
+    probes.load_cpu(compile_apart=True)     # a second split load would share the first's maps
+    raise SystemExit("a second split load was taken")
+except probes.MmtraceError as exc:
+    assert "already loaded the programs apart" in str(exc), exc
 print("ok")
 """
 
@@ -436,7 +441,8 @@ print("ok")
 def test_a_first_load_compiles_apart_on_the_maps_it_exports_and_a_later_one_as_one_unit():
     """The caller says which load compiles apart (only a process's first
     may: bcc keeps exported maps by name for the process), so a fresh
-    process; the GPU/NPU programs then read and write the scheduler's maps."""
+    process; the GPU/NPU programs then read and write the scheduler's maps,
+    and a second split load in the process is refused."""
     done = subprocess.run([sys.executable, "-c", FIRST_LOAD_APART], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

@@ -29,15 +29,16 @@ MAX_ANOMALIES = 1000        # kept for status replies
 
 class Alarms:
     def __init__(self, config: DaemonConfig, streams: Streams, probes: LiveProbes,
-                 steering: Steering, flight: FlightRecorder, trim_heap):
+                 steering: Steering, flight: FlightRecorder, messages: ClientMessages,
+                 otlp, trim_heap):
         self.config = config
         self.streams = streams
         self.probes = probes
         self.steering = steering
         self.flight = flight
         self.trim_heap = trim_heap      # after each recording: it leaves the heap big
-        self.messages: ClientMessages | None = None     # their samples' tables, once wired
-        self.otlp = None
+        self.messages = messages        # the dispatchers' samples: their tables go in recordings
+        self.otlp = otlp                # live.otlp.OtlpTraces, when configured
         self.anomalies: list[dict] = []
         self.counts: Counter = Counter()        # firing anomalies by detector
 
@@ -98,7 +99,7 @@ class Alarms:
             "symbol_names": {str(k): v for k, v in
                              (device.symbol_names().items() if device is not None else [])},
             "op_names": self.streams.op_names,
-            **(self.messages.samples.tables() if self.messages is not None else {}),
+            **self.messages.samples.tables(),
             "hint_audit": self.steering.audit(),
             "host": platform.node(), "daemon_pid": os.getpid(),
             "config": _jsonable(asdict(self.config))})]

@@ -7,14 +7,12 @@ import logging
 import time
 
 from mmtrace.bpf import counters as bpf_counters
-from mmtrace.bpf import device as device_stream
 
 from mmtrace.agent.config.settings import DaemonConfig
-from mmtrace.agent.ingest.device_names import DeviceNames
+from mmtrace.agent.ingest.device_names import device_names
 from mmtrace.agent.ingest.pipeline import Ingest
 from mmtrace.agent.kernel import compiler_memory
 from mmtrace.agent.kernel import probes as probe_loader
-from mmtrace.agent.ingest.device_names import exited_process_resolver
 from mmtrace.agent.kernel.device_compile import DeviceCompile, device_programs_failed
 from mmtrace.agent.kernel.device_sources import DeviceSources, attach_and_release
 from mmtrace.agent.kernel.probes import CPU_PROBE_STATE
@@ -58,30 +56,26 @@ class LiveProbes:
     def device(self):
         return self.loaded.device if self.loaded is not None else None
 
-    def wire_devices(self) -> DeviceNames | None:
-        """Once the GPU/NPU programs are compiled: wire and attach them.
-        Returns the names of the device stream's processes, when wired."""
+    def wire_devices(self):
+        """Once the GPU/NPU programs are compiled: wire and attach them, and
+        the ingest path names their ops from then on."""
         devices = self._devices
-        if devices is None or not devices.done() or not self.sources.ready():
-            return None
+        if devices is None or not devices.ready(self.sources):
+            return
         self._devices = None
         cfg = self.config
         error = devices.finish()
-        names = None
         if error is not None:
             log.error("GPU/NPU probes unavailable (%s); the CPU stream goes on", error)
             self.probe_states.append(device_programs_failed(error))
         else:
-            names = DeviceNames(device_stream.default_infos(), resolver=exited_process_resolver(
-                self.loaded, self.sources.known_files))
-            self.ingest.names = names
+            self.ingest.names = device_names(self.loaded, self.sources.known_files)
             self.attach_new()
             compiler_memory.release()       # what the first discovery scan left, too
             log.info("gpu/npu probes live (%.2f s)", time.monotonic() - self._began)
         log.info("tracing: pids=%s, per-launch probes %s, flight recordings in %s",
                  list(cfg.pids) or "all", "on alarm" if cfg.adaptive_launches else "on",
                  cfg.state_dir)
-        return names
 
     def attach_new(self):
         # The device's own states are read when needed: kept here, every

@@ -90,14 +90,14 @@ class Daemon:
         self.steering = Steering(config.policy, hint_id=lambda seq: f"{os.getpid()}-{seq}")
         self.flight = FlightRecorder(config.state_dir, config.ring_seconds,
                                      config.flight_min_interval_s)
-        self.streams = Streams(config, self.p99, act=lambda found: self.alarms.act(found))
-        self.alarms = Alarms(config, self.streams, self.probes, self.steering, self.flight,
-                             trim_heap=self._trim_heap)
-        self.messages = ClientMessages(config.ring_seconds, self.streams, self.entropy,
-                                       self.alarms.act, self.steering.inputs)
-        self.alarms.messages = self.messages
-        self.otlp = self.alarms.otlp = self.streams.otlp = _otlp_traces(
+        # OTLP names a submission's op from what the streams have learnt, when it sends.
+        self.otlp = _otlp_traces(
             config, lambda rows: describe(rows, self.streams.infos, self.streams.op_name_of))
+        self.streams = Streams(config, self.p99, act=self._act, otlp=self.otlp)
+        self.messages = ClientMessages(config.ring_seconds, self.streams, self.entropy,
+                                       self._act, self.steering.inputs)
+        self.alarms = Alarms(config, self.streams, self.probes, self.steering, self.flight,
+                             self.messages, self.otlp, trim_heap=self._trim_heap)
         # Read by the metrics endpoint's thread: tick() runs under the lock.
         self.lock = threading.Lock()
         self.metrics = None
@@ -122,13 +122,8 @@ class Daemon:
         except OSError as exc:
             log.error("hint socket %s unavailable (%s); running without it", cfg.socket, exc)
         while not devices_in_background and self.probes.compiling:
-            self._wire_devices()
+            self.probes.wire_devices()
             time.sleep(0.01)
-
-    def _wire_devices(self):
-        names = self.probes.wire_devices()
-        if names is not None:
-            self.streams.names = names
 
     def _start_exporters(self):
         """The metrics endpoint first: a taken port ends the start at once."""
@@ -216,7 +211,7 @@ class Daemon:
 
     def tick(self, now_ns: int | None = None):
         if self.probes.compiling:
-            self._wire_devices()
+            self.probes.wire_devices()
         self.probes.attach_new()
         if self.probes.ingest is not None:
             self._since_trim += self.probes.ingest.drain()
@@ -244,6 +239,10 @@ class Daemon:
     def sample_devices(self, now_ns: int):
         """NVML's latest state into the flight recorder's ring, once a second."""
         self.streams.sample_gpus(self.monitors.gpu_sample_due(now_ns), now_ns)
+
+    def _act(self, anomalies: list[dict]):
+        """What the detectors said, to the alarms (the parts' one way back)."""
+        self.alarms.act(anomalies)
 
     def _trim_heap(self):
         """Hand what batches left free in the heap back. Every sweep, and

@@ -19,15 +19,16 @@ from mmtrace.exporters.live.event_counts import EventCounts
 from mmtrace.agent.config.settings import DaemonConfig
 from mmtrace.agent.ingest import latency_series as ls
 from mmtrace.agent.ingest.align import Aligner, ApiRoles
-from mmtrace.agent.ingest.device_names import DeviceNames
 from mmtrace.agent.ingest.event_ring import EventRing
 from mmtrace.agent.ingest.packed_ring import PackedRing
 from mmtrace.agent.ingest.series_keys import SeriesKey
+from mmtrace.agent.recording import recorder
+from mmtrace.agent.socket import telemetry
 from mmtrace.agent.socket.telemetry import ENTROPY_SAMPLE, REQUEST_SAMPLE
 
-SCHEMAS = {"cpu.runq": sched_stream.RUNQ_EVENT, "dev.event": device_stream.DEV_EVENT,
-           "model.entropy": ENTROPY_SAMPLE, "request.latency": REQUEST_SAMPLE,
-           "gpu.state": GPU_STATE}
+# A flight recording's: what `record` writes, with what dispatchers report
+# (as `record --socket` writes it) and NVML's device state.
+SCHEMAS = {**recorder.SCHEMAS, **telemetry.SCHEMAS, "gpu.state": GPU_STATE}
 MAX_OP_NAMES = 1 << 16
 
 
@@ -35,7 +36,7 @@ class Streams:
     """What the daemon keeps of its streams, fed batch by batch."""
 
     def __init__(self, config: DaemonConfig, p99: P99Drift, act: Callable[[list], None],
-                 infos=None):
+                 infos=None, otlp=None):
         self.config = config
         self.p99 = p99
         self.act = act
@@ -48,7 +49,6 @@ class Streams:
         self.gpu_state_ring = EventRing(GPU_STATE, 1 << 12, age)   # NVML, once a second
         self.aligner = Aligner(ApiRoles.from_infos(infos), capacity=config.device_ring_capacity,
                                max_age_ns=age, compress=True)
-        self.names = DeviceNames(infos)
         self.series_keys: dict[str, SeriesKey] = {}   # the P99 series' names -> their keys
         self.op_names: list[list] = []
         self.op_name_of: dict[tuple[int, int], str] = {}
@@ -56,7 +56,7 @@ class Streams:
         self.submitters = ls.Submitters()
         self.counts = EventCounts(infos)
         self.forgotten_series = 0
-        self.otlp = None                # live.otlp.OtlpTraces, when configured
+        self.otlp = otlp                # live.otlp.OtlpTraces, when configured
 
     # ---------------------------------------------------------- the sink
 

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from mmtrace.agent.discovery.load_segments import LoadSegments
 from mmtrace.agent.discovery.symbol_tables import SymbolTable, symbol_name, symbol_names
 
 ELF_MAGIC = b"\x7fELF"
@@ -143,7 +144,20 @@ def read_elf_file(path: str | os.PathLike) -> ElfFile:
             raise ElfError(f"{path}: malformed ELF headers ({exc})") from None
 
 
-def _parse(reader: _Reader, key: FileKey) -> ElfFile:
+def load_segments_of(fd: int, path: str) -> LoadSegments:
+    """The PT_LOAD segments of the open file `fd` (`path` names it in
+    errors): the offsets a uprobe on that very file is attached at come
+    from here. Raises NotElfError, ElfError, OSError."""
+    reader = _Reader(path, fd, os.fstat(fd).st_size)
+    try:
+        layout, header = _header(reader)
+        return LoadSegments(_load_segments(reader, layout, header[4], header[9], header[8]))
+    except (ValueError, IndexError, OverflowError, struct.error) as exc:
+        raise ElfError(f"{path}: malformed ELF headers ({exc})") from None
+
+
+def _header(reader: _Reader) -> tuple["_Layout", tuple]:
+    """The file's layout and its ELF header's fields after e_ident."""
     path = reader.path
     if reader.size < 16:
         raise NotElfError(f"{path}: expected an ELF file, it has only {reader.size} bytes")
@@ -154,9 +168,14 @@ def _parse(reader: _Reader, key: FileKey) -> ElfFile:
     if ident[4] not in (1, 2) or ident[5] not in (1, 2):
         raise ElfError(f"{path}: unknown ELF class {ident[4]} or byte order {ident[5]}")
     layout = _layout(ident[4], "<" if ident[5] == 1 else ">")
+    return layout, layout.header.unpack(reader.read(16, layout.header.size, "ELF header"))
+
+
+def _parse(reader: _Reader, key: FileKey) -> ElfFile:
+    path = reader.path
+    layout, header = _header(reader)
     (e_type, _machine, _version, _entry, phoff, shoff, _flags, _ehsize, phentsize,
-     phnum, shentsize, shnum, shstrndx) = layout.header.unpack(
-        reader.read(16, layout.header.size, "ELF header"))
+     phnum, shentsize, shnum, shstrndx) = header
     segments = _load_segments(reader, layout, phoff, phnum, phentsize)
     sections = _sections(reader, layout, shoff, shnum, shentsize)
     return ElfFile(path, key, e_type, segments,

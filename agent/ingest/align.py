@@ -35,7 +35,7 @@ from mmtrace.agent.ingest.record_arrays import concat, take
 
 NONE = device_stream.NOT_RETIRED
 ALIGNED_EVENT = device_stream.ALIGNED_EVENT
-FLAG_STREAM_FROM_RECORD = 16    # an event sync's stream_handle came from its record
+FLAG_STREAM_FROM_RECORD = device_stream.FLAG_STREAM_FROM_RECORD
 
 SCOPE_NONE, SCOPE_STREAM, SCOPE_DEVICE, SCOPE_EVENT = 0, 1, 2, 3
 _SCOPES = {None: SCOPE_NONE, "stream": SCOPE_STREAM, "device": SCOPE_DEVICE,

@@ -260,3 +260,10 @@ def exited_process_resolver(loaded, known_files):
     files = device.decoding_files if device is not None else known_files
     return AddressResolver(images=ProcessImages(loaded.bpf, files, elf_cache=loaded.elf_cache),
                            elf_cache=loaded.elf_cache)
+
+
+def device_names(loaded, known_files) -> DeviceNames:
+    """The names of the device stream's ops, for `record` and `run` alike:
+    exited processes' addresses named from what the kernel kept of them."""
+    return DeviceNames(device_stream.default_infos(),
+                       resolver=exited_process_resolver(loaded, known_files))

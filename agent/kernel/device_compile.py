@@ -34,6 +34,11 @@ class DeviceCompile:
     def done(self) -> bool:
         return not self.thread.is_alive()
 
+    def ready(self, sources) -> bool:
+        """Compiled, and the first discovery scan over (`sources` may be
+        None: nothing to wait for): time to finish() and wire."""
+        return self.done() and (sources is None or sources.ready())
+
     def finish(self) -> Exception | None:
         """Wire the compiled programs (once done); why they are not, or None."""
         if self.error is None:

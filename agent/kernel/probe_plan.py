@@ -5,7 +5,7 @@ import re
 
 from mmtrace.bpf import device as device_stream
 
-from mmtrace.agent.kernel.elf_segments import file_offset, load_segments
+from mmtrace.agent.discovery.elf_reader import load_segments_of
 from mmtrace.agent.kernel.probed_file import (ENTRY, FAILED, LAUNCHES_OFF, NOT_FOUND, RETURN,
                                               Probe, ProbedFile)
 from mmtrace.agent.kernel.probed_symbols import ProbedSymbols
@@ -64,7 +64,7 @@ class ProbePlanner:
             api = self.symbols.api_of(symbol)
             symbol_id = self.symbol_ids.id_of(symbol) if api.pattern is not None else 0
             cookie = device_stream.cookie(api.id, self.table.slots.get(api.id, 0), symbol_id)
-            offset = file_offset(segments, vaddrs[symbol])
+            offset = segments.offset_of_vaddr(vaddrs[symbol])
             for point in (ENTRY, RETURN) if api.return_impl else (ENTRY,):
                 probe = Probe(library, api, symbol, vaddrs[symbol], offset, point, cookie)
                 twin = seen_at.setdefault((probe.vaddr, point), symbol)
@@ -89,7 +89,7 @@ class ProbePlanner:
         from bcc import BPF
         try:
             found = BPF.get_user_functions_and_addresses(library.attach_path, self._search)
-            segments = load_segments(library.fd)
+            segments = load_segments_of(library.fd, library.attach_path.decode())
         except Exception as exc:  # bcc raises bare Exception; ours raise ValueError/OSError
             raise SymbolsUnreadable(f"its symbols cannot be read: {exc}") from None
         vaddrs: dict[str, int] = {}

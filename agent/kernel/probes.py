@@ -161,6 +161,16 @@ class LoadedProbes:
     def runq_hist(self) -> list[int]:
         return sched_stream.hist_from_table(self.bpf[sched_stream.HIST_MAP])
 
+    def figures(self) -> dict:
+        """What the maps hold now, for the metrics (read, never cleared): the
+        run-queue histogram and its sum, every counter, and each program's
+        fd (its run-time statistics are in /proc/self/fdinfo)."""
+        programs = {(n.decode() if isinstance(n, bytes) else n): fn.fd
+                    for n, fn in getattr(self.bpf, "funcs", {}).items()}
+        return {"runq_slots": self.runq_hist(),
+                "runq_total_ns": sched_stream.sum_from_table(self.bpf[sched_stream.SUM_MAP]),
+                "counters": self.counters(), "programs": programs}
+
     def learn_threads(self, tid_to_tgid: dict[int, int]):
         """Tell the kernel the process of threads it has not seen switch out."""
         set_thread_tgids(self.bpf, tid_to_tgid)
@@ -311,6 +321,21 @@ def load(options: ProbeOptions | None = None, *, compile_apart: bool = False) ->
     return probes
 
 
+# bcc's own table of exported maps is per process and outlives the program
+# that filled it: this mirrors it, so that a second split load in one process
+# is refused (it would share another load's maps) rather than taken silently.
+_split_loads_in_process = 0
+
+
+def _refuse_a_second_split_load():
+    global _split_loads_in_process
+    if _split_loads_in_process:
+        raise MmtraceError("compile_apart: this process has already loaded the programs "
+                           "apart, and bcc keeps the first load's exported maps by name; "
+                           "load with compile_apart=False")
+    _split_loads_in_process += 1
+
+
 def load_cpu(options: ProbeOptions | None = None, *,
              compile_apart: bool = False) -> LoadedProbes:
     """The CPU stream live: the scheduler program compiled, loaded and
@@ -337,6 +362,7 @@ def load_cpu(options: ProbeOptions | None = None, *,
             raise MmtraceError(f"{what} must be a power of two, got {value}")
     split = options.device and compile_apart
     if split:
+        _refuse_a_second_split_load()
         program = _compile(sched_text(), cflags(options) + ["-DMMTRACE_SHARED_PUBLIC"])
     else:
         program = _compile(program_text(options), cflags(options) + ["-DMMTRACE_DEVICE_IN_UNIT"])

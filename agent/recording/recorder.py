@@ -14,7 +14,7 @@ from mmtrace.agent import heap
 from mmtrace.agent.kernel import probes as probe_loader
 from mmtrace.agent.kernel.device_compile import DeviceCompile, device_programs_failed
 from mmtrace.agent.kernel.device_sources import DeviceSources, attach_and_release
-from mmtrace.agent.ingest.device_names import DeviceNames, exited_process_resolver
+from mmtrace.agent.ingest.device_names import device_names
 from mmtrace.agent.errors import MmtraceError
 from mmtrace.agent.ingest.pipeline import Ingest
 from mmtrace.agent.recording.file_format import RecordingWriter
@@ -34,6 +34,7 @@ class RecordResult:
     lost: int
     duration_s: float
     stopped_by: str
+    lost_by: str = "none"           # what was lost, by stream and reason (bpf/counters.py)
 
 
 class Progress:
@@ -58,11 +59,17 @@ class Progress:
                           f"{'; ' + pending if pending else ''}\n")
         self.stream.flush()
 
-    def update(self, elapsed: float, events: int, lost: int, force: bool = False):
+    def update(self, elapsed: float, events: int, counters: dict[str, int],
+               force: bool = False):
+        """`counters`: the kernel's counters since the start; what they say
+        was lost is named by stream and reason."""
         if not force and not self.due():
             return
         self._last = time.monotonic()
+        lost = bpf_counters.total_lost(counters)
         line = f"recording {elapsed:7.1f} s  events {events:>12,}  lost {lost:>8,}"
+        if lost:
+            line += f" ({bpf_counters.describe_losses(counters)})"
         if self.live_s:
             line += "  live: " + ", ".join(f"{k} {v:.2f} s" for k, v in self.live_s.items())
         if self.tty:
@@ -199,8 +206,7 @@ class _Recording:
         states (a report then tells why it holds no GPU/NPU events) and
         `warn` is told: the CPU stream goes on."""
         compiling = self.compiling
-        if compiling is None or not compiling.done() or \
-                (self.sources is not None and not self.sources.ready()):
+        if compiling is None or not compiling.ready(self.sources):
             return
         error = compiling.finish()
         if error is None:
@@ -221,7 +227,7 @@ class _Recording:
         # The first progress line once every stream that is coming is live.
         progress = self.progress
         if progress and (finishing or (self.compiling is None and progress.due())):
-            lost = bpf_counters.total_lost(_delta(self.loaded.counters(), self.start_counters))
+            lost = _delta(self.loaded.counters(), self.start_counters)
             progress.update(time.monotonic() - self.started, self.events, lost,
                             force=finishing)
 
@@ -250,7 +256,8 @@ class _Recording:
         if not writer.still_at_path():
             raise MmtraceError(f"-o {output}: removed or replaced while it was written; the "
                                f"{events:,} events recorded are lost with it")
-        return RecordResult(events, lost, elapsed, stop.reason or "duration")
+        return RecordResult(events, lost, elapsed, stop.reason or "duration",
+                            bpf_counters.describe_losses(delta))
 
     def close(self):
         """What is still open: the compiling thread waited for, the socket,
@@ -292,8 +299,8 @@ class _DeviceRecording:
         self.failed = failed        # the GPU/NPU programs' state, when they failed
         self.device = loaded.device if failed is None else None
         self.sources = sources if self.device is not None else None
-        self.names = DeviceNames(device_stream.default_infos(), resolver=exited_process_resolver(
-            loaded, sources.known_files if self.sources is not None else list))
+        self.names = device_names(loaded, sources.known_files if self.sources is not None
+                                  else list)
         self._symbols_written = 0
 
     def attach(self) -> list[dict]:

@@ -4,6 +4,8 @@ from collections import Counter
 
 import numpy as np
 
+from mmtrace.bpf import device as device_stream
+
 from mmtrace.agent.recording.offline_detectors import Detectors
 from mmtrace.agent.ingest.percentiles import Percentiles
 from mmtrace.agent.recording.file_checks import lost_total
@@ -103,7 +105,7 @@ class DeviceSummary:
             (s, k, a, n) for s, k, a, n in zip(rows.stream, rows.kind, rows.api, rows.op_name)
             if k in ("launch", "graph_launch", "model_exec")))
         ev = rows.events
-        returned = (ev["flags"] & 1) != 0
+        returned = (ev["flags"] & device_stream.FLAG_RETURNED) != 0
         is_sync = (rows.kind == "sync") & returned
         if is_sync.any():
             at = np.flatnonzero(is_sync)

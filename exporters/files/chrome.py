@@ -10,6 +10,7 @@ import json
 
 import numpy as np
 
+from mmtrace.bpf import device as device_stream
 from mmtrace.bpf.sched import wait_start_ns
 
 from mmtrace.exporters.files.rowtext import Rows, first_per_thread, device_lines, json_texts, write_merged
@@ -33,7 +34,7 @@ def device_rows(rows) -> Rows:
     names = [op or api for op, api in zip(rows.op_name, rows.api)]
     categories = [f"{s}.{k}" for s, k in zip(rows.stream, rows.kind)]
     copy = np.array([d is not None for d in rows.direction], bool)
-    returned = (ev["flags"] & 1) != 0       # FLAG_RETURNED
+    returned = (ev["flags"] & device_stream.FLAG_RETURNED) != 0
     return (Rows(n, text=True).const(b',{"name":').table(*json_texts(names))
             .const(b',"cat":').table(*json_texts(categories))
             .const(b',"pid":').decimal(ev["pid"]).const(b',"tid":').decimal(ev["tid"])

@@ -47,7 +47,7 @@ def device_rows(rows) -> Rows:
     has = _present(rows.fields, (ds.HANDLE, ds.STREAM, ds.GRID, ds.BLOCK, ds.SHARED_MEM,
                                  ds.BYTES))
     sync = rows.kind == "sync"
-    from_record = (ev["flags"] & 16) != 0       # agent/ingest/align.py FLAG_STREAM_FROM_RECORD
+    from_record = (ev["flags"] & device_stream.FLAG_STREAM_FROM_RECORD) != 0
     # An event sync whose record was not seen has no stream.
     stream_known = has[ds.STREAM] & ~(sync & has[ds.HANDLE] & ~from_record)
 

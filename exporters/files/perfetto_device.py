@@ -5,6 +5,7 @@ running total on its process's counter track."""
 
 import numpy as np
 
+from mmtrace.bpf import device as device_stream
 from mmtrace.bpf.device import NOT_RETIRED as NONE
 from mmtrace.bpf.device import SUBMISSION_KINDS
 
@@ -97,7 +98,7 @@ class DeviceEncoder:
         entries = [labels(f"{s}.{k}", op or api) for s, k, op, api in keys]
         kinds = rows.kind.astype("U16")
         submission = np.isin(kinds, SUBMISSION_KINDS)
-        returned = (ev["flags"] & 1) != 0       # FLAG_RETURNED
+        returned = (ev["flags"] & device_stream.FLAG_RETURNED) != 0
         end_ns = ev["ts_ns"] + ev["duration_ns"]
         retired = ev["retired_ns"] != NONE
         starts = submission & retired & ~(returned & (ev["retired_ns"].astype(np.uint64) == end_ns))

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mmtrace.bpf import device as device_stream
 from mmtrace.bpf.device import NOT_RETIRED as NONE
 from mmtrace.bpf.device import SUBMISSION_KINDS
 
@@ -121,7 +122,7 @@ def device_items(rows, thread_names: dict) -> list[list]:
     for i, row in enumerate(ev.tolist()):
         e = dict(zip(ev.dtype.names, row))
         pid, ts, kind = e["pid"], e["ts_ns"], rows.kind[i]
-        returned = bool(e["flags"] & 1)    # FLAG_RETURNED
+        returned = bool(e["flags"] & device_stream.FLAG_RETURNED)
         end = ts + e["duration_ns"]
         category, name = f"{rows.stream[i]}.{kind}", rows.op_name[i] or rows.api[i]
         starts, ends, items = (), (), []

@@ -143,6 +143,12 @@ class EventCounts:
             for pid in [p for p in self._processes if not (self.proc_root / str(p)).exists()]:
                 del self._processes[pid]
 
+    def process_name(self, pid: int) -> str | None:
+        """The process's name as the metrics label it (/proc/PID/comm when
+        it was first seen), if its run-queue delay was counted."""
+        proc = self._processes.get(pid)
+        return proc.name if proc is not None else None
+
     def _process(self, pid: int, thread_comm: bytes) -> ProcessRunq | None:
         proc = self._processes.get(pid)
         if proc is None:

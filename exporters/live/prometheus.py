@@ -33,11 +33,6 @@ DEFAULT_ADDRESS = ":9464"
 # 0-1 µs), so its upper bounds are 2^(k+1) µs; slots past ~1 s go to +Inf.
 KERNEL_RUNQ_SLOTS = 20
 KERNEL_RUNQ_BOUNDS = tuple(2.0 ** (k + 1) * 1e-6 for k in range(KERNEL_RUNQ_SLOTS))
-# Which stream each kernel counter belongs to; the GPU and NPU programs
-# share one ring buffer and one set of counters ("dev").
-COUNTER_STREAM = {"ringbuf_full_cpu": "cpu", "enqueue_map_full": "cpu",
-                  "thread_map_full": "cpu", "negative_delta": "cpu", "runq_events": "cpu",
-                  "switch_in_unseen": "cpu"}
 DETECTOR_STATES = ("normal", "pending", "firing", "resolved")
 KNOWN_DETECTORS = ("p99_drift", "attention_entropy")
 KNOWN_HINTS = ("modality_batch", "priority", "route_affinity", "prefer_device", "degrade",
@@ -101,7 +96,7 @@ class MetricsEndpoint:
             self.httpd = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Labels:
     """How workload labels are bounded."""
     top_k: int = 10
@@ -156,9 +151,11 @@ class DaemonSnapshot:
     program_states: list = field(default_factory=list)    # the programs' own states
     device_probes: list | None = None       # the GPU/NPU probes' states, once wired
     device_held: dict | None = None         # what they hold (files, links)
-    nvml: object = None                     # devices.device_state.DeviceMonitor or None
-    npu: object = None
-    otlp_stats: object = None               # live.otlp's stats, when OTLP is on
+    gpu_up: bool = False                    # NVML answers
+    gpus: list | None = None                # devices.device_state.DeviceState by GPU; None: off
+    npu_up: bool | None = None              # npu-smi answers; None where it is not polled
+    npus: list | None = None
+    otlp_stats: object = None               # a copy of live.otlp's stats, when OTLP is on
 
 
 class DaemonCollector:
@@ -185,7 +182,7 @@ class DaemonCollector:
         yield from self._device(d.counts)
         yield from self._probes(d.program_states, d.device_probes, d.device_held)
         yield from self._detectors(_detector_rows(d), d.entropy_latest, d.anomalies, d.hints)
-        yield from self._devices(d.nvml, d.npu)
+        yield from self._devices(d)
         if d.otlp_stats is not None:
             yield from self._otlp(d.otlp_stats)
 
@@ -207,13 +204,13 @@ class DaemonCollector:
                                    "by stream and kernel counter (as `record` counts them).",
                                    labels=["stream", "reason"])
         for name in bpf_counters.LOSS_COUNTERS:
-            lost.add_metric([COUNTER_STREAM.get(name, "dev"), name], counters.get(name, 0))
+            lost.add_metric([bpf_counters.stream_of(name), name], counters.get(name, 0))
         yield lost
         kernel = CounterMetricFamily("mmtrace_kernel_events_total",
                                      "Every counter of the eBPF programs (losses, events "
                                      "emitted, oddities), by name.", labels=["stream", "counter"])
         for name in bpf_counters.COUNTER_NAMES:
-            kernel.add_metric([COUNTER_STREAM.get(name, "dev"), name], counters.get(name, 0))
+            kernel.add_metric([bpf_counters.stream_of(name), name], counters.get(name, 0))
         yield kernel
         yield from self._bpf_run_time(figures.programs)
 
@@ -373,16 +370,16 @@ class DaemonCollector:
 
     # ----------------------------------------------------------- devices
 
-    def _devices(self, nvml, npu):
+    def _devices(self, d: DaemonSnapshot):
         yield GaugeMetricFamily("mmtrace_nvml_up", "1 when NVML answers (GPU device state is "
                                 "polled), 0 without a driver or when polling fails.",
-                                value=int(nvml is not None and nvml.up))
-        if npu is not None:
+                                value=int(d.gpu_up))
+        if d.npu_up is not None:
             yield GaugeMetricFamily("mmtrace_npu_smi_up", "1 when npu-smi answers (NPU device "
-                                    "state is polled), 0 when it fails.", value=int(npu.up))
-        for kind, monitor in (("gpu", nvml), ("npu", npu)):
-            if monitor is not None:
-                yield from _device_gauges(kind, monitor.devices())
+                                    "state is polled), 0 when it fails.", value=int(d.npu_up))
+        for kind, devices in (("gpu", d.gpus), ("npu", d.npus)):
+            if devices is not None:
+                yield from _device_gauges(kind, devices)
 
 
 DEVICE_GAUGES = {

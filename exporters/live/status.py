@@ -19,10 +19,13 @@ _MEMCPY = device_stream.KIND_IDS["memcpy"]
 
 
 def process_table(runq: np.ndarray, device: np.ndarray, device_tids: np.ndarray,
-                  span_s: float) -> list[dict]:
+                  span_s: float, names=None, launches_traced: bool = True) -> list[dict]:
     """One row per process with device work in `device` (or with device
     threads in `runq`), busiest first. `runq` and `device` cover the last
-    `span_s` seconds; `device_tids` are the threads known to do device work."""
+    `span_s` seconds; `device_tids` are the threads known to do device work.
+    `names(pid)` is the process's name where known (else its last event's
+    thread name); with the per-launch probes off, launches_per_s is None:
+    not measured, which is not zero."""
     runq = runq[np.isin(runq["tid"], device_tids)] if len(runq) else runq
     pids = np.union1d(np.unique(device["pid"]), np.unique(runq["pid"])).tolist()
     rows = []
@@ -31,15 +34,16 @@ def process_table(runq: np.ndarray, device: np.ndarray, device_tids: np.ndarray,
         waits = runq["delay_ns"][runq["pid"] == pid]
         syncs = mine[(mine["kind"] == _SYNC) & ((mine["flags"] & device_stream.FLAG_RETURNED) != 0)]
         copies = mine[mine["kind"] == _MEMCPY]
-        comm = _comm(mine) or _comm(runq[runq["pid"] == pid])
+        comm = (names(pid) if names else None) or _comm(mine) or _comm(runq[runq["pid"] == pid])
+        launches = float(np.isin(mine["kind"], _LAUNCH_KINDS).sum() / span_s)
         rows.append({
             "pid": int(pid), "comm": comm,
             "runq_p99_us": _p99(waits, 1e3), "runq_wakeups": int(len(waits)),
-            "launches_per_s": float(np.isin(mine["kind"], _LAUNCH_KINDS).sum() / span_s),
+            "launches_per_s": launches if launches_traced else None,
             "sync_wait_p99_ms": _p99(syncs["duration_ns"], 1e6),
             "memcpy_gb_per_s": float(copies["bytes"].sum() / span_s / 1e9),
         })
-    rows.sort(key=lambda r: (r["launches_per_s"], r["runq_wakeups"]), reverse=True)
+    rows.sort(key=lambda r: (r["launches_per_s"] or 0.0, r["runq_wakeups"]), reverse=True)
     return rows[:MAX_PROCESSES]
 
 

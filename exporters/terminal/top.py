@@ -31,15 +31,18 @@ def render(status: dict, width: int = 100, live: bool = False) -> list[str]:
     lines = [f"mmtrace top — daemon pid {status.get('daemon_pid')}, up {_duration(up)}, "
              f"last {status.get('span_s', 0):g} s, per-launch probes "
              f"{status.get('launch_probes', '?')}" + ("   (q quits)" if live else ""), ""]
-    lines.append(f"{'PID':>8} {'COMM':<16} {'RUNQ p99':>10} {'LAUNCH/s':>10} "
-                 f"{'SYNC p99':>10} {'MEMCPY':>11}")
+    # One unit per column, named in its header; "off" where a figure is not measured.
+    lines.append(f"{'PID':>8} {'PROCESS':<16} {'RUNQ p99 ms':>12} {'LAUNCH/s':>10} "
+                 f"{'SYNC p99 ms':>12} {'MEMCPY GB/s':>12}")
     processes = status.get("processes") or []
     for p in processes:
+        runq_us = p.get("runq_p99_us")
+        launches = p.get("launches_per_s")
         lines.append(f"{p['pid']:>8} {(p.get('comm') or '?')[:16]:<16} "
-                     f"{_num(p.get('runq_p99_us'), 'µs'):>10} "
-                     f"{p.get('launches_per_s', 0):>10.1f} "
-                     f"{_num(p.get('sync_wait_p99_ms'), 'ms'):>10} "
-                     f"{p.get('memcpy_gb_per_s', 0):>7.2f}GB/s")
+                     f"{_ms(None if runq_us is None else runq_us / 1e3):>12} "
+                     f"{'off' if launches is None else f'{launches:.1f}':>10} "
+                     f"{_ms(p.get('sync_wait_p99_ms')):>12} "
+                     f"{p.get('memcpy_gb_per_s', 0):>12.2f}")
     if not processes:
         lines.append("   (no process did GPU/NPU work in this span)")
     lines += ["", "ANOMALIES"]
@@ -110,8 +113,9 @@ def _width(out) -> int:
         return 120
 
 
-def _num(value, unit: str) -> str:
-    return "—" if value is None else f"{value:.1f}{unit}"
+def _ms(value) -> str:
+    """Milliseconds, to the microsecond; "—" when no event made the figure."""
+    return "—" if value is None else f"{value:.3f}"
 
 
 def _duration(seconds: float) -> str:
