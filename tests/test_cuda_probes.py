@@ -318,3 +318,31 @@ def test_record_and_export_jsonl_end_to_end(natives, tmp_path, mmtrace_cli):
     assert "dev.event" not in summary["events"]
     states = summary["device_probes"]["summary"]
     assert states["attached"] >= 20 and states["libraries"] >= 2
+
+
+def test_record_traces_from_its_gpu_line_on_and_stops_at_its_duration(natives, tmp_path):
+    """`gpu/npu stream live` is said once the probes are attached: every
+    call a workload makes right after that line is in the file. And
+    --duration bounds the file: it spans the duration asked for, from when
+    the CPU stream went live, within half a second."""
+    from mmtrace.agent.recording.file_format import read_recording
+    path = tmp_path / "bounded.mmtr"
+    rec = subprocess.Popen([sys.executable, "-m", "mmtrace.agent", "record", "-o", str(path),
+                            "--lib", str(natives.cudart), "--duration", "5"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = [rec.stdout.readline()]
+        while seen[-1] and not seen[-1].startswith("gpu/npu stream live"):
+            seen.append(rec.stdout.readline())
+        assert seen[-1].startswith("gpu/npu stream live"), seen
+        runtime = run_json([natives.cudart_calls, 300])     # at once: no grace
+        rec.communicate(timeout=60)
+    finally:
+        if rec.poll() is None:
+            rec.kill()
+            rec.wait()
+    assert rec.returncode == 0
+    loaded = read_recording(path)
+    mine = loaded.events["dev.event"][loaded.events["dev.event"]["pid"] == runtime["pid"]]
+    assert len(mine) == 11, len(mine)       # the calls of test_record_and_export_jsonl_end_to_end
+    assert abs(loaded.footer["duration_s"] - 5.0) <= 0.5, loaded.footer["duration_s"]

@@ -229,6 +229,21 @@ def test_check_names_a_port_another_program_holds(tmp_path):
     assert not (tmp_path / "s.sock").exists()
 
 
+def test_check_creates_nothing(tmp_path):
+    """Folders the daemon would create are checked, not made."""
+    sock, state = tmp_path / "run" / "mmtrace" / "s.sock", tmp_path / "lib" / "mmtrace"
+    result = subprocess.run([str(MMTRACE), "run", "--check", "--metrics-address", "off",
+                             "--socket", sock, "--state-dir", state],
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert f"  ok   hint socket    {sock}: the daemon creates {sock.parent} and listens " \
+           "there" in lines, lines
+    assert f"  ok   state dir      {state}: the daemon creates it; flight recordings can " \
+           "be written there" in lines, lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_sighup_reads_the_environment_again_over_the_file(daemon):
     text = CONFIG.format(state=daemon.config.parent / "state")
     daemon.config.write_text(text.replace("tick_s = 0.025", "tick_s = 0.1")

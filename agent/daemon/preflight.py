@@ -146,11 +146,14 @@ def _hint_socket(path: Path) -> Item:
     except NoDaemon as exc:
         if not exc.nobody_listens:      # out of reach, or busy: not ours to test
             return Item(name, False, str(exc))
+    if not path.parent.is_dir():
+        # Checked, not made: the check leaves the host as it found it.
+        return _creatable(name, path.parent, f"{path}: the daemon creates {path.parent} "
+                          "and listens there")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         mode = path.lstat().st_mode if path.exists() or path.is_symlink() else None
     except OSError as exc:
-        return Item(name, False, f"{path}: cannot create its directory: {exc.strerror}")
+        return Item(name, False, f"{path}: cannot be looked at: {exc.strerror}")
     if mode is not None:
         if not stat.S_ISSOCK(mode):
             return Item(name, False, f"{path} exists and is not a socket: the daemon "
@@ -212,11 +215,25 @@ def _serves_mmtrace(host: str, port: int) -> bool:
         return False
 
 
+def _creatable(name: str, folder: Path, ok: str) -> Item:
+    """Whether the daemon could create `folder` (missing): its nearest
+    existing ancestor must be a folder this process may write in."""
+    ancestor = folder
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+        return Item(name, False, f"{folder} does not exist, and {ancestor} is not a folder "
+                    "this process may create it in")
+    return Item(name, True, ok)
+
+
 def _state_dir(path: Path) -> Item:
     name = "state dir"
+    if not path.is_dir():
+        return _creatable(name, path, f"{path}: the daemon creates it; flight recordings "
+                          "can be written there")
     probe = path / f".mmtrace-check-{os.getpid()}"
     try:
-        path.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:

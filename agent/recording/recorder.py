@@ -176,18 +176,17 @@ class _Recording:
     def drain(self, stop, duration_s: float | None, drain_interval_s: float):
         """Every tick: wire the GPU/NPU side once compiled, attach to what
         discovery found, and drain the rings (and the socket) into the
-        file; until `stop`, or `duration_s` after every stream is live.
-        A write the disk refused ends the drain (finish says so)."""
-        # The duration counts from when every stream is live; the CPU
-        # stream is recorded from its start.
+        file; until `stop`, or `duration_s` after the CPU stream went live
+        (the GPU/NPU streams join once compiled, about a second later): the
+        file spans the duration asked for, and at least until every stream
+        is live. A write the disk refused ends the drain (finish says so)."""
         self.started = time.monotonic()
-        deadline = None
+        deadline = self.started + duration_s if duration_s else None
         try:
             while True:
                 self._wire_once_compiled()
-                if self.compiling is None and deadline is None and duration_s:
-                    deadline = time.monotonic() + duration_s
-                finishing = bool(stop) or (deadline is not None and time.monotonic() >= deadline)
+                finishing = bool(stop) or (deadline is not None and self.compiling is None
+                                           and time.monotonic() >= deadline)
                 self.device.attach()
                 self.events += self.ingest.drain()
                 if self.telemetry is not None:
@@ -220,6 +219,7 @@ class _Recording:
         self.device = self.sink.device = device
         self.ingest.names = device.names
         self.compiling = None
+        device.attach()         # before saying so: a call made after the line is traced
         if self.progress and device.device is not None:
             self.progress.live("gpu/npu", time.monotonic() - self.began)
 
