@@ -84,3 +84,30 @@ def test_headers_of_another_kernel_are_explained(tmp_path):
 def test_doctor_help_has_an_example():
     result = CliRunner().invoke(cli, ["doctor", "--help"])
     assert result.exit_code == 0 and "Example" in result.output
+
+
+def test_doctor_run_check_and_the_metrics_count_probes_alike():
+    """One count: what is attached always, and the per-launch probes apart
+    (the daemon holds those until an alarm); the scheduler's tracepoints
+    are not probe points of a library."""
+    from mmtrace.agent.doctor.devices import summarise
+    from mmtrace.exporters.live import prometheus
+    from mmtrace.exporters.live.event_counts import EventCounts
+    from mmtrace.bpf import device as device_stream
+    lib = "/opt/cuda/libcudart.so.12"
+    rows = [{"path": lib, "symbol": "cudaLaunchKernel", "api": "cudaLaunchKernel",
+             "state": "attached", "count": 1},
+            {"path": lib, "symbol": "cudaMemcpyAsync", "api": "cudaMemcpyAsync",
+             "state": "attached", "count": 1},
+            {"path": lib, "symbol": "cudaStreamSynchronize", "api": "cudaStreamSynchronize",
+             "state": "attached", "count": 1}]
+    check = summarise(rows, "multi")
+    assert "2 probes attached, and 1 per-launch probes attach too" in check.detail, check.detail
+    # The daemon in its default (adaptive) mode: the launch probe waits.
+    daemon_rows = [dict(rows[0], state="detached")] + rows[1:]
+    snapshot = prometheus.DaemonSnapshot(
+        counts=EventCounts(device_stream.default_infos()).snapshot(),
+        program_states=[{"stream": "cpu", "state": "attached"}], device_probes=daemon_rows)
+    families = {f.name: f for f in prometheus.DaemonCollector(lambda: snapshot).collect()}
+    by_state = {s.labels["state"]: s.value for s in families["mmtrace_probes"].samples}
+    assert (by_state["attached"], by_state["detached"]) == (2, 1), by_state

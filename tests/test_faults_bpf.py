@@ -438,7 +438,10 @@ def test_gpu_npu_programs_that_do_not_compile_fail_alone_and_are_named(tmp_path)
         failures = [s.labels for s in samples if s.name == "mmtrace_probe_failure_info"]
         assert [(f["probe"], f["point"]) for f in failures] == [("gpu_npu_programs", "load")]
         assert re.search(said, failures[0]["reason"]), failures
-        assert metric(samples, "mmtrace_probes", state="attached") == 1     # the scheduler's
+        # No library probed: the scheduler's tracepoints are mmtrace_probe_up's, not probe
+        # points; the programs that failed as a whole count as one failed point.
+        assert metric(samples, "mmtrace_probes", state="attached") == 0
+        assert metric(samples, "mmtrace_probes", state="failed") == 1
         wakeups = [metric(s, "mmtrace_runq_delay_seconds_count") for s in (first, samples)]
         assert wakeups[1] > wakeups[0] > 0, wakeups                    # the CPU stream runs
     finally:

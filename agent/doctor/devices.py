@@ -71,13 +71,23 @@ def check_device_probes(targets: list, *, compile_apart: bool = False) -> Check:
 
 
 def summarise(states: list[dict], mode: str) -> Check:
+    """Counted as `run --check` and the metrics count them: the per-launch
+    probes apart, since the daemon holds them until an alarm by default."""
+    from mmtrace.bpf import device as device_stream
+    per_launch = {api.name for api in device_stream.default_table().apis if api.per_launch}
     by_state = Counter()
+    launches = 0
     for s in states:
         by_state[s["state"]] += s.get("count", 1)
+        if s["state"] == "attached" and s.get("api") in per_launch:
+            launches += s.get("count", 1)
     libraries = sorted({s["path"] for s in states})
     failed = [s for s in states if s["state"] == "failed"]
-    detail = (f"{len(libraries)} libraries ({mode} attach): {by_state['attached']} probes "
-              f"attached, {by_state['not_found']} symbols not in their library, "
+    detail = (f"{len(libraries)} libraries ({mode} attach): "
+              f"{by_state['attached'] - launches} probes attached, and {launches} per-launch "
+              "probes attach too (the daemon holds those until an alarm unless "
+              "adaptive_launches is off), "
+              f"{by_state['not_found']} symbols not in their library, "
               f"{by_state['failed']} failed")
     if failed:
         detail += "; failed: " + "; ".join(_failures(failed))

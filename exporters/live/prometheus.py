@@ -294,7 +294,10 @@ class DaemonCollector:
         failures: dict[tuple[str, str, str], str] = {}
         for row in rows:
             state = row["state"]
-            by_state[state] = by_state.get(state, 0) + int(row.get("count", 1))
+            # Probe points of libraries, as doctor and run --check count them:
+            # the scheduler's tracepoints are mmtrace_probe_up{probe="sched"}.
+            if row["path"] != "kernel":
+                by_state[state] = by_state.get(state, 0) + int(row.get("count", 1))
             if state in ("attached", "failed"):
                 key = (row["symbol"], Path(row["path"]).name)
                 up[key] = min(up.get(key, 1), int(state == "attached"))
@@ -314,7 +317,8 @@ class DaemonCollector:
             for labels, reason in sorted(failures.items()):
                 why.add_metric([*labels, reason], 1)
             yield why
-        s = GaugeMetricFamily("mmtrace_probes", "Probe points by state.", labels=["state"])
+        s = GaugeMetricFamily("mmtrace_probes", "GPU/NPU probe points by state (detached: "
+                              "per-launch probes waiting for an alarm).", labels=["state"])
         for state in ("attached", "detached", "not_found", "failed"):
             s.add_metric([state], by_state.get(state, 0))
         yield s
