@@ -11,6 +11,7 @@ from mmtrace.agent.ingest.percentiles import Percentiles
 from mmtrace.agent.recording.file_checks import lost_total
 from mmtrace.agent.recording.replay import DEVICE, replay
 from mmtrace.agent.recording.report_telemetry import Telemetry, telemetry_lines
+from mmtrace.agent.recording.wall_clock import WallClock
 
 
 def log2_buckets_us(delays_ns: np.ndarray) -> np.ndarray:
@@ -166,6 +167,18 @@ def failed_programs(rec) -> list[dict]:
             if state.get("state") == "failed" and "program" in state]
 
 
+def time_span(rec, clock: WallClock) -> dict:
+    """When the recording started and ended, on the wall and in CLOCK_MONOTONIC."""
+    header, footer = getattr(rec, "header", None) or {}, rec.footer or {}
+    start = header.get("start_monotonic_ns")
+    if not isinstance(start, int):
+        return {}
+    end = footer.get("end_monotonic_ns")
+    if not isinstance(end, int):
+        end = start + int(duration_s(rec) * 1e9)
+    return {"started": clock.stamp(start), "ended": clock.stamp(end)}
+
+
 def summarize(rec) -> dict:
     """The report of a recording (a Recording, or a RecordingReader streamed
     from disk): one replay feeds every aggregate and the detectors."""
@@ -180,12 +193,17 @@ def summarize(rec) -> dict:
         detectors.feed(step)
     counts = {name: n for name, n in rec.counts.items() if name != DEVICE and n}
     counts.update(device.events)
+    clock = WallClock.of(rec)
+    anomalies = detectors.finish()
+    for anomaly in anomalies:
+        anomaly["wall_time"] = clock.stamp(anomaly.get("ts_ns", 0))
     return {
         "file": str(rec.path),
         "format_version": "%d.%d" % rec.version,
         "complete": rec.complete,
         "warnings": list(rec.warnings),
         "duration_s": round(duration_s(rec), 6),
+        **time_span(rec, clock),
         "events": dict(sorted(counts.items())),
         "lost_events": lost_total(rec.footer),
         "kernel_counters": (rec.footer or {}).get("counters", {}),
@@ -195,7 +213,7 @@ def summarize(rec) -> dict:
         "sync_waits": device.sync_waits(),
         "bytes_by_direction": device.bytes_by_direction(),
         "device_probes": device_probes(rec),
-        "anomalies": detectors.finish(),
+        "anomalies": anomalies,
         "telemetry": telemetry.summary(rec),
     }
 
@@ -204,6 +222,8 @@ def format_text(summary: dict) -> str:
     lines = [f"recording   {summary['file']} (format {summary['format_version']}"
              f"{'' if summary['complete'] else ', cut short'})",
              f"duration    {summary['duration_s']:.3f} s",
+             *([f"started     {_wall(summary['started'])}",
+                f"ended       {_wall(summary['ended'])}"] if "started" in summary else []),
              f"lost        {summary['lost_events']:,} events"]
     for name, count in summary["events"].items():
         lines.append(f"events      {name:<20} {count:>12,}")
@@ -234,11 +254,19 @@ def format_text(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def _wall(stamp: dict) -> str:
+    """A moment as a person reads it, the monotonic seconds after it."""
+    clock = WallClock(None if stamp.get("unix_ns") is None
+                      else stamp["unix_ns"] - stamp["monotonic_ns"])
+    return f"{clock.text(stamp['monotonic_ns'])}  [{stamp['monotonic_ns'] / 1e9:.3f} s]"
+
+
 def anomaly_line(a: dict) -> str:
     """One line per anomaly; the evidence is in --json."""
     ev = a.get("evidence", {})
     what = a.get("series") or f"{a.get('kind')} ({a.get('modality')})"
-    line = f"{a.get('ts_ns', 0) / 1e9:14.3f} s  {a.get('detector')} {what} {a.get('state')}"
+    at = _wall(a["wall_time"]) if "wall_time" in a else f"{a.get('ts_ns', 0) / 1e9:14.3f} s"
+    line = f"{at}  {a.get('detector')} {what} {a.get('state')}"
     if ev.get("p99") is not None and ev.get("baseline"):
         line += (f": p99 {ev['p99'] * 1e6:.1f} µs vs baseline {ev['baseline'] * 1e6:.1f} µs "
                  f"({ev['p99'] / ev['baseline']:.1f}x)")
