@@ -369,3 +369,38 @@ def test_request_latency_entropy_and_hints_are_in_the_trace(tmp_path):
     notes = annotations(hint)
     assert (notes["kind"], notes["target"], notes["value"], notes["outcome"]) == (
         "modality_batch", "vision", 4, "sent")
+
+
+def test_every_process_and_thread_is_named_as_the_official_schema_reads_it(tmp_path):
+    """Parsed with Perfetto's own perfetto_trace_pb2: each process carries
+    a name (its main thread's, once that shows; before, its first thread's)
+    and each thread its own."""
+    from click.testing import CliRunner
+    from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import Trace
+    from mmtrace.agent.cli import cli
+    from mmtrace.agent.recording import file_format
+    from mmtrace.bpf.sched import RUNQ_EVENT
+    workers = runq_records(5, tid=100)              # pid 42's worker shows first
+    main = runq_records(5, start=5, tid=42)
+    main["comm"] = b"vlm-server"
+    other = runq_records(5, start=10, tid=7)
+    other["pid"], other["comm"] = 7, b"tokenizer"
+    path = tmp_path / "named.mmtr"
+    w = file_format.RecordingWriter(path, {"cpu.runq": RUNQ_EVENT})
+    w.write_events("cpu.runq", np.concatenate([workers, main, other]))
+    w.close({})
+    out = tmp_path / "named.pftrace"
+    result = CliRunner().invoke(cli, ["export", str(path), "--format", "perfetto", "-o",
+                                      str(out)])
+    assert result.exit_code == 0, result.output
+    trace = Trace()
+    trace.ParseFromString(out.read_bytes())
+    processes, threads = {}, {}
+    for packet in trace.packet:
+        desc = packet.track_descriptor
+        if desc.HasField("process"):
+            processes[desc.process.pid] = desc.process.process_name    # the last one counts
+        if desc.HasField("thread"):
+            threads[desc.thread.tid] = desc.thread.thread_name
+    assert processes == {42: "vlm-server", 7: "tokenizer"}
+    assert threads == {100: "worker", 42: "vlm-server", 7: "tokenizer"}

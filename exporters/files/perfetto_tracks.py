@@ -8,7 +8,7 @@ import numpy as np
 
 from mmtrace.exporters.files.perfetto_fields import (
     TP_SEQUENCE_FLAGS, TP_TRACK_DESCRIPTOR, SEQ_INCREMENTAL_STATE_CLEARED, TD_UUID, TD_NAME,
-    TD_PROCESS, TD_THREAD, TD_PARENT_UUID, TD_COUNTER, CD_UNIT, UNIT_SIZE_BYTES, PD_PID,
+    TD_PROCESS, TD_THREAD, TD_PARENT_UUID, TD_COUNTER, CD_UNIT, UNIT_SIZE_BYTES, PD_PID, PD_NAME,
     THD_PID, THD_TID, THD_NAME, packet)
 from mmtrace.exporters.files.protowire import field_bytes, field_str, field_varint
 
@@ -86,18 +86,30 @@ class Tracks:
         self.pids: set = set()
         self.threads: set = set()
         self.others: set = set()
+        self.process_names: dict[int, str] = {}     # pid -> the name its descriptor gave
+        self._main_named: set = set()               # pids named by their main thread
 
-    def process(self, pid: int):
-        if pid not in self.pids:
-            desc = field_varint(TD_UUID, process_uuid(pid)) + field_bytes(
-                TD_PROCESS, field_varint(PD_PID, pid))
-            flags = (field_varint(TP_SEQUENCE_FLAGS, SEQ_INCREMENTAL_STATE_CLEARED)
-                     if not self.pids else b"")
-            self.pids.add(pid)
-            yield packet(flags, field_bytes(TP_TRACK_DESCRIPTOR, desc))
+    def process(self, pid: int, name: str | None = None, main: bool = False):
+        """The process's descriptor, once; again when its main thread
+        (tid == pid) shows its name, which the UI then shows for the
+        process (until then, the first thread's name stands in)."""
+        renamed = main and name and pid not in self._main_named
+        if pid in self.pids and not renamed:
+            return
+        if main and name:
+            self._main_named.add(pid)
+        process = field_varint(PD_PID, pid)
+        if name:
+            process += field_str(PD_NAME, name)
+            self.process_names[pid] = name
+        desc = field_varint(TD_UUID, process_uuid(pid)) + field_bytes(TD_PROCESS, process)
+        flags = (field_varint(TP_SEQUENCE_FLAGS, SEQ_INCREMENTAL_STATE_CLEARED)
+                 if not self.pids else b"")
+        self.pids.add(pid)
+        yield packet(flags, field_bytes(TP_TRACK_DESCRIPTOR, desc))
 
     def new(self, pid: int, tid: int, thread_name: str):
-        yield from self.process(pid)
+        yield from self.process(pid, thread_name, main=tid == pid)
         if (pid, tid) not in self.threads:
             self.threads.add((pid, tid))
             thread = (field_varint(THD_PID, pid) + field_varint(THD_TID, tid)
