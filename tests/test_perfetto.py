@@ -404,3 +404,47 @@ def test_every_process_and_thread_is_named_as_the_official_schema_reads_it(tmp_p
             threads[desc.thread.tid] = desc.thread.thread_name
     assert processes == {42: "vlm-server", 7: "tokenizer"}
     assert threads == {100: "worker", 42: "vlm-server", 7: "tokenizer"}
+
+
+def test_every_call_carries_its_fields_as_debug_annotations_the_schema_reads():
+    """What the Chrome export's args hold, and a launch's grid and block,
+    a measured call's return code: as the UI lists them (official schema)."""
+    from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import Trace
+    from mmtrace.exporters.files import perfetto_device
+    rows = device_workload()
+    trace = Trace()
+    trace.ParseFromString(b"".join(perfetto_device.device_packets(rows)))
+    calls = {}
+    for packet in trace.packet:
+        event = packet.track_event
+        if event.debug_annotations:
+            calls.setdefault(event.name, []).append(
+                {a.name: getattr(a, a.WhichOneof("value")) for a in event.debug_annotations})
+    launch = calls["cudaLaunchKernel"][0]
+    assert launch["api"] == "cudaLaunchKernel" and launch["stream"] == "0x5"
+    assert {"grid", "block", "shared_mem_bytes", "sched_delay_ns", "op_id"} <= set(launch)
+    copy = calls["cudaMemcpyAsync"][0]
+    assert copy["bytes"] == 4096 and "direction" in copy and "grid" not in copy
+    sync = calls["cudaStreamSynchronize"][0]
+    assert "return_code" in sync and "retired_ns" not in sync
+    assert sum(len(v) for v in calls.values()) == len(rows)     # every call, once
+
+
+def test_a_negative_return_code_reads_back_as_written():
+    """int64 varints: a negative code is its 64-bit two's complement in both
+    the batch encoding and the one-call-at-a-time one."""
+    from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import Trace
+    from mmtrace.exporters.files import perfetto_device, perfetto_events
+    from mmtrace.bpf import device
+    rows = device_workload()
+    rows.events["ret"] = -7
+    rows.events["flags"] |= device.FLAG_RETURNED
+    batch = perfetto_device.device_packets(rows)
+    one_by_one = [b"".join(perfetto_events.item_packets(item) for item in items)
+                  for items in perfetto_events.device_items(rows, {})]
+    assert batch == one_by_one
+    trace = Trace()
+    trace.ParseFromString(b"".join(batch))
+    codes = {a.int_value for p in trace.packet for a in p.track_event.debug_annotations
+             if a.name == "return_code"}
+    assert codes == {-7}

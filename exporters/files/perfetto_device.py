@@ -9,6 +9,8 @@ from mmtrace.bpf import device as device_stream
 from mmtrace.bpf.device import NOT_RETIRED as NONE
 from mmtrace.bpf.device import SUBMISSION_KINDS
 
+from mmtrace.exporters.files.perfetto_call_annotations import (call_bytes, call_fields,
+                                                               call_rows)
 from mmtrace.exporters.files.perfetto_fields import (
     TP_TIMESTAMP, TP_TRACK_EVENT, TE_TYPE, TE_TRACK_UUID, TE_FLOW_IDS, TE_TERMINATING_FLOW_IDS,
     SLICE_BEGIN, SLICE_END, INSTANT, packet)
@@ -123,13 +125,15 @@ class DeviceEncoder:
         limit = WIDE_FLOWS * (len(END_FLOW_TAG) + 8)
         wide = lengths > limit
         narrow = [e if len(e) <= limit else b"" for e in end_entries]   # the table's width
+        fields = call_fields(rows)
+        notes = call_rows(fields, n)
         self._calls(ev, np.flatnonzero(~wide), (codes, entries), starts, fid,
-                    (end_codes, narrow), out)
+                    (end_codes, narrow), notes, out)
         for i in np.flatnonzero(wide).tolist():     # a returned sync: a slice
             e = ev[i]
             track = field_varint(TE_TRACK_UUID, thread_uuid(int(e["pid"]), int(e["tid"])))
             begin = (field_varint(TE_TYPE, SLICE_BEGIN) + track + entries[codes[i]]
-                     + end_entries[end_codes[i]])
+                     + end_entries[end_codes[i]] + call_bytes(fields, i))
             end = field_varint(TE_TYPE, SLICE_END) + track
             out[i] = (packet(field_varint(TP_TIMESTAMP, int(e["ts_ns"])),
                               field_bytes(TP_TRACK_EVENT, begin))
@@ -158,7 +162,7 @@ class DeviceEncoder:
         return out
 
     @staticmethod
-    def _calls(ev, at: np.ndarray, labels, starts, fid, ends, out: list):
+    def _calls(ev, at: np.ndarray, labels, starts, fid, ends, notes: Rows, out: list):
         if not len(at):
             return
         codes, entries = labels
@@ -171,7 +175,8 @@ class DeviceEncoder:
 
             def flows(body: Rows, sub=sub) -> Rows:
                 return (body.fixed(fixed64_rows(FLOW_TAG, fid[sub]), starts[sub])
-                        .table(end_codes[sub], end_entries))
+                        .table(end_codes[sub], end_entries)
+                        .rows(notes.take(sub)))
 
             if kind == SLICE_BEGIN:
                 made = slice_rows(e["ts_ns"], e["duration_ns"], e["pid"], e["tid"],

@@ -12,6 +12,7 @@ from mmtrace.bpf import device as device_stream
 from mmtrace.bpf.device import NOT_RETIRED as NONE
 from mmtrace.bpf.device import SUBMISSION_KINDS
 
+from mmtrace.exporters.files.perfetto_call_annotations import call_bytes, call_fields
 from mmtrace.exporters.files.perfetto_fields import (
     TP_TIMESTAMP, TP_TRACK_EVENT, TE_TYPE, TE_TRACK_UUID, TE_CATEGORIES, TE_NAME,
     TE_COUNTER_VALUE, TE_DOUBLE_COUNTER_VALUE, TE_FLOW_IDS, TE_TERMINATING_FLOW_IDS,
@@ -33,6 +34,7 @@ class Slice:
     track: int | None = None    # None: the thread's track
     flow_ids: tuple = ()                # flows that start here
     terminating_flow_ids: tuple = ()    # flows that end here
+    annotations: bytes = b""            # encoded debug annotations (a call's fields)
 
 
 @dataclass(frozen=True)
@@ -56,10 +58,10 @@ def slice_packets(s: Slice):
                      + [field_fixed64(TE_TERMINATING_FLOW_IDS, f)
                         for f in s.terminating_flow_ids])
     if s.duration_ns is None:
-        instant = field_varint(TE_TYPE, INSTANT) + track + labels + flows
+        instant = field_varint(TE_TYPE, INSTANT) + track + labels + flows + s.annotations
         yield packet(field_varint(TP_TIMESTAMP, s.start_ns), field_bytes(TP_TRACK_EVENT, instant))
         return
-    begin = field_varint(TE_TYPE, SLICE_BEGIN) + track + labels + flows
+    begin = field_varint(TE_TYPE, SLICE_BEGIN) + track + labels + flows + s.annotations
     end = field_varint(TE_TYPE, SLICE_END) + track
     yield packet(field_varint(TP_TIMESTAMP, s.start_ns), field_bytes(TP_TRACK_EVENT, begin))
     yield packet(field_varint(TP_TIMESTAMP, s.start_ns + s.duration_ns),
@@ -118,6 +120,7 @@ def device_items(rows, thread_names: dict) -> list[list]:
     submission's Slice on its stream's track; a memcpy's Counter of the
     bytes its process has copied so far."""
     ev = rows.events
+    fields = call_fields(rows)
     pending, copied, out = {}, {}, []
     for i, row in enumerate(ev.tolist()):
         e = dict(zip(ev.dtype.names, row))
@@ -137,7 +140,8 @@ def device_items(rows, thread_names: dict) -> list[list]:
         thread = thread_names.get((pid, e["tid"]), str(e["tid"]))
         items.append(Slice(pid, e["tid"], thread, category, name, ts,
                            e["duration_ns"] if returned else None,
-                           flow_ids=starts, terminating_flow_ids=ends))
+                           flow_ids=starts, terminating_flow_ids=ends,
+                           annotations=call_bytes(fields, i)))
         if in_flight:
             items.append(Slice(pid, e["tid"], thread, category, name, ts, retired - ts,
                                track=stream_uuid(pid, e["stream_handle"])))

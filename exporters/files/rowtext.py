@@ -120,6 +120,27 @@ class Rows:
         self._lengths += np.where(missing, len(absent), sub._lengths)
         return self
 
+    def where(self, present: np.ndarray, sub: "Rows"):
+        """`sub`'s bytes on the rows where `present`, else none (binary rows)."""
+        if self.text or sub.text:
+            raise ValueError("where() takes binary rows; optional() is for text")
+        present = np.asarray(present, bool)
+        for col, keep in zip(sub._cols, sub._keep):
+            mask = np.broadcast_to(present[:, None], col.shape)    # no copy: a view
+            self._cols.append(col)
+            self._keep.append(mask if keep is None else keep & mask)
+        self._lengths += np.where(present, sub._lengths, 0)
+        return self
+
+    def take(self, at: np.ndarray) -> "Rows":
+        """A new Rows of the rows `at` (indices), in that order."""
+        out = Rows(len(at), self.text)
+        out._cols = [col[at] for col in self._cols]
+        out._keep = [None if keep is None else keep[at] for keep in self._keep]
+        out._lengths = self._lengths[at]
+        out._stand_ins = list(self._stand_ins)
+        return out
+
     def rows(self, other: "Rows"):
         """Append another batch's columns (same row count) to each row."""
         if other._stand_ins:
