@@ -42,6 +42,11 @@ def stream_of(counter: str) -> str:
     return "cpu" if counter in CPU_COUNTERS else "dev"
 
 
+def since(now: dict[str, int], start: dict[str, int]) -> dict[str, int]:
+    """Each counter's rise from `start` (counters are read, never cleared)."""
+    return {name: value - start.get(name, 0) for name, value in now.items()}
+
+
 def losses(counters: dict[str, int]) -> dict[str, int]:
     """The loss counters that are not zero, largest first."""
     found = {name: counters.get(name, 0) for name in LOSS_COUNTERS if counters.get(name, 0)}

@@ -108,9 +108,8 @@ class LiveProbes:
         """What the kernel lost since the start, by counter."""
         if self.loaded is None:
             return {}
-        now = self.loaded.counters()
-        return {f"kernel.{name}": now.get(name, 0) - self.counters_at_start.get(name, 0)
-                for name in bpf_counters.LOSS_COUNTERS}
+        rise = bpf_counters.since(self.loaded.counters(), self.counters_at_start)
+        return {f"kernel.{name}": rise.get(name, 0) for name in bpf_counters.LOSS_COUNTERS}
 
     def close(self, waiter):
         if self._devices is not None:

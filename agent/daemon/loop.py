@@ -279,9 +279,6 @@ class Daemon:
             out["otlp.spans_dropped"] = self.otlp.stats.dropped
         return {k: v for k, v in out.items() if v}
 
-    def probe_footprint(self) -> dict:
-        return self.probes.footprint()
-
     # ------------------------------------------------------------ requests
 
     def _answer(self, client, msg: dict):

@@ -227,7 +227,7 @@ class _Recording:
         # The first progress line once every stream that is coming is live.
         progress = self.progress
         if progress and (finishing or (self.compiling is None and progress.due())):
-            lost = _delta(self.loaded.counters(), self.start_counters)
+            lost = bpf_counters.since(self.loaded.counters(), self.start_counters)
             progress.update(time.monotonic() - self.started, self.events, lost,
                             force=finishing)
 
@@ -235,7 +235,7 @@ class _Recording:
         """The footer written (after a refused write, as far as the disk
         takes it), and the file checked to be still where it was made."""
         writer, output, events = self.writer, self.output, self.events
-        delta = _delta(self.loaded.counters(), self.start_counters)
+        delta = bpf_counters.since(self.loaded.counters(), self.start_counters)
         lost = bpf_counters.total_lost(delta)
         elapsed = time.monotonic() - self.started
         footer = {
@@ -346,7 +346,3 @@ class RecordingSink:
         if op_names:
             self.device.meta.table("op_names", op_names)
         self.writer.write_events(STREAM_SCHEMA[stream], events)
-
-
-def _delta(now: dict, start: dict) -> dict:
-    return {k: now[k] - start.get(k, 0) for k in now}

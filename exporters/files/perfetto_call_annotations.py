@@ -83,7 +83,10 @@ def call_rows(fields: list, n: int) -> Rows:
         inner = field_str(DA_NAME, name) + varint(DA_INT << 3)
         one = (Rows(n).const(_OUTER).varint(len(inner) + varint_lengths(v))
                .const(inner).varint(v))
-        out.where(np.ones(n, bool) if present is None else present, one)
+        if present is None:
+            out.rows(one)
+        else:
+            out.where(present, one)
     return out
 
 
