@@ -50,6 +50,12 @@ class Api:
     def multi_return_fn(self) -> str | None:
         return f"mr_{self.return_impl}" if self.return_impl else None
 
+    @property
+    def session_fn(self) -> str:
+        """A per-launch API's program where uprobe sessions let its entry
+        choose whether its return runs (bpf/device.h launch_return_wanted)."""
+        return f"ms_{self.entry_impl}"
+
     def matches(self, symbol: str) -> bool:
         if self.pattern is None:
             return symbol == self.symbol

@@ -9,35 +9,36 @@
  * the probed address in userspace where cookies are not available. */
 static __always_inline int aclnn_launch(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    struct dev_event *ev = entry_event(ctx, api, DEV_LAUNCH);
+    int timed;
+    struct dev_event *ev = launch_event(ctx, api, DEV_LAUNCH, &timed);
     if (!ev)
-        return 0;
+        return 1;
     ev->probe_ip = PT_REGS_IP(ctx);
     ev->symbol_id = bpf_get_attach_cookie(ctx) >> 32;    /* 0: attached without */
     ev->handle = PT_REGS_PARM3(ctx);
     ev->stream_handle = PT_REGS_PARM4(ctx);
-    dev_submit(ev);
-    return 0;
+    return launch_done(ctx, ev, slot, timed);
 }
 
 /* An aclop call: opType (const char *) first, the stream on the stack. */
-static __always_inline int aclop_launch(struct pt_regs *ctx, u16 api, u32 stack_slot)
+static __always_inline int aclop_launch(struct pt_regs *ctx, u16 api, u32 slot,
+                                        u32 stack_slot)
 {
-    struct dev_event *ev = entry_event(ctx, api, DEV_LAUNCH);
+    int timed;
+    struct dev_event *ev = launch_event(ctx, api, DEV_LAUNCH, &timed);
     if (!ev)
-        return 0;
+        return 1;
     read_name(ev, (const char *)PT_REGS_PARM1(ctx));
     read_user(ev, &ev->stream_handle, sizeof(ev->stream_handle),
               (void *)(PT_REGS_SP(ctx) + 8 * stack_slot));
-    dev_submit(ev);
-    return 0;
+    return launch_done(ctx, ev, slot, timed);
 }
 
 /* aclopExecuteV2(opType, numInputs, inputDesc, inputs, numOutputs,
  * outputDesc, [stack] outputs, attr, stream) */
 static __always_inline int aclop_execute(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    return aclop_launch(ctx, api, 3);
+    return aclop_launch(ctx, api, slot, 3);
 }
 
 /* aclopCompileAndExecute[V2](opType, numInputs, inputDesc, inputs,
@@ -45,19 +46,19 @@ static __always_inline int aclop_execute(struct pt_regs *ctx, u16 api, u32 slot)
  * opPath, stream) */
 static __always_inline int aclop_compile_execute(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    return aclop_launch(ctx, api, 6);
+    return aclop_launch(ctx, api, slot, 6);
 }
 
 /* aclmdlExecuteAsync(uint32_t modelId, const aclmdlDataset *input,
  * aclmdlDataset *output, aclrtStream stream) */
 static __always_inline int model_execute_async(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    struct dev_event *ev = entry_event(ctx, api, DEV_MODEL_EXEC);
+    struct dev_event *ev = call_event(ctx, api, DEV_MODEL_EXEC);
     if (!ev)
         return 0;
     ev->handle = (u32)PT_REGS_PARM1(ctx);
     ev->stream_handle = PT_REGS_PARM4(ctx);
-    dev_submit(ev);
+    call_store(ev, slot);
     return 0;
 }
 
@@ -74,26 +75,26 @@ static __always_inline int model_execute(struct pt_regs *ctx, u16 api, u32 slot)
 
 /* The aclrtLaunchKernel family: handle and block count first, the stream
  * where each signature puts it. */
-static __always_inline int acl_kernel_launch(struct pt_regs *ctx, u16 api, u64 handle,
-                                             u32 blocks, u64 stream)
+static __always_inline int acl_kernel_launch(struct pt_regs *ctx, u16 api, u32 slot,
+                                             u64 handle, u32 blocks, u64 stream)
 {
-    struct dev_event *ev = entry_event(ctx, api, DEV_LAUNCH);
+    int timed;
+    struct dev_event *ev = launch_event(ctx, api, DEV_LAUNCH, &timed);
     if (!ev)
-        return 0;
+        return 1;
     ev->handle = handle;
     ev->grid_x = blocks;
     ev->grid_y = 1;
     ev->grid_z = 1;
     ev->stream_handle = stream;
-    dev_submit(ev);
-    return 0;
+    return launch_done(ctx, ev, slot, timed);
 }
 
 /* aclrtLaunchKernel(aclrtFuncHandle funcHandle, uint32_t blockDim, const
  * void *argsData, size_t argsSize, aclrtStream stream) */
 static __always_inline int acl_launch_kernel(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    return acl_kernel_launch(ctx, api, PT_REGS_PARM1(ctx), (u32)PT_REGS_PARM2(ctx),
+    return acl_kernel_launch(ctx, api, slot, PT_REGS_PARM1(ctx), (u32)PT_REGS_PARM2(ctx),
                              PT_REGS_PARM5(ctx));
 }
 
@@ -102,7 +103,7 @@ static __always_inline int acl_launch_kernel(struct pt_regs *ctx, u16 api, u32 s
  * numBlocks, stream, cfg, hostArgs, argsSize, ...): the stream third. */
 static __always_inline int acl_launch_kernel_cfg(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    return acl_kernel_launch(ctx, api, PT_REGS_PARM1(ctx), (u32)PT_REGS_PARM2(ctx),
+    return acl_kernel_launch(ctx, api, slot, PT_REGS_PARM1(ctx), (u32)PT_REGS_PARM2(ctx),
                              PT_REGS_PARM3(ctx));
 }
 
@@ -110,13 +111,13 @@ static __always_inline int acl_launch_kernel_cfg(struct pt_regs *ctx, u16 api, u
  * count, aclrtMemcpyKind kind, aclrtStream stream) */
 static __always_inline int acl_memcpy_async(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    struct dev_event *ev = entry_event(ctx, api, DEV_MEMCPY);
+    struct dev_event *ev = call_event(ctx, api, DEV_MEMCPY);
     if (!ev)
         return 0;
     ev->bytes = PT_REGS_PARM4(ctx);
     ev->direction = (u8)PT_REGS_PARM5(ctx);
     ev->stream_handle = PT_REGS_PARM6(ctx);
-    dev_submit(ev);
+    call_store(ev, slot);
     return 0;
 }
 

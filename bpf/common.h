@@ -47,6 +47,7 @@ enum mmtrace_counter {
     CNT_EXITED_UNREAD,          /* a process (or program exec'd) exited before
                                  * discovery read its maps: what only it loaded
                                  * was not probed */
+    CNT_FAILED_CALLS,           /* GPU/NPU calls that returned an error code */
     MMTRACE_N_COUNTERS
 };
 

@@ -16,6 +16,7 @@ COUNTER_NAMES = (
     "op_seq_map_full",
     "switch_in_unseen",
     "exited_unread",
+    "failed_calls",
 )
 
 # Counters that mean an event or a fact was lost, not merely counted.

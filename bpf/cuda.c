@@ -58,9 +58,10 @@ static __always_inline void set_shape(struct dev_event *ev, const u32 grid[3],
  * __cudaGetKernel made, through __cudaLaunchKernel. */
 static __always_inline int launch_runtime(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    struct dev_event *ev = entry_event(ctx, api, DEV_LAUNCH);
+    int timed;
+    struct dev_event *ev = launch_event(ctx, api, DEV_LAUNCH, &timed);
     if (!ev)
-        return 0;
+        return 1;
     u64 grid_xy = PT_REGS_PARM2(ctx), block_xy = PT_REGS_PARM4(ctx);
     ev->handle = PT_REGS_PARM1(ctx);
     ev->grid_x = (u32)grid_xy;
@@ -75,16 +76,16 @@ static __always_inline int launch_runtime(struct pt_regs *ctx, u16 api, u32 slot
     ev->shared_mem_bytes = stack[1];
     ev->stream_handle = stack[2];
     set_outer_caller(ctx, ev);
-    dev_submit(ev);
-    return 0;
+    return launch_done(ctx, ev, slot, timed);
 }
 
 /* cudaLaunchKernelExC(const cudaLaunchConfig_t *config, const void *func, void **args) */
 static __always_inline int launch_runtime_ex(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    struct dev_event *ev = entry_event(ctx, api, DEV_LAUNCH);
+    int timed;
+    struct dev_event *ev = launch_event(ctx, api, DEV_LAUNCH, &timed);
     if (!ev)
-        return 0;
+        return 1;
     ev->handle = PT_REGS_PARM2(ctx);
     struct cuda_launch_config cfg;
     read_user(ev, &cfg, sizeof(cfg), (void *)PT_REGS_PARM1(ctx));
@@ -93,8 +94,7 @@ static __always_inline int launch_runtime_ex(struct pt_regs *ctx, u16 api, u32 s
     ev->stream_handle = cfg.stream;
     read_user(ev, &ev->return_ip, sizeof(ev->return_ip), STACK_ARG(ctx, 0));
     set_outer_caller(ctx, ev);
-    dev_submit(ev);
-    return 0;
+    return launch_done(ctx, ev, slot, timed);
 }
 
 /* cuLaunchKernel / cuLaunchCooperativeKernel (CUfunction f, unsigned gridX,
@@ -102,9 +102,10 @@ static __always_inline int launch_runtime_ex(struct pt_regs *ctx, u16 api, u32 s
  * hStream, ...): 32-bit stack slots hold garbage in their upper halves. */
 static __always_inline int launch_driver(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    struct dev_event *ev = entry_event(ctx, api, DEV_LAUNCH);
+    int timed;
+    struct dev_event *ev = launch_event(ctx, api, DEV_LAUNCH, &timed);
     if (!ev)
-        return 0;
+        return 1;
     ev->handle = PT_REGS_PARM1(ctx);
     ev->grid_x = (u32)PT_REGS_PARM2(ctx);
     ev->grid_y = (u32)PT_REGS_PARM3(ctx);
@@ -116,89 +117,92 @@ static __always_inline int launch_driver(struct pt_regs *ctx, u16 api, u32 slot)
     ev->block_z = (u32)stack[0];
     ev->shared_mem_bytes = (u32)stack[1];
     ev->stream_handle = stack[2];
-    dev_submit(ev);
-    return 0;
+    return launch_done(ctx, ev, slot, timed);
 }
 
 /* cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra) */
 static __always_inline int launch_driver_ex(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    struct dev_event *ev = entry_event(ctx, api, DEV_LAUNCH);
+    int timed;
+    struct dev_event *ev = launch_event(ctx, api, DEV_LAUNCH, &timed);
     if (!ev)
-        return 0;
+        return 1;
     ev->handle = PT_REGS_PARM2(ctx);
     struct cu_launch_config cfg;
     read_user(ev, &cfg, sizeof(cfg), (void *)PT_REGS_PARM1(ctx));
     set_shape(ev, cfg.grid, cfg.block);
     ev->shared_mem_bytes = cfg.shared_mem;
     ev->stream_handle = cfg.stream;
-    dev_submit(ev);
-    return 0;
+    return launch_done(ctx, ev, slot, timed);
 }
 
 /* cudaGraphLaunch / cuGraphLaunch (graphExec, stream); also the shape of
  * cudaEventRecord(event, stream). */
-static __always_inline int handle_and_stream(struct pt_regs *ctx, u16 api, u8 kind)
+static __always_inline int handle_and_stream(struct pt_regs *ctx, u16 api, u32 slot, u8 kind)
 {
-    struct dev_event *ev = entry_event(ctx, api, kind);
+    struct dev_event *ev = call_event(ctx, api, kind);
     if (!ev)
         return 0;
     ev->handle = PT_REGS_PARM1(ctx);
     ev->stream_handle = PT_REGS_PARM2(ctx);
-    dev_submit(ev);
+    call_store(ev, slot);
     return 0;
 }
 
 static __always_inline int graph_launch(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    return handle_and_stream(ctx, api, DEV_GRAPH_LAUNCH);
+    return handle_and_stream(ctx, api, slot, DEV_GRAPH_LAUNCH);
 }
 
 static __always_inline int event_record(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    return handle_and_stream(ctx, api, DEV_EVENT_RECORD);
+    return handle_and_stream(ctx, api, slot, DEV_EVENT_RECORD);
 }
+
+/* The copies, graph launches and event records below are timed by a
+ * uretprobe: their return codes count (a failed copy moved no bytes), and
+ * they are rare beside kernel launches. */
 
 /* cudaMemcpyAsync(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind, cudaStream_t stream) */
 static __always_inline int memcpy_runtime_async(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    struct dev_event *ev = entry_event(ctx, api, DEV_MEMCPY);
+    struct dev_event *ev = call_event(ctx, api, DEV_MEMCPY);
     if (!ev)
         return 0;
     ev->bytes = PT_REGS_PARM3(ctx);
     ev->direction = (u8)PT_REGS_PARM4(ctx);
     ev->stream_handle = PT_REGS_PARM5(ctx);
-    dev_submit(ev);
+    call_store(ev, slot);
     return 0;
 }
 
 /* cuMemcpyHtoDAsync_v2 / cuMemcpyDtoHAsync_v2 / cuMemcpyAsync (dst, src,
  * size_t ByteCount, CUstream hStream): the direction is the function's. */
-static __always_inline int memcpy_driver(struct pt_regs *ctx, u16 api, u8 direction)
+static __always_inline int memcpy_driver(struct pt_regs *ctx, u16 api, u32 slot, u8 direction)
 {
-    struct dev_event *ev = entry_event(ctx, api, DEV_MEMCPY);
+    struct dev_event *ev = call_event(ctx, api, DEV_MEMCPY);
     if (!ev)
         return 0;
     ev->bytes = PT_REGS_PARM3(ctx);
     ev->direction = direction;
     ev->stream_handle = PT_REGS_PARM4(ctx);
-    dev_submit(ev);
+    call_store(ev, slot);
     return 0;
 }
 
 static __always_inline int memcpy_htod_async(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    return memcpy_driver(ctx, api, 1 /* cudaMemcpyHostToDevice */);
+    return memcpy_driver(ctx, api, slot, 1 /* cudaMemcpyHostToDevice */);
 }
 
 static __always_inline int memcpy_dtoh_async(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    return memcpy_driver(ctx, api, 2 /* cudaMemcpyDeviceToHost */);
+    return memcpy_driver(ctx, api, slot, 2 /* cudaMemcpyDeviceToHost */);
 }
 
 static __always_inline int memcpy_driver_async(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    return memcpy_driver(ctx, api, 4 /* cudaMemcpyDefault: unified addressing */);
+    return memcpy_driver(ctx, api, slot, 4 /* cudaMemcpyDefault: unified addressing */);
 }
 
 /* cudaMemcpy(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind): timed. */

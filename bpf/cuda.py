@@ -25,8 +25,9 @@ def _driver(id, symbol, kind, impl, **kw):
 _LAUNCH = dict(fields=LAUNCH_FIELDS, per_launch=True)
 _STREAM_SYNC = dict(return_impl="timed_return", fields=frozenset({STREAM}), sync_scope="stream")
 _DEVICE_SYNC = dict(return_impl="timed_return", sync_scope="device")
-_GRAPH = dict(fields=frozenset({HANDLE, STREAM}))
-_RECORD = dict(fields=frozenset({HANDLE, STREAM}))
+_GRAPH = dict(return_impl="timed_return", fields=frozenset({HANDLE, STREAM}))
+_RECORD = dict(return_impl="timed_return", fields=frozenset({HANDLE, STREAM}))
+_ASYNC_COPY = dict(return_impl="timed_return", fields=MEMCPY_FIELDS)
 _ALIAS = dict(return_impl="handle_out_return")
 
 APIS = (
@@ -39,9 +40,9 @@ APIS = (
     _runtime(6, "cudaLaunchCooperativeKernel_ptsz", "launch", "launch_runtime", **_LAUNCH),
     _runtime(7, "cudaGraphLaunch", "graph_launch", "graph_launch", **_GRAPH),
     _runtime(8, "cudaGraphLaunch_ptsz", "graph_launch", "graph_launch", **_GRAPH),
-    _runtime(9, "cudaMemcpyAsync", "memcpy", "memcpy_runtime_async", fields=MEMCPY_FIELDS),
+    _runtime(9, "cudaMemcpyAsync", "memcpy", "memcpy_runtime_async", **_ASYNC_COPY),
     _runtime(10, "cudaMemcpyAsync_ptsz", "memcpy", "memcpy_runtime_async",
-             fields=MEMCPY_FIELDS),
+             **_ASYNC_COPY),
     _runtime(11, "cudaMemcpy", "memcpy", "memcpy_runtime", return_impl="timed_return",
              fields=frozenset({BYTES, DIRECTION}), blocking=True),
     _runtime(12, "cudaMemcpy_ptds", "memcpy", "memcpy_runtime", return_impl="timed_return",
@@ -70,14 +71,14 @@ APIS = (
     _driver(45, "cuLaunchCooperativeKernel_ptsz", "launch", "launch_driver", **_LAUNCH),
     _driver(46, "cuGraphLaunch", "graph_launch", "graph_launch", **_GRAPH),
     _driver(47, "cuGraphLaunch_ptsz", "graph_launch", "graph_launch", **_GRAPH),
-    _driver(48, "cuMemcpyHtoDAsync_v2", "memcpy", "memcpy_htod_async", fields=MEMCPY_FIELDS),
+    _driver(48, "cuMemcpyHtoDAsync_v2", "memcpy", "memcpy_htod_async", **_ASYNC_COPY),
     _driver(49, "cuMemcpyHtoDAsync_v2_ptsz", "memcpy", "memcpy_htod_async",
-            fields=MEMCPY_FIELDS),
-    _driver(50, "cuMemcpyDtoHAsync_v2", "memcpy", "memcpy_dtoh_async", fields=MEMCPY_FIELDS),
+            **_ASYNC_COPY),
+    _driver(50, "cuMemcpyDtoHAsync_v2", "memcpy", "memcpy_dtoh_async", **_ASYNC_COPY),
     _driver(51, "cuMemcpyDtoHAsync_v2_ptsz", "memcpy", "memcpy_dtoh_async",
-            fields=MEMCPY_FIELDS),
-    _driver(52, "cuMemcpyAsync", "memcpy", "memcpy_driver_async", fields=MEMCPY_FIELDS),
-    _driver(53, "cuMemcpyAsync_ptsz", "memcpy", "memcpy_driver_async", fields=MEMCPY_FIELDS),
+            **_ASYNC_COPY),
+    _driver(52, "cuMemcpyAsync", "memcpy", "memcpy_driver_async", **_ASYNC_COPY),
+    _driver(53, "cuMemcpyAsync_ptsz", "memcpy", "memcpy_driver_async", **_ASYNC_COPY),
     _driver(54, "cuStreamSynchronize", "sync", "sync_stream", **_STREAM_SYNC),
     _driver(55, "cuStreamSynchronize_ptsz", "sync", "sync_stream", **_STREAM_SYNC),
     _driver(56, "cuCtxSynchronize", "sync", "sync_device", **_DEVICE_SYNC),

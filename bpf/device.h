@@ -267,7 +267,8 @@ static __always_inline void read_name(struct dev_event *ev, const char *src)
     }
 }
 
-/* Entry-only probes build their event in the ring buffer itself. */
+/* A per-launch call whose return is not probed builds its event in the
+ * ring buffer itself. */
 static __always_inline struct dev_event *dev_reserve(void)
 {
     struct dev_event *ev = dev_events.ringbuf_reserve(sizeof(struct dev_event));
@@ -311,20 +312,9 @@ static __always_inline struct dev_event *call_lookup(u64 *key, u32 slot)
     return ev;
 }
 
-/* The two ways a decoder starts an event, NULL when the caller is out of
- * scope or there is no room: an entry-only event, built in the ring buffer
- * and sent with dev_submit(); a call timed by a uretprobe, built in per-CPU
- * scratch and kept with call_store() until its return. */
-static __always_inline struct dev_event *entry_event(struct pt_regs *ctx, u16 api, u8 kind)
-{
-    if (!in_scope())
-        return NULL;
-    struct dev_event *ev = dev_reserve();
-    if (ev)
-        dev_begin(ctx, ev, api, kind);
-    return ev;
-}
-
+/* A call timed by a uretprobe starts its event in per-CPU scratch, kept
+ * with call_store() until its return; NULL when the caller is out of scope.
+ * Per-launch calls start theirs with launch_event() below. */
 static __always_inline struct dev_event *call_event(struct pt_regs *ctx, u16 api, u8 kind)
 {
     if (!in_scope())
@@ -333,6 +323,22 @@ static __always_inline struct dev_event *call_event(struct pt_regs *ctx, u16 api
     if (ev)
         dev_begin(ctx, ev, api, kind);
     return ev;
+}
+
+/* process -> until when (ns) every per-launch call of theirs has its return
+ * probed: a return code other than 0 moves it a second on; 0 once the
+ * process has made its first such call (which is probed too). */
+#define MMTRACE_FAILING_NS 1000000000ULL
+BPF_TABLE("lru_hash", u32, u64, failing_until, MMTRACE_MAX_PROCESSES);
+
+static __always_inline void note_return_code(struct dev_event *ev)
+{
+    if (ev->ret == 0)
+        return;
+    u32 tgid = ev->pid;
+    u64 until = ev->ts_ns + ev->duration_ns + MMTRACE_FAILING_NS;
+    failing_until.update(&tgid, &until);
+    count(CNT_FAILED_CALLS);
 }
 
 /* The ring-buffer copy of a stored call, with its duration and return code
@@ -346,8 +352,84 @@ static __always_inline struct dev_event *returned_event(struct pt_regs *ctx,
         ev->duration_ns = bpf_ktime_get_ns() - entry->ts_ns;
         ev->ret = (s32)PT_REGS_RC(ctx);
         ev->flags |= DEV_RETURNED;
+        note_return_code(ev);
     }
     return ev;
+}
+
+/* Per-launch calls (kernel launches, operator submissions) are the hot
+ * path: a return probe costs a second trap (about 0.4 us here). With
+ * uprobe sessions (Linux 6.13+, MMTRACE_LAUNCH_SESSIONS) the entry program
+ * chooses call by call whether the return runs: one call in
+ * MMTRACE_RETURN_EVERY on each CPU, a process's first, and every call of a
+ * process whose calls failed in the last second, so that a storm of
+ * failures is counted whole and pays for the return only while it lasts. A
+ * call not chosen is sent at entry, its return unknown (no DEV_RETURNED). */
+#ifndef MMTRACE_RETURN_EVERY
+#define MMTRACE_RETURN_EVERY 64
+#endif
+BPF_PERCPU_ARRAY(return_sampler, u64, 1);
+
+static __always_inline int launch_return_wanted(void)
+{
+#ifdef MMTRACE_LAUNCH_SESSIONS
+    u32 zero = 0;
+    u64 *n = return_sampler.lookup(&zero);
+    if (n && (*n)++ % MMTRACE_RETURN_EVERY == 0)
+        return 1;
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    u64 *until = failing_until.lookup(&tgid);
+    if (!until) {
+        u64 none = 0;
+        failing_until.update(&tgid, &none);
+        return 1;
+    }
+    return *until > bpf_ktime_get_ns();
+#else
+    return 0;
+#endif
+}
+
+/* A per-launch call's event, NULL when out of scope or no room: in per-CPU
+ * scratch when its return is probed (*timed), else in the ring. */
+static __always_inline struct dev_event *launch_event(struct pt_regs *ctx, u16 api, u8 kind,
+                                                      int *timed)
+{
+    if (!in_scope())
+        return NULL;
+    *timed = launch_return_wanted();
+    struct dev_event *ev = *timed ? call_begin() : dev_reserve();
+    if (ev)
+        dev_begin(ctx, ev, api, kind);
+    return ev;
+}
+
+/* Send a per-launch call's event, or keep it for its return; the result
+ * is the session program's: 0 runs it again at the return, 1 does not.
+ * The return address ([rsp]) tells the return from a later entry
+ * (session_return). */
+static __always_inline int launch_done(struct pt_regs *ctx, struct dev_event *ev, u32 slot,
+                                       int timed)
+{
+    if (!timed) {
+        dev_submit(ev);
+        return 1;
+    }
+    if (!ev->return_ip)
+        read_user(ev, &ev->return_ip, sizeof(ev->return_ip), (void *)PT_REGS_SP(ctx));
+    call_store(ev, slot);
+    return 0;
+}
+
+/* In a session program: whether this run is the return of the call its
+ * entry kept in `slot`, which returns to the address the entry read at
+ * [rsp]; else it is an entry (a kept call whose return was lost, by a
+ * longjmp or an exception, is replaced by the next one kept). */
+static __always_inline int session_return(struct pt_regs *ctx, u32 slot)
+{
+    u64 key = call_key((u32)bpf_get_current_pid_tgid(), slot);
+    struct dev_event *ev = calls_in_flight.lookup(&key);
+    return ev && ev->return_ip == PT_REGS_IP(ctx);
 }
 
 

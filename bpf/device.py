@@ -107,8 +107,10 @@ class ApiTable:
                 raise ValueError(f"API id of {api.symbol} must fit u16 and not be 0, "
                                  f"got {api.id}")
             self.by_id[api.id] = api
-        timed = [api for api in self.apis if api.return_impl]
-        # One slot per timed symbol: nested timed calls on one thread never collide.
+        # Timed calls, and per-launch calls whose return a session may probe.
+        timed = [api for api in self.apis if api.return_impl or api.per_launch]
+        # One slot per timed symbol: nested timed calls on one thread never collide
+        # (cudaLaunchKernel -> cuLaunchKernel).
         self.slots = {api.id: slot for slot, api in enumerate(timed)}
         if len(self.slots) > 255:
             raise ValueError(f"{len(self.slots)} timed APIs; the call key holds 255")
@@ -117,28 +119,39 @@ class ApiTable:
     def call_slots(self) -> int:
         return max(1, len(self.slots))
 
-    def generated_programs(self, multi: bool = True) -> str:
+    def generated_programs(self, multi: bool = True, sessions: bool = False) -> str:
         """`multi`: a program per decoder taking its ids from the cookie;
         else a program per API (entry, and return) with the ids as constants.
-        Compiling only the set in use saves half the compile time."""
+        `sessions` (multi only): the per-launch decoders as uprobe-session
+        programs, run at entry and, where the entry asks, at return.
+        Compiling only the set in use saves half the compile time. A
+        decoder's result matters to a session only: the others return 0,
+        which a perf-event uprobe needs to skip building a sample."""
         lines = ["/* Generated from the API tables in bpf/cuda.py and bpf/ascend.py. */"]
+        ids = (f"u64 c = bpf_get_attach_cookie(ctx); u16 api = (u16)c;"
+               f" u32 slot = (u32)(c >> {COOKIE_SLOT_SHIFT}) & 0xff;")
         if multi:
             decoders = {}
             for api in self.apis:
-                decoders[api.multi_entry_fn] = api.entry_impl
+                if sessions and api.per_launch:
+                    decoders[api.session_fn] = (
+                        f"{ids} if (session_return(ctx, slot)) {{ timed_return(ctx, api, slot);"
+                        f" return 0; }} return {api.entry_impl}(ctx, api, slot);")
+                    continue
+                decoders[api.multi_entry_fn] = f"{ids} {api.entry_impl}(ctx, api, slot); return 0;"
                 if api.return_impl:
-                    decoders[api.multi_return_fn] = api.return_impl
-            for fn, impl in decoders.items():
-                lines.append(f"int {fn}(struct pt_regs *ctx) {{ u64 c = bpf_get_attach_cookie(ctx);"
-                             f" return {impl}(ctx, (u16)c, (u32)(c >> {COOKIE_SLOT_SHIFT}) & 0xff); }}")
+                    decoders[api.multi_return_fn] = (f"{ids} {api.return_impl}(ctx, api, slot);"
+                                                     f" return 0;")
+            for fn, body in decoders.items():
+                lines.append(f"int {fn}(struct pt_regs *ctx) {{ {body} }}")
             return "\n".join(lines) + "\n"
         for api in self.apis:
             slot = self.slots.get(api.id, 0)
             lines.append(f"int {api.entry_fn}(struct pt_regs *ctx) "
-                         f"{{ return {api.entry_impl}(ctx, {api.id}, {slot}); }}")
+                         f"{{ {api.entry_impl}(ctx, {api.id}, {slot}); return 0; }}")
             if api.return_impl:
                 lines.append(f"int {api.return_fn}(struct pt_regs *ctx) "
-                             f"{{ return {api.return_impl}(ctx, {api.id}, {slot}); }}")
+                             f"{{ {api.return_impl}(ctx, {api.id}, {slot}); return 0; }}")
         return "\n".join(lines) + "\n"
 
     def to_json(self) -> list[dict]:
@@ -177,6 +190,24 @@ def default_table() -> ApiTable:
 
 def default_infos() -> dict[int, ApiInfo]:
     return {d["id"]: ApiInfo.from_json(d) for d in default_table().to_json()}
+
+
+def failed(events: np.ndarray) -> np.ndarray:
+    """Calls whose return was probed and gave an error code: they did no
+    work (no bytes moved, no kernel queued), and every output counts them
+    apart, per API and code."""
+    return ((events["flags"] & FLAG_RETURNED) != 0) & (events["ret"] != 0)
+
+
+def returned(events: np.ndarray) -> np.ndarray:
+    """Calls whose return was probed (their duration and code are known)."""
+    return (events["flags"] & FLAG_RETURNED) != 0
+
+
+def error_text(info: "ApiInfo | None", ret: int) -> str:
+    """A failed call's code for a person: "cudaErrorInsufficientDriver (35)"."""
+    from mmtrace.bpf.return_codes import code_name
+    return code_name(info.library if info is not None else "", ret)
 
 
 def direction_names(stream: str) -> dict[int, str]:

@@ -55,51 +55,9 @@ static __always_inline void runq_enqueue(u32 tid, u64 now, u32 tgid, u32 full_co
         count(full_counter);
 }
 
-TRACEPOINT_PROBE(sched, sched_wakeup)
-{
-    u32 cpu = args->target_cpu;
-    u32 *running = cpu_current.lookup(&cpu);
-    if (running && *running == args->pid)
-        return 0;
-    runq_enqueue(args->pid, bpf_ktime_get_ns(), 0, CNT_ENQUEUE_MAP_FULL);
-    return 0;
-}
-
-TRACEPOINT_PROBE(sched, sched_wakeup_new)
-{
-    runq_enqueue(args->pid, bpf_ktime_get_ns(), 0, CNT_ENQUEUE_MAP_FULL);
-    return 0;
-}
-
-/* New threads join their creator's process; new processes are their own. */
-TRACEPOINT_PROBE(task, task_newtask)
-{
-    u32 tid = args->pid;
-    u32 tgid = tid;
-    if (args->clone_flags & 0x00010000 /* CLONE_THREAD */)
-        tgid = bpf_get_current_pid_tgid() >> 32;
-    struct thread_state *t = threads.lookup(&tid);
-    if (t) {
-        t->tgid = tgid;
-        return 0;
-    }
-    struct thread_state fresh = { .tgid = tgid };
-    if (threads.update(&tid, &fresh) != 0)
-        count(CNT_THREAD_MAP_FULL);
-    return 0;
-}
-
-/* Freed tasks never run again: drop their entries so maps stay bounded. */
-TRACEPOINT_PROBE(sched, sched_process_free)
-{
-    u32 tid = args->pid;
-    threads.delete(&tid);
-#ifdef MMTRACE_DEVICE_IN_UNIT
-    device_forget_thread(tid);      /* bpf/device.h; compiled apart, it has its own hook */
-#endif
-    return 0;
-}
-
+/* Defined first, so attached first (bcc attaches in definition order): a
+ * wake-up seen before the switch program was attached would leave a wait
+ * whose end no program saw, counted as a switch-in unseen. */
 TRACEPOINT_PROBE(sched, sched_switch)
 {
     u64 now = bpf_ktime_get_ns();
@@ -180,5 +138,50 @@ TRACEPOINT_PROBE(sched, sched_switch)
     /* No wake-up per event: one per batch (common.h). */
     runq_events.ringbuf_submit(ev, ringbuf_wakeup_flag(0, MMTRACE_RUNQ_WAKEUP_EVERY));
     count(CNT_RUNQ_EVENTS);
+    return 0;
+}
+
+TRACEPOINT_PROBE(sched, sched_wakeup)
+{
+    u32 cpu = args->target_cpu;
+    u32 *running = cpu_current.lookup(&cpu);
+    if (running && *running == args->pid)
+        return 0;
+    runq_enqueue(args->pid, bpf_ktime_get_ns(), 0, CNT_ENQUEUE_MAP_FULL);
+    return 0;
+}
+
+TRACEPOINT_PROBE(sched, sched_wakeup_new)
+{
+    runq_enqueue(args->pid, bpf_ktime_get_ns(), 0, CNT_ENQUEUE_MAP_FULL);
+    return 0;
+}
+
+/* New threads join their creator's process; new processes are their own. */
+TRACEPOINT_PROBE(task, task_newtask)
+{
+    u32 tid = args->pid;
+    u32 tgid = tid;
+    if (args->clone_flags & 0x00010000 /* CLONE_THREAD */)
+        tgid = bpf_get_current_pid_tgid() >> 32;
+    struct thread_state *t = threads.lookup(&tid);
+    if (t) {
+        t->tgid = tgid;
+        return 0;
+    }
+    struct thread_state fresh = { .tgid = tgid };
+    if (threads.update(&tid, &fresh) != 0)
+        count(CNT_THREAD_MAP_FULL);
+    return 0;
+}
+
+/* Freed tasks never run again: drop their entries so maps stay bounded. */
+TRACEPOINT_PROBE(sched, sched_process_free)
+{
+    u32 tid = args->pid;
+    threads.delete(&tid);
+#ifdef MMTRACE_DEVICE_IN_UNIT
+    device_forget_thread(tid);      /* bpf/device.h; compiled apart, it has its own hook */
+#endif
     return 0;
 }

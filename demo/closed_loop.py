@@ -281,11 +281,14 @@ def run(plan: Plan, workdir: Path, out=sys.stdout) -> Result:
 
 
 def _wait_for_probes(agent: Agent, timeout_s: float):
-    """Until the daemon sees this process submit GPU work."""
+    """Until the daemon sees this process submit GPU work (with no driver,
+    its launches fail: seen, and counted as failed calls)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         rows = agent.status().get("processes") or []
-        if any(r["pid"] == os.getpid() and (r["launches_per_s"] or 0) > 0 for r in rows):
+        if any(r["pid"] == os.getpid()
+               and ((r["launches_per_s"] or 0) > 0 or r.get("failed_per_s", 0) > 0)
+               for r in rows):
             return
         time.sleep(0.25)
     raise RuntimeError(f"the daemon saw no GPU launches from pid {os.getpid()} within "

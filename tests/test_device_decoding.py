@@ -179,11 +179,11 @@ def test_export_jsonl_has_every_spec_field(tmp_path, mmtrace_cli):
         "op_name": "vector_add(float*)", "handle": 0x1000, "stream_handle": 0x10,
         "grid": [8, 0, 0], "block": [256, 0, 0], "shared_mem_bytes": 0, "bytes": None,
         "direction": None, "duration_ns": None, "sched_delay_ns": 0, "retired_ns": 3500,
-        "device": None}
+        "device": None, "ret": None}
     assert (copy["kind"], copy["bytes"], copy["direction"], copy["retired_ns"]) == (
         "memcpy", 4096, "h2d", 3500)
-    assert (sync["kind"], sync["op_id"], sync["duration_ns"], sync["retired_ns"]) == (
-        "sync", 2, 500, None)
+    assert (sync["kind"], sync["op_id"], sync["duration_ns"], sync["retired_ns"], sync["ret"]) == (
+        "sync", 2, 500, None, 0)
     assert (model["stream"], model["kind"], model["handle"], model["retired_ns"]) == (
         "npu", "model_exec", 7, 4900)
 

@@ -419,7 +419,8 @@ def reference_device_lines(rows) -> list[bytes]:
             f'"duration_ns":{null(int(e["duration_ns"]) if flags & 1 else None)},'
             f'"sched_delay_ns":{e["sched_delay_ns"]},'
             f'"retired_ns":{null(retired if retired >= 0 else None)},'
-            f'"device":{null(int(e["device"]) if e["device"] >= 0 else None)}}}\n').encode())
+            f'"device":{null(int(e["device"]) if e["device"] >= 0 else None)},'
+            f'"ret":{null(int(e["ret"]) if flags & 1 else None)}}}\n').encode())
     return out
 
 
@@ -432,6 +433,7 @@ def test_device_lines_in_batch_are_the_per_event_lines(work, numbers, comm):
     ev["device"] = numbers[0] if numbers[0] < 1 << 31 else -1
     ev["bytes"], ev["sched_delay_ns"] = max(numbers[1], 0), max(numbers[2], 0)
     ev["comm"] = comm
+    ev["ret"] = max(min(numbers[0] - 2, (1 << 31) - 1), -1 << 31)   # negative ones too
     rows = decode(ev, CTX)
     assert split(jsonl.device_rows(rows)) == reference_device_lines(rows)
 
@@ -447,6 +449,10 @@ def reference_chrome_events(rows) -> list[dict]:
             args.update(bytes=int(e["bytes"]), direction=rows.direction[i])
         if e["retired_ns"] >= 0:
             args["retired_us"] = int(e["retired_ns"]) / 1e3
+        if e["flags"] & 1:
+            args["ret"] = int(e["ret"])
+            if e["ret"] != 0:
+                args["error"] = rows.error[i]
         event = {"name": rows.op_name[i] or rows.api[i], "pid": int(e["pid"]),
                  "cat": f"{rows.stream[i]}.{rows.kind[i]}", "tid": int(e["tid"]),
                  "ts": int(e["ts_ns"]) / 1e3, "args": args}
@@ -462,6 +468,7 @@ def reference_chrome_events(rows) -> list[dict]:
 @given(workloads())
 def test_chrome_device_events_in_batch_say_what_the_per_event_ones_said(work):
     ev, _ = work
+    ev["ret"] = np.arange(len(ev)) % 3 * 35 - 35       # -35, 0, 35: failed and not
     rows = decode(ev, CTX)
     got = [json.loads(row[1:]) for row in split(chrome.device_rows(rows))]
     assert got == reference_chrome_events(rows)

@@ -86,6 +86,33 @@ def test_process_table_from_the_rings():
     assert status_view.process_table(rq, dev[:0], np.array([1], np.uint32), 1.0) == []
 
 
+def test_failed_calls_are_counted_apart_not_as_work():
+    """Half the launches and every copy fail with cudaErrorInsufficientDriver
+    (35): LAUNCH/s halves, MEMCPY GB/s is 0, and FAILED/s and the failed
+    calls' lines say what failed, by API and code."""
+    dev, rq = device_events(0, 10**10), runq_events(0, 10**10)
+    launches = np.flatnonzero(dev["api"] == api_id("cudaLaunchKernel"))
+    copies = np.flatnonzero(dev["api"] == api_id("cudaMemcpy"))
+    bad = np.concatenate([launches[::2], copies])
+    dev["flags"][bad] |= device_stream.FLAG_RETURNED
+    dev["ret"][bad] = 35
+    [row] = status_view.process_table(rq, dev, np.array([TID], np.uint32), span_s=10.0)
+    assert row["launches_per_s"] == 100.0 and row["memcpy_gb_per_s"] == 0.0
+    assert row["failed_per_s"] == len(bad) / 10.0
+    assert row["failed_calls"] == [
+        {"api": "cudaLaunchKernel", "error": "cudaErrorInsufficientDriver (35)",
+         "count": len(launches[::2])},
+        {"api": "cudaMemcpy", "error": "cudaErrorInsufficientDriver (35)",
+         "count": len(copies)}]
+    screen = top_view.render({"processes": [row], "span_s": 10.0}, width=200)
+    cols = screen[3].split()
+    assert cols[3:] == ["100.0", "9.000", "0.00", f"{len(bad) / 10.0:.1f}"]
+    at = screen.index("FAILED CALLS (last 10 s)")
+    assert screen[at + 1].split() == [str(PID), "cudaLaunchKernel", "cudaErrorInsufficientDriver",
+                                      "(35)", f"{len(launches[::2]):,}"]
+    assert screen[at + 2].split()[1] == "cudaMemcpy"
+
+
 def test_active_anomalies_keep_the_latest_unresolved():
     records = [{"detector": "p99_drift", "series": "a", "state": "firing"},
                {"detector": "p99_drift", "series": "b", "state": "firing"},
@@ -118,9 +145,9 @@ def shows_the_figures(row):
     """The row of pid 4321 once a second or more of its work is in: about
     200 launches/s, sync p99 9 ms, run-queue p99 3 ms, 0.1 GB/s."""
     cols = row.split()
-    return (len(cols) == 6 and cols[1] == "vlm-launcher" and cols[2] == "3.000"
+    return (len(cols) == 7 and cols[1] == "vlm-launcher" and cols[2] == "3.000"
             and 150 <= float(cols[3]) <= 260 and cols[4] == "9.000"
-            and cols[5] in ("0.09", "0.10", "0.11"))
+            and cols[5] in ("0.09", "0.10", "0.11") and cols[6] == "0.0")
 
 
 def test_top_shows_the_live_figures_and_quits_on_q(tmp_path):

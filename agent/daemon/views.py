@@ -51,7 +51,8 @@ def status(daemon, now: int, span_s: float) -> dict:
                                            streams.aligner.window(since),
                                            streams.submitters.tids, span_s,
                                            names=streams.counts.process_name,
-                                           launches_traced=launch_probes != "on alarm")
+                                           launches_traced=launch_probes != "on alarm",
+                                           infos=streams.infos)
     return {"v": 1, "type": "status", "daemon_pid": os.getpid(),
             "uptime_s": (now - daemon.started_ns) / 1e9, "span_s": round(span_s, 3),
             "launch_probes": launch_probes,

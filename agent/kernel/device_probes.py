@@ -63,6 +63,7 @@ class DeviceProbes:
 
     def __init__(self, bpf, table: device_stream.ApiTable | None = None,
                  launches: bool = True, mode: str | None = None, *,
+                 sessions: bool = False,
                  proc_root: Path = Path("/proc"), clock=time.monotonic,
                  elf_cache: ElfCache | None = None):
         self.bpf = bpf
@@ -75,7 +76,7 @@ class DeviceProbes:
         self.wanted = ProbedSymbols(self.table)
         self.symbol_ids = SymbolIds()
         self.planner = ProbePlanner(self.table, self.wanted, self.symbol_ids)
-        self.attacher = ProbeAttacher(bpf, self.mode)
+        self.attacher = ProbeAttacher(bpf, self.mode, sessions)
         self._launches = launches
         self._libraries: dict[tuple[int, int], ProbedFile] = {}
         self._failed = probe_report.FailedFiles()

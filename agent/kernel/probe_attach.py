@@ -20,7 +20,8 @@ import resource
 
 from mmtrace.agent.kernel.concurrent_close import close_side_by_side
 from mmtrace.agent.kernel.probed_file import ATTACHED, DETACHED, FAILED, RETURN, Probe
-from mmtrace.agent.kernel.uprobe_link import BPF_TRACE_UPROBE_MULTI, CookieLink, LinkError, UprobeMultiLink
+from mmtrace.agent.kernel.uprobe_link import (BPF_TRACE_UPROBE_MULTI, BPF_TRACE_UPROBE_SESSION,
+                                              CookieLink, LinkError, UprobeMultiLink)
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +44,18 @@ class BccUprobe:
 
 
 class ProbeAttacher:
-    """Attaches probes to the programs of one loaded bcc object, in one mode."""
+    """Attaches probes to the programs of one loaded bcc object, in one mode;
+    with `sessions` (multi mode, programs compiled for them), the per-launch
+    probes as uprobe sessions, whose entries choose which returns run."""
 
-    def __init__(self, bpf, mode: str):
-        self.bpf, self.mode = bpf, mode
+    def __init__(self, bpf, mode: str, sessions: bool = False):
+        self.bpf, self.mode, self.sessions = bpf, mode, sessions
+
+    def _session(self, probe: Probe) -> bool:
+        return self.sessions and probe.api.per_launch and probe.point != RETURN
+
+    def _multi_fn(self, probe: Probe) -> str:
+        return probe.api.session_fn if self._session(probe) else probe.multi_fn
 
     def attach(self, probes: list[Probe]):
         """Attach `probes`; each one's state and reason say how it went."""
@@ -76,15 +85,17 @@ class ProbeAttacher:
         from bcc import BPF
         groups: dict[tuple, list[Probe]] = {}
         for p in probes:
-            groups.setdefault((id(p.library), p.multi_fn, p.point, p.api.per_launch),
+            groups.setdefault((id(p.library), self._multi_fn(p), p.point, p.api.per_launch),
                               []).append(p)
         for group in groups.values():
             first = group[0]
+            fn_name = self._multi_fn(first)
             try:
-                fn = self.bpf.load_func(first.multi_fn.encode(), BPF.KPROBE,
-                                        attach_type=BPF_TRACE_UPROBE_MULTI)
+                fn = self.bpf.load_func(fn_name.encode(), BPF.KPROBE,
+                                        attach_type=BPF_TRACE_UPROBE_SESSION
+                                        if self._session(first) else BPF_TRACE_UPROBE_MULTI)
             except Exception as exc:    # bcc's bare Exception: the program did not load
-                log.warning("program %s for %d symbols of %s not loaded: %s", first.multi_fn,
+                log.warning("program %s for %d symbols of %s not loaded: %s", fn_name,
                             len(group), first.library.path, exc)
                 for p in group:
                     p.state, p.reason = FAILED, attach_failure(exc)
@@ -104,7 +115,7 @@ class ProbeAttacher:
         try:
             link = UprobeMultiLink(prog_fd, first.library.attach_path,
                                    [p.offset for p in group], [p.cookie for p in group],
-                                   retprobe=first.point == RETURN)
+                                   retprobe=first.point == RETURN, session=self._session(first))
         except LinkError as exc:
             if len(group) == 1:
                 first.state, first.reason = FAILED, attach_failure(exc)

@@ -59,6 +59,10 @@ class ProbeOptions:
     max_calls_in_flight: int = 16384
     trace_launches: bool = True         # False: the adaptive mode, per-launch probes off
     attach_mode: str | None = None      # "multi" / "single"; None: the best the kernel has
+    # Per-launch calls whose return code is probed: one in N on each CPU, and
+    # every call of a process whose calls failed in the last second (uprobe
+    # sessions, Linux 6.13+, multi mode); 1: every call; 0: none.
+    launch_return_every: int = 64
 
 
 def import_bcc():
@@ -205,6 +209,7 @@ class LoadedProbes:
             self.device = DeviceProbes(program.device if self.split else program,
                                        launches=self.options.trace_launches,
                                        mode=attach_mode(self.options),
+                                       sessions=launch_sessions(self.options),
                                        elf_cache=self.elf_cache)
         except LayoutMismatch as exc:
             raise MmtraceError(str(exc)) from None
@@ -251,7 +256,35 @@ def _device_programs(options: ProbeOptions) -> str:
     multi = attach_mode(options) == "multi"
     return "\n".join([bpf_sources.source(cuda_stream.SOURCE),
                       bpf_sources.source(ascend_stream.SOURCE),
-                      device_stream.default_table().generated_programs(multi=multi)])
+                      device_stream.default_table().generated_programs(
+                          multi=multi, sessions=launch_sessions(options))])
+
+
+def launch_sessions(options: ProbeOptions) -> bool:
+    """Whether per-launch calls are probed as uprobe sessions, their return
+    codes sampled (bpf/device.h launch_return_wanted): multi mode on a
+    kernel that has them, unless launch_return_every is 0."""
+    every = options.launch_return_every
+    if not isinstance(every, int) or isinstance(every, bool) or not 0 <= every <= 1 << 20:
+        raise MmtraceError(f"launch_return_every must be an integer from 0 to {1 << 20}, "
+                           f"got {every!r}")
+    if every == 0 or attach_mode(options) != "multi":
+        return False
+    from mmtrace.agent.kernel.uprobe_link import uprobe_session_available
+    return uprobe_session_available()
+
+
+def launch_returns(options: ProbeOptions) -> str:
+    """How the return codes of per-launch calls are probed, for a person."""
+    if not launch_sessions(options):
+        if options.launch_return_every == 0:
+            return "per-launch return codes: off (launch_return_every = 0)"
+        return ("per-launch return codes: not probed (needs uprobe sessions, Linux 6.13+, "
+                "and uprobe_multi links)")
+    every = options.launch_return_every
+    sampled = "every call" if every == 1 else f"1 call in {every} per CPU"
+    return (f"per-launch return codes: {sampled}, and every call of a process whose "
+            "calls failed in the last second")
 
 
 def attach_mode(options: ProbeOptions) -> str:
@@ -280,6 +313,9 @@ def cflags(options: ProbeOptions) -> list[str]:
         f"{wakeup_period(options.dev_ringbuf_pages, device_stream.DEV_EVENT.itemsize)}",
         "-Wno-macro-redefined",
     ]
+    if options.device and launch_sessions(options):
+        flags += ["-DMMTRACE_LAUNCH_SESSIONS",
+                  f"-DMMTRACE_RETURN_EVERY={options.launch_return_every}"]
     return flags + list(options.extra_cflags)
 
 

@@ -30,6 +30,7 @@ PERF_ATTR_SIZE = 128            # PERF_ATTR_SIZE_VER7
 BPF_LINK_CREATE = 28
 BPF_PERF_EVENT = 41             # enum bpf_attach_type
 BPF_TRACE_UPROBE_MULTI = 48     # enum bpf_attach_type
+BPF_TRACE_UPROBE_SESSION = 57   # enum bpf_attach_type (Linux 6.13+)
 BPF_F_UPROBE_MULTI_RETURN = 1
 BPF_ATTR_SIZE = 64
 
@@ -40,14 +41,26 @@ _libc.syscall.restype = ctypes.c_long
 BTF_VMLINUX = Path("/sys/kernel/btf/vmlinux")
 
 
-def uprobe_multi_available(btf: Path = BTF_VMLINUX) -> bool:
-    """Feature detection: a kernel with uprobe_multi links has the
-    bpf_uprobe_multi_link type in its BTF. No BTF: assume not."""
+def _btf_names(btf: Path, *names: bytes) -> bool:
+    """Whether the kernel's BTF holds every one of `names`. No BTF: no."""
     try:
         data = btf.read_bytes()
     except OSError:
         return False
-    return b"\0bpf_uprobe_multi_link\0" in data
+    return all(b"\0" + name + b"\0" in data for name in names)
+
+
+def uprobe_multi_available(btf: Path = BTF_VMLINUX) -> bool:
+    """Feature detection: a kernel with uprobe_multi links has the
+    bpf_uprobe_multi_link type in its BTF."""
+    return _btf_names(btf, b"bpf_uprobe_multi_link")
+
+
+def uprobe_session_available(btf: Path = BTF_VMLINUX) -> bool:
+    """A kernel whose uprobe_multi links can be sessions (Linux 6.13+: one
+    program at entry and, where its entry returned 0, at return) names the
+    attach type in its BTF."""
+    return _btf_names(btf, b"bpf_uprobe_multi_link", b"BPF_TRACE_UPROBE_SESSION")
 
 
 class LinkError(OSError):
@@ -125,11 +138,12 @@ def multi_link_failure(err: int) -> str:
 class UprobeMultiLink:
     """One program on many offsets of one file, a cookie each; close()
     detaches them all. The program must have been loaded with expected
-    attach type BPF_TRACE_UPROBE_MULTI."""
+    attach type BPF_TRACE_UPROBE_MULTI, or BPF_TRACE_UPROBE_SESSION for a
+    `session` link."""
     descriptors = 1
 
     def __init__(self, prog_fd: int, path: bytes, offsets: list[int], cookies: list[int],
-                 retprobe: bool = False):
+                 retprobe: bool = False, session: bool = False):
         if len(offsets) != len(cookies) or not offsets:
             raise ValueError(f"expected as many cookies as offsets (at least one), got "
                              f"{len(offsets)} offsets and {len(cookies)} cookies")
@@ -137,7 +151,10 @@ class UprobeMultiLink:
         offs = (ctypes.c_uint64 * len(offsets))(*offsets)
         cks = (ctypes.c_uint64 * len(cookies))(*cookies)
         attr = ctypes.create_string_buffer(BPF_ATTR_SIZE)
-        struct.pack_into("<IIII", attr, 0, prog_fd, 0, BPF_TRACE_UPROBE_MULTI, 0)
+        if retprobe and session:
+            raise ValueError("a session link runs at entry and return: not a retprobe")
+        attach_type = BPF_TRACE_UPROBE_SESSION if session else BPF_TRACE_UPROBE_MULTI
+        struct.pack_into("<IIII", attr, 0, prog_fd, 0, attach_type, 0)
         # link_create.uprobe_multi: path, offsets, ref_ctr_offsets, cookies, cnt, flags, pid
         struct.pack_into("<QQQQIII", attr, 16, ctypes.addressof(path_buf),
                          ctypes.addressof(offs), 0, ctypes.addressof(cks), len(offsets),
@@ -146,7 +163,8 @@ class UprobeMultiLink:
                                 BPF_ATTR_SIZE)
         if link_fd < 0:
             err = ctypes.get_errno()
-            raise LinkError(err, f"BPF_LINK_CREATE uprobe_multi ({len(offsets)} offsets): "
+            raise LinkError(err, f"BPF_LINK_CREATE uprobe_{'session' if session else 'multi'} "
+                                 f"({len(offsets)} offsets): "
                                  f"{multi_link_failure(err)}")
         self.link_fd = link_fd
 

@@ -51,6 +51,7 @@ class DeviceRows:
     op_name: np.ndarray         # object: str or None
     direction: np.ndarray       # object: str or None
     fields: list                # per row: frozenset of the optional fields it fills
+    error: np.ndarray = None    # object: a failed call's code as text, else None
 
     def __len__(self):
         return len(self.events)
@@ -61,7 +62,19 @@ class DeviceRows:
             hi = lo + size
             yield DeviceRows(self.events[lo:hi], self.stream[lo:hi], self.kind[lo:hi],
                              self.api[lo:hi], self.op_name[lo:hi], self.direction[lo:hi],
-                             self.fields[lo:hi])
+                             self.fields[lo:hi], self.error[lo:hi])
+
+    def where(self, mask: np.ndarray) -> "DeviceRows":
+        """The rows where `mask` holds."""
+        at = np.flatnonzero(mask)
+        return DeviceRows(self.events[at], self.stream[at], self.kind[at], self.api[at],
+                          self.op_name[at], self.direction[at],
+                          [self.fields[i] for i in at.tolist()], self.error[at])
+
+    @property
+    def failed(self) -> np.ndarray:
+        """Rows whose call returned an error code."""
+        return self.error != None  # noqa: E711  (elementwise on an object array)
 
 
 def _name_text(raw: bytes, truncated: bool) -> str | None:
@@ -94,7 +107,9 @@ def decode_aligned(aligned: np.ndarray, ctx: DeviceContext, kernel_names: dict) 
     api = np.empty(n, object)
     op_name = np.full(n, None, object)
     direction = np.full(n, None, object)
+    error = np.full(n, None, object)
     fields = [frozenset()] * n
+    failed = device_stream.failed(rows)
     names = rows["name"].tolist()
     flags = rows["flags"].tolist()
     for api_id in np.unique(rows["api"]).tolist():
@@ -105,6 +120,8 @@ def decode_aligned(aligned: np.ndarray, ctx: DeviceContext, kernel_names: dict) 
         api[at] = info.api
         for i in at.tolist():
             fields[i] = info.fields
+        bad = at[failed[at]]
+        error[bad] = [device_stream.error_text(info, ret) for ret in rows["ret"][bad].tolist()]
         if device_stream.DIRECTION in info.fields:
             table = device_stream.direction_names(info.stream)
             direction[at] = [table.get(d) for d in rows["direction"][at].tolist()]
@@ -126,7 +143,7 @@ def decode_aligned(aligned: np.ndarray, ctx: DeviceContext, kernel_names: dict) 
             op_name[at] = [_name_text(names[i],
                                       bool(flags[i] & device_stream.FLAG_NAME_TRUNCATED))
                            for i in at.tolist()]
-    return DeviceRows(rows, stream, kind, api, op_name, direction, fields)
+    return DeviceRows(rows, stream, kind, api, op_name, direction, fields, error)
 
 
 def _runtime_launch_names(rows: np.ndarray, op_names: dict, kernel_names: dict) -> list:

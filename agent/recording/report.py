@@ -92,21 +92,33 @@ class RunqSummary:
 
 
 class DeviceSummary:
-    """Counts, top ops, sync waits and copied bytes of decoded device rows."""
+    """Counts, top ops, sync waits and copied bytes of decoded device rows,
+    of the calls that succeeded (or whose return was not probed); the calls
+    that failed are counted apart, per API and return code."""
 
     def __init__(self):
         self.events: Counter = Counter()
         self.ops = TopCounter()
         self.waits: dict[tuple, Percentiles] = {}
         self.copies: dict[tuple, list] = {}
+        self.failures: Counter = Counter()         # (stream, kind, api, error) -> calls
+        self.launch_returns = [0, 0]               # launches, those whose return was probed
 
     def add(self, rows):
+        failed = rows.failed
+        if failed.any():
+            self.failures.update(zip(rows.stream[failed], rows.kind[failed], rows.api[failed],
+                                     rows.error[failed]))
+            rows = rows.where(~failed)
+        launches = rows.kind == "launch"
+        self.launch_returns[0] += int(launches.sum())
+        self.launch_returns[1] += int((launches & device_stream.returned(rows.events)).sum())
         self.events.update(f"{s}.{k}" for s, k in zip(rows.stream, rows.kind))
         self.ops.update(Counter(
             (s, k, a, n) for s, k, a, n in zip(rows.stream, rows.kind, rows.api, rows.op_name)
             if k in ("launch", "graph_launch", "model_exec")))
         ev = rows.events
-        returned = (ev["flags"] & device_stream.FLAG_RETURNED) != 0
+        returned = device_stream.returned(ev)
         is_sync = (rows.kind == "sync") & returned
         if is_sync.any():
             at = np.flatnonzero(is_sync)
@@ -137,6 +149,19 @@ class DeviceSummary:
                         "total_ms": round(waits.total / 1e6, 3),
                         "p50_us": _us(p50), "p99_us": _us(p99), "max_us": _us(waits.max)})
         return out
+
+    def failed_calls(self) -> list[dict]:
+        """Calls that returned an error code, most first."""
+        ranked = sorted(self.failures.items(), key=lambda kv: (-kv[1], tuple(map(str, kv[0]))))
+        return [{"stream": s, "kind": k, "api": a, "error": e, "count": n}
+                for (s, k, a, e), n in ranked]
+
+    def launch_return_codes(self) -> dict:
+        """How many launches that did not fail had their return probed (the
+        rest were not sampled: bpf/device.h launch_return_wanted)."""
+        failed = sum(n for (_, k, _, _), n in self.failures.items() if k == "launch")
+        return {"launches": self.launch_returns[0] + failed,
+                "probed": self.launch_returns[1] + failed, "failed": failed}
 
     def bytes_by_direction(self) -> list[dict]:
         return [{"stream": stream, "direction": direction, "count": n, "bytes": total}
@@ -212,6 +237,8 @@ def summarize(rec) -> dict:
         "ops": device.top_ops(),
         "sync_waits": device.sync_waits(),
         "bytes_by_direction": device.bytes_by_direction(),
+        "failed_calls": device.failed_calls(),
+        "launch_return_codes": device.launch_return_codes(),
         "device_probes": device_probes(rec),
         "anomalies": anomalies,
         "telemetry": telemetry.summary(rec),
@@ -294,6 +321,20 @@ def device_lines(summary: dict) -> list[str]:
         for b in summary["bytes_by_direction"]:
             lines.append(f"{b['stream'] + ' ' + str(b['direction']):<20} {b['count']:>9} "
                          f"{b['bytes']:>16,}")
+    failed = summary.get("failed_calls") or []
+    if failed:
+        total = sum(f["count"] for f in failed)
+        lines += ["", f"failed calls: {total:,} (no work done: not in the counts, copies "
+                      f"and waits above)",
+                  f"{'stream':<6} {'api':<28} {'error':<44} {'count':>9}"]
+        for f in failed:
+            lines.append(f"{f['stream']:<6} {f['api']:<28} {f['error']:<44} {f['count']:>9,}")
+    codes = summary.get("launch_return_codes") or {}
+    if codes.get("launches"):
+        lines += ["", f"launch return codes: {codes['probed']:,} of {codes['launches']:,} "
+                      f"launches probed, {codes['failed']:,} failed"
+                      + ("" if codes["probed"] == codes["launches"] else
+                         " (the rest were not sampled: their outcome is unknown)")]
     return lines
 
 

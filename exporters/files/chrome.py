@@ -47,6 +47,10 @@ def device_rows(rows) -> Rows:
                       .const(b',"direction":').table(*json_texts(rows.direction)), absent=b"")
             .optional(ev["retired_ns"] >= 0, Rows(n, text=True).const(b',"retired_us":')
                       .fixed3(ev["retired_ns"]), absent=b"")
+            .optional(returned, Rows(n, text=True).const(b',"ret":').signed(ev["ret"]),
+                      absent=b"")
+            .optional(rows.failed, Rows(n, text=True).const(b',"error":')
+                      .table(*json_texts(rows.error)), absent=b"")
             .const(b"}")
             .optional(returned, Rows(n, text=True).const(b',"ph":"X","dur":')
                       .fixed3(ev["duration_ns"]), absent=b',"ph":"i","s":"t"')

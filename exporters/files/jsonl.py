@@ -12,7 +12,7 @@ from mmtrace.exporters.files.rowtext import Rows, codes, device_lines, json_text
 # Every line carries every key of the spec, null where it does not apply.
 KEYS = ("ts_ns", "stream", "kind", "pid", "tid", "comm", "api", "op_id", "op_name",
         "handle", "stream_handle", "grid", "block", "shared_mem_bytes", "bytes",
-        "direction", "duration_ns", "sched_delay_ns", "retired_ns", "device")
+        "direction", "duration_ns", "sched_delay_ns", "retired_ns", "device", "ret")
 
 
 def runq_rows(runq: np.ndarray) -> Rows:
@@ -25,7 +25,7 @@ def runq_rows(runq: np.ndarray) -> Rows:
             .const(b',"api":null,"op_id":null,"op_name":null,"handle":null,'
                    b'"stream_handle":null,"grid":null,"block":null,"shared_mem_bytes":null,'
                    b'"bytes":null,"direction":null,"duration_ns":').decimal(runq["delay_ns"])
-            .const(b',"sched_delay_ns":null,"retired_ns":null,"device":null}\n'))
+            .const(b',"sched_delay_ns":null,"retired_ns":null,"device":null,"ret":null}\n'))
 
 
 def json_text(raw: bytes) -> bytes:
@@ -54,6 +54,9 @@ def device_rows(rows) -> Rows:
     def number(values):
         return Rows(n, text=True).decimal(values)
 
+    def number_signed(values):
+        return Rows(n, text=True).signed(values)
+
     def triple(prefix):
         return (Rows(n, text=True).const(b"[").decimal(ev[prefix + "_x"]).const(b", ")
                 .decimal(ev[prefix + "_y"]).const(b", ").decimal(ev[prefix + "_z"]).const(b"]"))
@@ -81,7 +84,9 @@ def device_rows(rows) -> Rows:
             .const(b',"retired_ns":').optional(~sync & (ev["retired_ns"] >= 0),
                                                number(ev["retired_ns"]))
             .const(b',"device":').optional(ev["device"] >= 0, number(ev["device"]))
+            .const(b',"ret":').optional(ds.returned(ev), number_signed(ev["ret"]))
             .const(b"}\n"))
+
 
 
 def write_step(step, out) -> int:

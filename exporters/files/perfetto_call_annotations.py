@@ -2,7 +2,7 @@
 fields the UI lists under a selected slice. What the Chrome export's args
 hold (api, op id, stream, sched delay, bytes and direction, when retired),
 and more (a launch's grid, block and shared memory; the return code and
-device where measured). Built for a whole batch with numpy (call_rows), and
+device where measured; the outcome in words). Built for a whole batch with numpy (call_rows), and
 one call at a time for the reference path and rare rows (call_bytes): the
 two give the same bytes."""
 
@@ -29,6 +29,15 @@ def _present(rows) -> dict:
             "retired": ev["retired_ns"] != NOT_RETIRED,
             "returned": (ev["flags"] & device_stream.FLAG_RETURNED) != 0,
             "device": ev["device"] >= 0}
+
+
+def outcomes(rows) -> list[str]:
+    """Each call's outcome in words: "ok", its error ("failed:
+    cudaErrorInsufficientDriver (35)"), or "return not probed" (a launch
+    its probe did not sample)."""
+    returned = device_stream.returned(rows.events).tolist()
+    return [f"failed: {e}" if e is not None else "ok" if r else "return not probed"
+            for e, r in zip(rows.error, returned)]
 
 
 def _by_value(values) -> tuple[list[str], np.ndarray]:
@@ -59,6 +68,7 @@ def call_fields(rows):
             ("direction", _by_value([d or "" for d in rows.direction]), p["copy"], True),
             ("retired_ns", ev["retired_ns"], p["retired"], False),
             ("return_code", ev["ret"], p["returned"], False),
+            ("outcome", _by_value(outcomes(rows)), None, True),
             ("device", ev["device"], p["device"], False)]
 
 

@@ -63,6 +63,12 @@ class Rows:
         self._add(cols, lengths, right=True)
         return self
 
+    def signed(self, values: np.ndarray):
+        """Integers in decimal, a minus sign before the negative ones."""
+        values = np.asarray(values).astype(np.int64)
+        self.optional(values < 0, Rows(self.n, text=True).const(b"-"), absent=b"")
+        return self.decimal(np.abs(values))
+
     def fixed3(self, thousandths: np.ndarray):
         """Non-negative integers n written as n / 1000 with three decimals."""
         values = np.asarray(thousandths).astype(np.uint64)

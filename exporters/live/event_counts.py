@@ -1,7 +1,8 @@
 """What the metrics count of the event streams: a sink of the daemon's one
 ingest path, fed a batch at a time with numpy (no per-event Python work).
 
-- device submissions per API, memcpy bytes per (API, direction);
+- device submissions per API, memcpy bytes per (API, direction), of the
+  calls that did not fail; failed calls per (API, return code);
 - sync-wait and submit-to-retire histograms per stream (gpu, npu);
 - run-queue delay histograms per process that does GPU/NPU work.
 
@@ -17,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from mmtrace.bpf import device as device_stream
+from mmtrace.bpf.return_codes import BY_LIBRARY
 
 SYNC = device_stream.KIND_IDS["sync"]
 MEMCPY = device_stream.KIND_IDS["memcpy"]
@@ -72,6 +74,7 @@ class CountsSnapshot:
     sync_wait: dict            # stream -> Histogram
     submit_to_retire: dict     # stream -> Histogram
     processes: dict            # pid -> ProcessRunq
+    failures: dict = field(default_factory=dict)   # (stream, api, code, error) -> calls
 
 
 class EventCounts:
@@ -94,6 +97,7 @@ class EventCounts:
         self._sync_wait = {s: Histogram(DEVICE_BOUNDS) for s in ("gpu", "npu")}
         self._retire = {s: Histogram(DEVICE_BOUNDS) for s in ("gpu", "npu")}
         self._processes: dict[int, ProcessRunq] = {}
+        self._failures: dict[tuple[int, int], int] = {}     # (api id, code) -> calls
         self.processes_dropped = 0
 
     # ------------------------------------------------------------- ingest
@@ -116,6 +120,14 @@ class EventCounts:
         api = aligned["api"].astype(np.int64)
         known = (api < len(self._known)) & self._known[np.minimum(api, len(self._known) - 1)]
         aligned, api = aligned[known], api[known]
+        failed = device_stream.failed(aligned)
+        if failed.any():
+            keys, calls = np.unique(np.stack([api[failed], aligned["ret"][failed]], axis=1),
+                                   axis=0, return_counts=True)
+            with self._lock:
+                for (api_id, code), n in zip(keys.tolist(), calls.tolist()):
+                    self._failures[(api_id, code)] = self._failures.get((api_id, code), 0) + n
+            aligned, api = aligned[~failed], api[~failed]     # they did no work
         submitted = np.isin(aligned["kind"], SUBMISSION_KINDS)
         memcpy = aligned["kind"] == MEMCPY
         syncs = ((aligned["kind"] == SYNC)
@@ -176,7 +188,13 @@ class EventCounts:
             retire = {s: h.copy() for s, h in self._retire.items()}
             processes = {pid: ProcessRunq(p.name, p.hist.copy())
                          for pid, p in self._processes.items()}
-        subs, bytes_ = {}, {}
+            failures = dict(self._failures)
+        subs, bytes_, failed = {}, {}, {}
+        for (api_id, code), n in failures.items():
+            info = self.infos[api_id]
+            name = BY_LIBRARY.get(info.library, {}).get(code, "unknown")
+            key = (info.stream, info.api, str(code), name)
+            failed[key] = failed.get(key, 0) + n
         for api_id in np.flatnonzero(submissions).tolist():
             info = self.infos[api_id]
             key = (info.stream, info.kind, info.api)
@@ -186,7 +204,7 @@ class EventCounts:
             name = device_stream.direction_names(info.stream).get(int(direction), "unknown")
             key = (info.stream, name)
             bytes_[key] = bytes_.get(key, 0) + int(memcpy[api_id, direction])
-        return CountsSnapshot(subs, bytes_, sync_wait, retire, processes)
+        return CountsSnapshot(subs, bytes_, sync_wait, retire, processes, failed)
 
 
 def top_k(processes: dict, k: int, with_pid: bool = False) -> list[tuple[tuple, Histogram]]:

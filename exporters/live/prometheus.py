@@ -253,17 +253,26 @@ class DaemonCollector:
 
     def _device(self, counts):
         subs = CounterMetricFamily("mmtrace_device_submissions_total",
-                                   "GPU/NPU submissions seen by the probes.",
+                                   "GPU/NPU submissions seen by the probes (failed calls "
+                                   "not counted: see mmtrace_device_call_failures_total).",
                                    labels=["stream", "kind", "api"])
         for (stream, kind, api), n in sorted(counts.submissions.items()):
             subs.add_metric([stream, kind, api], n)
         yield subs
         memcpy = CounterMetricFamily("mmtrace_device_memcpy_bytes_total",
-                                     "Bytes copied by GPU/NPU memcpys, by direction.",
-                                     labels=["stream", "direction"])
+                                     "Bytes copied by GPU/NPU memcpys that did not fail, "
+                                     "by direction.", labels=["stream", "direction"])
         for (stream, direction), n in sorted(counts.memcpy_bytes.items()):
             memcpy.add_metric([stream, direction], n)
         yield memcpy
+        failures = CounterMetricFamily(
+            "mmtrace_device_call_failures_total",
+            "GPU/NPU calls that returned an error code, by API and code (error: the "
+            "code's name, unknown where the library's table does not name it).",
+            labels=["stream", "api", "code", "error"])
+        for (stream, api, code, error), n in sorted(counts.failures.items()):
+            failures.add_metric([stream, api, code, error], n)
+        yield failures
         for name, doc, hists in (
                 ("mmtrace_device_sync_wait_seconds",
                  "Time blocked in GPU/NPU synchronisations.", counts.sync_wait),

@@ -19,22 +19,28 @@ _MEMCPY = device_stream.KIND_IDS["memcpy"]
 
 
 def process_table(runq: np.ndarray, device: np.ndarray, device_tids: np.ndarray,
-                  span_s: float, names=None, launches_traced: bool = True) -> list[dict]:
+                  span_s: float, names=None, launches_traced: bool = True,
+                  infos: dict | None = None) -> list[dict]:
     """One row per process with device work in `device` (or with device
     threads in `runq`), busiest first. `runq` and `device` cover the last
     `span_s` seconds; `device_tids` are the threads known to do device work.
     `names(pid)` is the process's name where known (else its last event's
     thread name); with the per-launch probes off, launches_per_s is None:
-    not measured, which is not zero."""
+    not measured, which is not zero. Failed calls count apart, per API and
+    code (`infos`: the API table, to name them), not as work."""
+    infos = infos if infos is not None else device_stream.default_infos()
     runq = runq[np.isin(runq["tid"], device_tids)] if len(runq) else runq
     pids = np.union1d(np.unique(device["pid"]), np.unique(runq["pid"])).tolist()
     rows = []
     for pid in pids:
         mine = device[device["pid"] == pid]
         waits = runq["delay_ns"][runq["pid"] == pid]
-        syncs = mine[(mine["kind"] == _SYNC) & ((mine["flags"] & device_stream.FLAG_RETURNED) != 0)]
+        failed = device_stream.failed(mine)
+        bad, mine = mine[failed], mine[~failed]       # failed calls did no work
+        syncs = mine[(mine["kind"] == _SYNC) & device_stream.returned(mine)]
         copies = mine[mine["kind"] == _MEMCPY]
-        comm = (names(pid) if names else None) or _comm(mine) or _comm(runq[runq["pid"] == pid])
+        comm = (names(pid) if names else None) or _comm(mine) or _comm(bad) \
+            or _comm(runq[runq["pid"] == pid])
         launches = float(np.isin(mine["kind"], _LAUNCH_KINDS).sum() / span_s)
         rows.append({
             "pid": int(pid), "comm": comm,
@@ -42,6 +48,8 @@ def process_table(runq: np.ndarray, device: np.ndarray, device_tids: np.ndarray,
             "launches_per_s": launches if launches_traced else None,
             "sync_wait_p99_ms": _p99(syncs["duration_ns"], 1e6),
             "memcpy_gb_per_s": float(copies["bytes"].sum() / span_s / 1e9),
+            "failed_per_s": float(len(bad) / span_s),
+            "failed_calls": _failures(bad, infos),
         })
     rows.sort(key=lambda r: (r["launches_per_s"] or 0.0, r["runq_wakeups"]), reverse=True)
     return rows[:MAX_PROCESSES]
@@ -64,6 +72,19 @@ def active_anomalies(anomalies: list[dict]) -> list[dict]:
                     "p99": ev.get("p99"), "baseline": ev.get("baseline"),
                     "flight_recording": a.get("flight_recording")})
     return out[-MAX_ANOMALIES:]
+
+
+def _failures(bad: np.ndarray, infos: dict) -> list[dict]:
+    """A process's failed calls per (API, code), most first."""
+    if not len(bad):
+        return []
+    keys, calls = np.unique(np.stack([bad["api"].astype(np.int64),
+                                      bad["ret"].astype(np.int64)], axis=1),
+                            axis=0, return_counts=True)
+    out = [{"api": infos[a].api if a in infos else str(a),
+            "error": device_stream.error_text(infos.get(a), code), "count": int(n)}
+           for (a, code), n in zip(keys.tolist(), calls.tolist())]
+    return sorted(out, key=lambda f: -f["count"])
 
 
 def _p99(values: np.ndarray, unit: float) -> float | None:

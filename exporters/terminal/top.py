@@ -24,6 +24,9 @@ def fetch_status(path: Path, timeout_s: float = 2.0) -> dict:
     return ask(path, "status", timeout_s)
 
 
+MAX_FAILURE_LINES = 8
+
+
 def render(status: dict, width: int = 100, live: bool = False) -> list[str]:
     """The screen, as lines: processes, then anomalies and hints, then
     losses; `live` (the refreshing view) says how to quit."""
@@ -32,9 +35,11 @@ def render(status: dict, width: int = 100, live: bool = False) -> list[str]:
              f"last {status.get('span_s', 0):g} s, per-launch probes "
              f"{status.get('launch_probes', '?')}" + ("   (q quits)" if live else ""), ""]
     # One unit per column, named in its header; "off" where a figure is not measured.
+    # Failed calls did no work: they are in FAILED/s and below, not in the others.
     lines.append(f"{'PID':>8} {'PROCESS':<16} {'RUNQ p99 ms':>12} {'LAUNCH/s':>10} "
-                 f"{'SYNC p99 ms':>12} {'MEMCPY GB/s':>12}")
+                 f"{'SYNC p99 ms':>12} {'MEMCPY GB/s':>12} {'FAILED/s':>10}")
     processes = status.get("processes") or []
+    failing = []
     for p in processes:
         runq_us = p.get("runq_p99_us")
         launches = p.get("launches_per_s")
@@ -42,9 +47,15 @@ def render(status: dict, width: int = 100, live: bool = False) -> list[str]:
                      f"{_ms(None if runq_us is None else runq_us / 1e3):>12} "
                      f"{'off' if launches is None else f'{launches:.1f}':>10} "
                      f"{_ms(p.get('sync_wait_p99_ms')):>12} "
-                     f"{p.get('memcpy_gb_per_s', 0):>12.2f}")
+                     f"{p.get('memcpy_gb_per_s', 0):>12.2f} "
+                     f"{p.get('failed_per_s', 0):>10.1f}")
+        failing += [(p["pid"], f) for f in p.get("failed_calls") or []]
     if not processes:
         lines.append("   (no process did GPU/NPU work in this span)")
+    if failing:
+        lines += ["", f"FAILED CALLS (last {status.get('span_s', 0):g} s)"]
+        lines += [f"{pid:>8} {f.get('api', '?'):<28} {f.get('error', '?'):<44} "
+                  f"{f.get('count', 0):>9,}" for pid, f in failing[:MAX_FAILURE_LINES]]
     lines += ["", "ANOMALIES"]
     for a in status.get("anomalies") or []:
         ratio = (f"  p99 {a['p99'] * 1e3:.2f} ms vs baseline {a['baseline'] * 1e3:.2f} ms"
