@@ -137,7 +137,13 @@ class Seconds(click.ParamType):
               help="Also listen here for the request latencies and entropy samples that "
                    "dispatchers report (the daemon's hint socket protocol); default: off. "
                    "Give the daemon's path, /run/mmtrace/mmtrace.sock, while no daemon runs.")
-def record(output, duration, pids, libs, nice, socket_path):
+@click.option("--launch-return-every", type=click.IntRange(0, 1 << 20), default=64,
+              show_default=True,
+              help="Kernel launches whose return code is probed: 1 in N on each CPU, each "
+                   "process's first, and every one of a process whose calls failed in the "
+                   "last second; 1: every launch (about 0.4 µs more each); 0: none. Copies, "
+                   "syncs and graph launches always have theirs.")
+def record(output, duration, pids, libs, nice, socket_path, launch_return_every):
     """Record the CPU, GPU and NPU streams to a file for later analysis.
 
     A progress line on stderr shows elapsed time, events and losses.
@@ -147,6 +153,8 @@ def record(output, duration, pids, libs, nice, socket_path):
     processes, the usual install paths and Python site-packages, and to
     each --lib; every kernel launch is traced (each costs about 0.4 µs
     beyond the kernel's uprobe trap; BENCHMARKS.md has the figures).
+    A call that returns an error is counted apart, per API and code, not
+    as work.
 
     \b
     Examples:
@@ -165,7 +173,10 @@ def record(output, duration, pids, libs, nice, socket_path):
     why_not = set_niceness(nice)
     if why_not:
         click.echo(f"mmtrace: warning: {why_not}", err=True)
+    from mmtrace.agent.kernel.probes import ProbeOptions
     result = recorder.record(output, duration, pids=pids, libs=libs,
+                             options=ProbeOptions(pids=tuple(pids),
+                                                  launch_return_every=launch_return_every),
                              progress=recorder.Progress(), socket_path=socket_path,
                              compile_apart=True,      # this process's only load
                              warn=lambda text: click.echo(f"mmtrace: warning: {text}",

@@ -72,4 +72,4 @@ def test_every_alert_has_test_cases():
               if case.get("exp_alerts")}
     assert tested == set(rule_exprs()) == {
         "MmtraceP99DriftFiring", "MmtraceEntropyDrift", "MmtraceEventsLost", "MmtraceProbeDown",
-        "MmtraceAgentDown", "MmtraceNvmlMissing"}
+        "MmtraceAgentDown", "MmtraceNvmlMissing", "MmtraceCallFailures"}

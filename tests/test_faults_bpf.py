@@ -304,9 +304,11 @@ def test_a_ring_overflow_is_counted_and_the_daemon_keeps_tracing(natives, tmp_pa
                         tmp_path / "daemon.log")
 
         def accounted(samples):
+            # every call delivered: work, waits, and (no driver) failed calls
             delivered = (metric(samples, "mmtrace_device_submissions_total", stream="gpu")
                          + metric(samples, "mmtrace_device_sync_wait_seconds_count",
-                                  stream="gpu"))
+                                  stream="gpu")
+                         + metric(samples, "mmtrace_device_call_failures_total", stream="gpu"))
             return delivered, metric(samples, "mmtrace_events_lost_total",
                                      reason="ringbuf_full_dev")
 
@@ -363,8 +365,10 @@ def test_a_probe_the_kernel_refuses_fails_alone_and_is_named(natives, tmp_path, 
                          "--metrics-address", f"127.0.0.1:{port}"], None,
                         tmp_path / "daemon.log")
         run_loop(loop, "run 50")
-        samples = wait_until(lambda: scrape_when(port, "mmtrace_device_sync_wait_seconds_count",
-                                                 50, stream="gpu"), what="the loop's syncs")
+        # no driver: the loop's calls fail, and are counted so
+        samples = wait_until(lambda: scrape_when(port, "mmtrace_device_call_failures_total",
+                                                 50, api="cudaStreamSynchronize"),
+                             what="the loop's syncs")
         up = {s.labels["probe"]: s.value for s in samples if s.name == "mmtrace_probe_up"
               and s.labels["library"] == "libcudart.so.12"}
         assert up["cudaEventSynchronize"] == 0
@@ -374,9 +378,9 @@ def test_a_probe_the_kernel_refuses_fails_alone_and_is_named(natives, tmp_path, 
         assert {(f["probe"], f["point"]) for f in failures} == {
             ("cudaEventSynchronize", "entry"), ("cudaEventSynchronize", "return")}
         assert all("cannot probe the instruction" in f["reason"] for f in failures), failures
-        for kind, api in (("launch", "cudaLaunchKernel"), ("memcpy", "cudaMemcpyAsync")):
-            assert metric(samples, "mmtrace_device_submissions_total", kind=kind, api=api) == 50
-        assert metric(samples, "mmtrace_device_sync_wait_seconds_count", stream="gpu") == 50
+        for api in ("cudaLaunchKernel", "cudaMemcpyAsync", "cudaStreamSynchronize"):
+            assert metric(samples, "mmtrace_device_call_failures_total", api=api, code="35") == 50
+        assert metric(samples, "mmtrace_device_submissions_total", stream="gpu") == 0
         assert "cudaEventSynchronize" in daemon.text()
         if shutil.which("promtool"):
             check = subprocess.run(["promtool", "check", "metrics"], input=exposition(port),

@@ -144,7 +144,7 @@ def test_submissions_get_stream_tracks_flows_to_their_sync_and_copy_counters():
             if e[proto.TE_TRACK_UUID] == [uuid]:
                 on_stream.setdefault(name, []).append((ts, e[proto.TE_TYPE][0]))
     B, E = proto.SLICE_BEGIN, proto.SLICE_END
-    assert on_stream == {b"gpu stream 0x5": [(100, B), (170, E), (120, B), (170, E)],
+    assert on_stream == {b"gpu stream 0x5": [(100, B), (120, B), (170, E), (170, E)],
                          b"gpu stream 0x6": [(110, B), (305, E)],
                          b"gpu stream 0x0": [(400, B), (425, E)]}
 

@@ -205,7 +205,7 @@ def test_flight_names_taken_beforehand_are_passed_over(victim, tmp_path):
     state = private_dir(tmp_path / "state", 0o700)
     now = time.time()
     for second in range(-2, 12):
-        stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime(now + second))
+        stamp = time.strftime("%Y%m%dT%H%M%S%z", time.localtime(now + second))
         (state / f"flight-{stamp}-dump-dump.mmtr").symlink_to(
             victim if second % 2 else tmp_path / "created-by-root")   # dangling
         os.mkfifo(state / f"flight-{stamp}-dump-dump-2.mmtr")

@@ -198,6 +198,10 @@ class DaemonConfig:
     flight_min_interval_s: float = _seconds(60.0, DAY_S, zero=True)
     adaptive_launches: bool = _setting(True, Flag())            # per-launch probes after alarms
     launch_burst_s: float = _seconds(120.0, DAY_S)
+    # Per-launch calls whose return code is probed: 1 in N per CPU, each
+    # process's first, and all of a process whose calls fail (1: every one,
+    # at about 0.4 us more a launch; 0: none)
+    launch_return_every: int = _count(64, 1 << 20, low=0)
     discover_interval_s: float = _seconds(2.0, 3600.0, low=0.1)
     nice: int = _setting(DEFAULT_NICE, Number(-20, 19, integer=True))  # the daemon's priority
     metrics_address: str = _setting(":9464", Text(256))          # Prometheus endpoint; "off": none

@@ -21,6 +21,7 @@ from mmtrace.agent.daemon.steering import Steering
 from mmtrace.agent.daemon.streams import SCHEMAS, Streams
 from mmtrace.agent.recording.flight import FlightRecorder
 from mmtrace.agent.recording.meta_budget import fit_meta
+from mmtrace.agent.recording.wall_clock import WallClock
 
 log = logging.getLogger("mmtrace.daemon")
 
@@ -53,8 +54,15 @@ class Alarms:
             firing = anomaly.get("state") == "firing"
             if firing:
                 self.counts[anomaly.get("detector", "unknown")] += 1
-            log.warning("anomaly %s %s %s", anomaly.get("detector"),
-                        anomaly.get("series") or anomaly.get("kind"), anomaly.get("state"))
+            # When it happened on the wall, in the local zone and UTC, for
+            # matching against the host's other logs.
+            clock = WallClock.now()
+            at = anomaly.get("ts_ns")
+            at = at if isinstance(at, int) else time.monotonic_ns()
+            anomaly["wall_time"] = clock.stamp(at)
+            log.warning("anomaly %s %s %s at %s", anomaly.get("detector"),
+                        anomaly.get("series") or anomaly.get("kind"), anomaly.get("state"),
+                        clock.text(at))
             if firing:
                 self._on_firing(anomaly)
         if anomalies and self.otlp is not None:

@@ -38,7 +38,8 @@ class LiveProbes:
         cfg = self.config
         self._began = time.monotonic()
         options = probe_loader.ProbeOptions(pids=tuple(cfg.pids),
-                                            trace_launches=not cfg.adaptive_launches)
+                                            trace_launches=not cfg.adaptive_launches,
+                                            launch_return_every=cfg.launch_return_every)
         self.sources = DeviceSources(cfg.libs, cfg.pids, discover=True, warn=log.warning,
                                      interval_s=cfg.discover_interval_s)
         self.loaded = probe_loader.load_cpu(options, compile_apart=self.compile_apart)
@@ -73,9 +74,9 @@ class LiveProbes:
             self.attach_new()
             compiler_memory.release()       # what the first discovery scan left, too
             log.info("gpu/npu probes live (%.2f s)", time.monotonic() - self._began)
-        log.info("tracing: pids=%s, per-launch probes %s, flight recordings in %s",
+        log.info("tracing: pids=%s, per-launch probes %s, %s, flight recordings in %s",
                  list(cfg.pids) or "all", "on alarm" if cfg.adaptive_launches else "on",
-                 cfg.state_dir)
+                 probe_loader.launch_returns(self.loaded.options), cfg.state_dir)
 
     def attach_new(self):
         # The device's own states are read when needed: kept here, every

@@ -81,7 +81,8 @@ def run_check(cfg: DaemonConfig, sources: str, warnings: list[str], *,
 def _cpu_stream(cfg: DaemonConfig, report: Report, compile_apart: bool):
     from mmtrace.agent.kernel import probes as probe_loader
     options = probe_loader.ProbeOptions(pids=tuple(cfg.pids),
-                                        trace_launches=not cfg.adaptive_launches)
+                                        trace_launches=not cfg.adaptive_launches,
+                                        launch_return_every=cfg.launch_return_every)
     try:
         loaded = probe_loader.load(options, compile_apart=compile_apart)
     except MmtraceError as exc:
@@ -99,6 +100,7 @@ def _cpu_stream(cfg: DaemonConfig, report: Report, compile_apart: bool):
 
 
 def _device_probes(cfg: DaemonConfig, loaded, report: Report):
+    from mmtrace.agent.kernel import probes as probe_loader
     from mmtrace.agent.kernel.probed_file import LAUNCHES_OFF
     from mmtrace.agent.kernel.device_sources import DeviceSources
     if loaded.device is None:
@@ -122,7 +124,8 @@ def _device_probes(cfg: DaemonConfig, loaded, report: Report):
                    + (f" ({', '.join(libraries[:4])}{', ...' if len(libraries) > 4 else ''})"
                       if libraries else "")
                    + (f"; {held} per-launch probes wait for an alarm (adaptive mode)"
-                      if held else ""))
+                      if held else "")
+                   + f"; {probe_loader.launch_returns(loaded.options)}")
     failed = {}
     for s in states:
         if s.state != "attached" and s.reason != LAUNCHES_OFF:

@@ -73,6 +73,15 @@ class ApiRoles:
         return (self.submission[safe] & known, self.blocking[safe] & known,
                 np.where(known, self.scope[safe], SCOPE_NONE), self.record[safe] & known)
 
+    def of_events(self, events: np.ndarray):
+        """As `of`, for the events themselves: a submission has an op_id, and
+        a call that failed plays no part (nothing was queued, nothing waited
+        for)."""
+        submission, blocking, scope, record = self.of(events["api"])
+        ok = ~device_stream.failed(events)
+        return (submission & (events["op_id"] > 0) & ok, blocking, np.where(ok, scope, SCOPE_NONE),
+                record & ok)
+
 
 def end_ns(events: np.ndarray) -> np.ndarray:
     """Return time where measured, else the entry time."""
@@ -185,8 +194,7 @@ def align(events: np.ndarray, roles: ApiRoles, copy: bool = True) -> np.ndarray:
     out = _as_aligned(events, copy=copy)
     if not len(events):
         return out
-    submission, blocking, scope, record = roles.of(events["api"])
-    submission &= events["op_id"] > 0
+    submission, blocking, scope, record = roles.of_events(events)
     pid = out["pid"].astype(np.uint64)
     stream = out["stream_handle"].astype(np.uint64)
     ts = out["ts_ns"].astype(np.int64)
@@ -301,7 +309,7 @@ class Aligner:
         settled = aligned["retired_ns"][:n_pending] != NONE
         self._set_retired(self._pending_seq[settled], aligned["retired_ns"][:n_pending][settled])
         new = aligned[len(aligned) - len(batch):]
-        submission = self.roles.of(new["api"])[0] & (new["op_id"] > 0)
+        submission = self.roles.of_events(new)[0]
         # What this push retired: earlier submissions and the batch's own.
         self.last_retired = concat([take(aligned[:n_pending], settled),
                                     take(new, submission & (new["retired_ns"] != NONE))])
@@ -320,8 +328,7 @@ class Aligner:
             self.on_retired(seq, retired)
 
     def _remember(self, new: np.ndarray, first_seq: int, keep_pending: np.ndarray):
-        submission, _, _, record = self.roles.of(new["api"])
-        submission &= new["op_id"] > 0
+        submission, _, _, record = self.roles.of_events(new)
         waiting = submission & (new["retired_ns"] == NONE)
         seq = first_seq + np.arange(len(new))
         pending = concat([take(self._pending, keep_pending), take(new, waiting)])

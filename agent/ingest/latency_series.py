@@ -89,11 +89,12 @@ def runq_series(series_id, runq: np.ndarray, submitters: Submitters) -> Series:
 
 
 def sync_series(series_id, device_events: np.ndarray) -> Series:
-    """Syncs whose return was seen (their duration is the time blocked)."""
+    """Syncs whose return was seen (their duration is the time blocked),
+    less those that failed (they waited for nothing)."""
     if not len(device_events):
         return Series.empty()
-    done = ((device_events["kind"] == SYNC)
-            & (device_events["flags"] & device_stream.FLAG_RETURNED).astype(bool))
+    done = ((device_events["kind"] == SYNC) & device_stream.returned(device_events)
+            & ~device_stream.failed(device_events))
     syncs = device_events[done]
     if not len(syncs):
         return Series.empty()

@@ -53,6 +53,10 @@ class DeviceRows:
     fields: list                # per row: frozenset of the optional fields it fills
     error: np.ndarray = None    # object: a failed call's code as text, else None
 
+    def __post_init__(self):
+        if self.error is None:
+            self.error = np.full(len(self.events), None, object)
+
     def __len__(self):
         return len(self.events)
 

@@ -63,7 +63,8 @@ class FlightRecorder:
                now_ns: int) -> Path | None:
         since = now_ns - int(self.seconds * 1e9)
         label = re.sub(r"[^A-Za-z0-9_.=-]+", "_", label)
-        stem = f"flight-{time.strftime('%Y%m%dT%H%M%S')}-{label[:60]}"
+        # Local time with its offset from UTC: names sort, and say when.
+        stem = f"flight-{time.strftime('%Y%m%dT%H%M%S%z')}-{label[:60]}"
         path = self.state_dir / f"{stem}.mmtr"
         try:
             private_dir(self.state_dir, STATE_DIR_MODE)

@@ -221,7 +221,8 @@ class _Recording:
         self.compiling = None
         device.attach()         # before saying so: a call made after the line is traced
         if self.progress and device.device is not None:
-            self.progress.live("gpu/npu", time.monotonic() - self.began)
+            self.progress.live("gpu/npu", time.monotonic() - self.began,
+                               probe_loader.launch_returns(self.loaded.options))
 
     def _show_progress(self, finishing: bool):
         # The first progress line once every stream that is coming is live.

@@ -5,12 +5,18 @@ the writer took when it opened the file (the header's
 realtime_minus_monotonic_ns): a clock stepped since moves the mapping by
 as much, which NTP's slewing keeps to milliseconds."""
 
+import time
 from datetime import datetime, timezone
 
 
 class WallClock:
     def __init__(self, realtime_minus_monotonic_ns: int | None):
         self.offset_ns = realtime_minus_monotonic_ns
+
+    @classmethod
+    def now(cls) -> "WallClock":
+        """The host's clocks as they stand now (a live daemon's anomalies)."""
+        return cls(time.time_ns() - time.monotonic_ns())
 
     @classmethod
     def of(cls, rec) -> "WallClock":

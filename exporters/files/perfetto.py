@@ -19,30 +19,49 @@ from mmtrace.bpf.sched import wait_start_ns
 from mmtrace.exporters.files.perfetto_anomalies import anomaly_packets, recorded_anomalies
 from mmtrace.exporters.files.perfetto_device import DeviceEncoder
 from mmtrace.exporters.files.perfetto_events import gpu_state_packets
-from mmtrace.exporters.files.perfetto_rows import labels, slice_rows
+from mmtrace.exporters.files.perfetto_fields import (ANOMALY_SEQUENCE, HINT_SEQUENCE, SEQUENCE_ID,
+                                                    clock_snapshot, sequence_start)
+from mmtrace.exporters.files.perfetto_order import PacketOrder, on_sequence
+from mmtrace.exporters.files.perfetto_rows import labels, paired, slice_rows_apart
 from mmtrace.exporters.files.perfetto_telemetry import Telemetry, hint_packets
 from mmtrace.exporters.files.perfetto_tracks import Tracks
-from mmtrace.exporters.files.rowtext import BATCH, Rows, first_per_thread, write_merged
+from mmtrace.exporters.files.rowtext import BATCH, first_per_thread
 
 
 class PerfettoWriter:
-    """Writes the slices of each replay step (agent/recording/replay.py) as they come:
-    run-queue waits a batch at a time, GPU/NPU calls one by one."""
+    """Writes the slices of each replay step (agent/recording/replay.py) as they
+    come: track descriptors at once, timed packets through PacketOrder,
+    so that timestamps never go backwards within a sequence."""
 
-    def __init__(self, out):
+    def __init__(self, out, realtime_minus_monotonic_ns: int | None = None,
+                 start_ns: int = 0):
         self.out = out
+        self.order = PacketOrder(out)
         self.tracks = Tracks()
         self.device = DeviceEncoder()
         self.slices = 0
+        out.write(trace_start(start_ns, realtime_minus_monotonic_ns))
 
     def _write(self, packets):
+        """Packets as (timestamp or None, bytes): descriptors at once, the
+        rest in time order."""
+        ts, timed = [], []
+        for stamp, packet in packets:
+            if stamp is None:
+                self.out.write(packet)
+            else:
+                ts.append(stamp)
+                timed.append(packet)
+        self.order.add_packets(ts, timed)
+
+    def _descriptors(self, packets):
         for packet in packets:
             self.out.write(packet)
 
     def _tracks(self, pids, tids, comms):
         for pid, tid, comm in zip(pids, tids, comms):
             if (pid, tid) not in self.tracks.threads:
-                self._write(self.tracks.new(pid, tid, comm.decode(errors="replace")))
+                self._descriptors(self.tracks.new(pid, tid, comm.decode(errors="replace")))
 
     def _device_tracks(self, device):
         ev = device.events
@@ -53,12 +72,14 @@ class PerfettoWriter:
         stream_of = dict(zip(zip(ev["pid"].tolist(), ev["stream_handle"].tolist()),
                              device.stream.tolist()))
         for pid, handle in keys.tolist():
-            self._write(self.tracks.stream(pid, stream_of[(pid, handle)], handle))
+            self._descriptors(self.tracks.stream(pid, stream_of[(pid, handle)], handle))
         for pid in np.unique(ev["pid"][device.kind == "memcpy"]).tolist():
-            self._write(self.tracks.copied(pid))
+            self._descriptors(self.tracks.copied(pid))
 
-    def step(self, step):
+    def step(self, step, extra=()):
+        """One replay step; `extra`: more (timestamp or None, packet) of it."""
         runq, device = step.part("cpu.runq"), step.device_rows()
+        newest = [int(part["ts_ns"][-1]) for part in step.records.values() if len(part)]
         gpus = step.part("gpu.state")
         if gpus is not None:
             self._write(gpu_state_packets(gpus, self.tracks))
@@ -67,46 +88,73 @@ class PerfettoWriter:
             order = np.argsort(start, kind="stable")
             runq, start = runq[order], start[order]
             self._tracks(*first_per_thread(runq))
-        others, other_keys = [], np.zeros(0, np.uint64)
+            for lo in range(0, len(runq), BATCH):
+                part = runq[lo:lo + BATCH]
+                self.order.add(*_runq_slice_packets(part))
+            self.slices += len(runq)
         if device is not None:
             ev = device.events
             self._tracks(*first_per_thread(ev))
             self._device_tracks(device)
-            others = [packets for part in device.batches(BATCH // 4)
-                      for packets in self.device.packets(part)]
-            other_keys = ev["ts_ns"]
-        if runq is None:
-            for row in others:
-                self.out.write(row)
-        else:
-            write_merged(self.out, _runq_slice_rows, runq, start, others, other_keys)
-        self.slices += (0 if runq is None else len(runq)) + len(others)
+            for part in device.batches(BATCH // 4):
+                self.order.add_packets(*self.device.timed_packets(part))
+            newest.append(int(ev["ts_ns"].max()))
+            self.slices += len(device)
+        self._write(extra)
+        if newest:
+            self.order.passed(max(newest))
+
+    def finish(self):
+        self.order.finish()
 
 
-def _runq_slice_rows(runq: np.ndarray) -> Rows:
+def _runq_slice_packets(runq: np.ndarray):
+    """(timestamps, lengths, bytes) of run-queue waits' slices."""
     start = wait_start_ns(runq)
-    return slice_rows(start, runq["ts_ns"] - start, runq["pid"], runq["tid"],
-                      labels("cpu", "runq"))
+    begin, end = slice_rows_apart(start, runq["ts_ns"] - start, runq["pid"], runq["tid"],
+                                  labels("cpu", "runq"))
+    return paired(begin, end, start, runq["ts_ns"])
+
+
+def trace_start(start_ns: int, realtime_minus_monotonic_ns: int | None) -> bytes:
+    """What a trace opens with: its sequence's state and clock, and the
+    wall clock beside it."""
+    return sequence_start(SEQUENCE_ID) + clock_snapshot(start_ns, realtime_minus_monotonic_ns)
 
 
 def write_recording(steps, out, source=None, detectors=None) -> int:
     """Write the slices of `steps` (a recording's replay) to the binary
     stream `out`; returns their number. With the recording (`source`),
-    its anomalies follow: the one that made a flight recording, and those
-    that `detectors` (fed each step, then finished) find over the same
-    steps, as `report` lists them; then its hint audit log. Request
-    latencies and entropy that dispatchers reported are counter tracks."""
-    writer = PerfettoWriter(out)
+    its clocks go in a ClockSnapshot, and its anomalies follow: the one
+    that made a flight recording, and those that `detectors` (fed each
+    step, then finished) find over the same steps, as `report` lists them;
+    then its hint audit log. Request latencies and entropy that
+    dispatchers reported are counter tracks."""
+    header = getattr(source, "header", None) or {}
+    start = header.get("start_monotonic_ns")
+    writer = PerfettoWriter(out, header.get("realtime_minus_monotonic_ns"),
+                            start if isinstance(start, int) and start >= 0 else 0)
     telemetry = Telemetry(source)
     for step in steps:
-        writer.step(step)
-        writer._write(telemetry.step(step))
+        writer.step(step, telemetry.step(step))
         if detectors is not None:
             detectors.feed(step)
+    writer.finish()
     if source is not None:
         found = [{**a, "source": "replay"} for a in detectors.finish()] if detectors else []
-        for packet in anomaly_packets(recorded_anomalies(source) + found):
-            out.write(packet)
-        for packet in hint_packets(source):
-            out.write(packet)
+        for sequence, packets in ((ANOMALY_SEQUENCE,
+                                   anomaly_packets(recorded_anomalies(source) + found)),
+                                  (HINT_SEQUENCE, hint_packets(source))):
+            _write_sequence(out, sequence, packets)
     return writer.slices
+
+
+def _write_sequence(out, sequence: int, packets):
+    """(timestamp or None, packet) on `sequence` of their own, descriptors
+    first, the rest in time order."""
+    packets = list(packets)
+    if not packets:
+        return
+    out.write(sequence_start(sequence))
+    for _, packet in sorted(packets, key=lambda item: -1 if item[0] is None else item[0]):
+        out.write(on_sequence(packet, sequence))

@@ -73,12 +73,13 @@ def anomaly_event(anomaly: dict) -> bytes:
 
 
 def anomaly_packets(anomalies: list[dict]):
-    """The anomalies' track, then an instant per anomaly."""
+    """The anomalies' track, then an instant per anomaly, as (timestamp
+    or None for the descriptor, packet)."""
     if not anomalies:
         return
     desc = field_varint(TD_UUID, ANOMALY_TRACK) + field_str(TD_NAME, TRACK_NAME)
-    yield packet(field_bytes(TP_TRACK_DESCRIPTOR, desc))
+    yield None, packet(field_bytes(TP_TRACK_DESCRIPTOR, desc))
     for a in anomalies:
         ts = min(max(0, int(a.get("ts_ns", 0))), INT64 - 1)    # a crafted file's too
-        yield packet(field_varint(TP_TIMESTAMP, ts),
-                     field_bytes(TP_TRACK_EVENT, anomaly_event(a)))
+        yield ts, packet(field_varint(TP_TIMESTAMP, ts),
+                         field_bytes(TP_TRACK_EVENT, anomaly_event(a)))

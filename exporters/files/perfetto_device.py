@@ -15,7 +15,7 @@ from mmtrace.exporters.files.perfetto_fields import (
     TP_TIMESTAMP, TP_TRACK_EVENT, TE_TYPE, TE_TRACK_UUID, TE_FLOW_IDS, TE_TERMINATING_FLOW_IDS,
     SLICE_BEGIN, SLICE_END, INSTANT, packet)
 from mmtrace.exporters.files.perfetto_rows import (counter_rows, event_rows, fixed64_rows, labels,
-                                                   slice_rows)
+                                                   slice_rows_apart)
 from mmtrace.exporters.files.perfetto_tracks import flow_ids, stream_uuids, thread_uuid, thread_uuids
 from mmtrace.exporters.files.protowire import field_bytes, field_varint, varint
 from mmtrace.exporters.files.rowtext import Rows, split
@@ -86,14 +86,25 @@ class DeviceEncoder:
     and counter_packets write them: the call on its thread (the time inside it
     where measured, else an instant; named by op, else by API) with its
     flows; a retired submission's time in flight on its stream's track; a
-    memcpy's running total on its process's counter. Built per batch; one
-    bytes object per call. Keeps the pending flows and totals across calls."""
+    memcpy's running total on its process's counter. Built per batch: per
+    call its packets and their timestamps. Keeps the pending flows and
+    totals across calls."""
 
     def __init__(self):
         self.flows = Flows()
         self.copied: dict = {}
 
     def packets(self, rows) -> list[bytes]:
+        """One bytes object per call: its packets."""
+        return [b"".join(packet for _, packet in call) for call in self.timed(rows)]
+
+    def timed_packets(self, rows) -> tuple[np.ndarray, list[bytes]]:
+        """Every packet of the calls on its own, and its timestamp."""
+        flat = [item for call in self.timed(rows) for item in call]
+        return np.array([ts for ts, _ in flat], np.uint64), [packet for _, packet in flat]
+
+    def timed(self, rows) -> list[list[tuple[int, bytes]]]:
+        """Per call, its packets as (timestamp, bytes)."""
         ev = rows.events
         n = len(ev)
         codes, keys = rowtext_codes(list(zip(rows.stream, rows.kind, rows.op_name, rows.api)))
@@ -118,7 +129,7 @@ class DeviceEncoder:
                             for a, c in zip(first.tolist(), count.tolist())]
             end_codes[rows_with] = np.arange(1, len(rows_with) + 1)
         lengths = np.array([len(e) for e in end_entries], np.int64)[end_codes]
-        out = [b""] * n
+        out = [[] for _ in range(n)]
         # A sync that ends many flows would widen the whole batch's matrix:
         # such syncs are few (each ends more than WIDE_FLOWS flows that
         # as many submissions started) and are written one by one.
@@ -135,18 +146,18 @@ class DeviceEncoder:
             begin = (field_varint(TE_TYPE, SLICE_BEGIN) + track + entries[codes[i]]
                      + end_entries[end_codes[i]] + call_bytes(fields, i))
             end = field_varint(TE_TYPE, SLICE_END) + track
-            out[i] = (packet(field_varint(TP_TIMESTAMP, int(e["ts_ns"])),
-                              field_bytes(TP_TRACK_EVENT, begin))
-                      + packet(field_varint(TP_TIMESTAMP, int(e["ts_ns"] + e["duration_ns"])),
-                                field_bytes(TP_TRACK_EVENT, end)))
+            t0, t1 = int(e["ts_ns"]), int(e["ts_ns"] + e["duration_ns"])
+            out[i] = [(t0, packet(field_varint(TP_TIMESTAMP, t0),
+                                  field_bytes(TP_TRACK_EVENT, begin))),
+                      (t1, packet(field_varint(TP_TIMESTAMP, t1),
+                                  field_bytes(TP_TRACK_EVENT, end)))]
         inflight = np.flatnonzero(submission & retired)
         if len(inflight):
             e = ev[inflight]
-            made = slice_rows(e["ts_ns"], e["retired_ns"].astype(np.uint64) - e["ts_ns"],
-                              e["pid"], e["tid"], (codes[inflight], entries),
-                              stream_uuids(e["pid"], e["stream_handle"]))
-            for i, packets in zip(inflight.tolist(), split(made)):
-                out[i] += packets
+            begins, ends_ = slice_rows_apart(
+                e["ts_ns"], e["retired_ns"].astype(np.uint64) - e["ts_ns"], e["pid"], e["tid"],
+                (codes[inflight], entries), stream_uuids(e["pid"], e["stream_handle"]))
+            _append(out, inflight, e["ts_ns"], begins, e["retired_ns"], ends_)
         copies = np.flatnonzero(kinds == "memcpy")
         if len(copies):
             e = ev[copies]
@@ -157,8 +168,7 @@ class DeviceEncoder:
                 self.copied[pid] = int(totals[mine][-1])
             made = counter_rows(e["ts_ns"], np.uint64(1 << 60) | e["pid"].astype(np.uint64),
                                 totals)
-            for i, packets in zip(copies.tolist(), split(made)):
-                out[i] += packets
+            _append(out, copies, e["ts_ns"], made)
         return out
 
     @staticmethod
@@ -179,13 +189,25 @@ class DeviceEncoder:
                         .rows(notes.take(sub)))
 
             if kind == SLICE_BEGIN:
-                made = slice_rows(e["ts_ns"], e["duration_ns"], e["pid"], e["tid"],
-                                  (codes[sub], entries), extra=flows)
+                begins, ends_ = slice_rows_apart(e["ts_ns"], e["duration_ns"], e["pid"],
+                                                 e["tid"], (codes[sub], entries), extra=flows)
+                _append(out, sub, e["ts_ns"], begins, e["ts_ns"] + e["duration_ns"], ends_)
             else:
                 made = event_rows(len(e), e["ts_ns"], thread_uuids(e["pid"], e["tid"]),
                                    field_varint(TE_TYPE, INSTANT), (codes[sub], entries), flows)
-            for i, packets in zip(sub.tolist(), split(made)):
-                out[i] = packets
+                _append(out, sub, e["ts_ns"], made)
+
+
+def _append(out: list, at: np.ndarray, ts, made: Rows, end_ts=None, ends: Rows | None = None):
+    """Each row's packet of `made` (stamped ts), then its packet of `ends`
+    (stamped end_ts), onto the calls `at`."""
+    items = zip(at.tolist(), np.asarray(ts).tolist(), split(made))
+    if ends is None:
+        for i, t, p in items:
+            out[i].append((t, p))
+        return
+    for (i, t, p), t1, q in zip(items, np.asarray(end_ts).tolist(), split(ends)):
+        out[i] += [(t, p), (t1, q)]
 
 
 def device_packets(rows) -> list[bytes]:

@@ -76,17 +76,19 @@ def counter_packets(c: Counter):
 
 def gpu_state_packets(samples: np.ndarray, tracks: Tracks):
     """Each NVML sample's utilisations on its GPU's counter tracks (one a
-    second per GPU: written one by one)."""
+    second per GPU: written one by one), as (timestamp, packet); a track's
+    descriptor first, as (None, packet)."""
     for row in samples.tolist():
         sample = dict(zip(samples.dtype.names, row))
         for which, (key, _) in enumerate(GPU_COUNTERS):
-            yield from tracks.gpu(sample["gpu"], which)
+            for descriptor in tracks.gpu(sample["gpu"], which):
+                yield None, descriptor
             event = (field_varint(TE_TYPE, COUNTER)
                      + field_varint(TE_TRACK_UUID, gpu_counter_uuid(sample["gpu"], which))
                      + varint(TE_DOUBLE_COUNTER_VALUE << 3 | 1)
                      + struct.pack("<d", sample[key] * 100.0))
-            yield packet(field_varint(TP_TIMESTAMP, sample["ts_ns"]),
-                          field_bytes(TP_TRACK_EVENT, event))
+            yield sample["ts_ns"], packet(field_varint(TP_TIMESTAMP, sample["ts_ns"]),
+                                          field_bytes(TP_TRACK_EVENT, event))
 
 
 def item_packets(item) -> bytes:
@@ -94,13 +96,17 @@ def item_packets(item) -> bytes:
 
 
 def write_perfetto(slices: list[Slice], out) -> int:
-    """Write slices (any order) as a binary Perfetto trace; returns their number."""
+    """Write slices (any order) as a binary Perfetto trace, the packets in
+    time order; returns their number."""
+    from mmtrace.exporters.files.perfetto import trace_start
     slices = sorted(slices, key=lambda s: s.start_ns)
+    out.write(trace_start(0, None))
     for packet in _descriptors(slices):
         out.write(packet)
-    for s in slices:
-        for packet in slice_packets(s):
-            out.write(packet)
+    stamped = [(p.start_ns if p.duration_ns is None or k == 0 else p.start_ns + p.duration_ns,
+                packet) for p in slices for k, packet in enumerate(slice_packets(p))]
+    for _, packet in sorted(stamped, key=lambda item: item[0]):
+        out.write(packet)
     return len(slices)
 
 

@@ -44,9 +44,49 @@ SLICE_END = 2
 INSTANT = 3
 COUNTER = 4
 
+# TracePacket, the clocks: every timestamp is CLOCK_MONOTONIC (the kernel's
+# bpf_ktime_get_ns), said once per sequence in its defaults; a
+# ClockSnapshot pairs it with the wall clock.
+TP_CLOCK_SNAPSHOT = 6
+TP_TRACE_PACKET_DEFAULTS = 59
+TPD_TIMESTAMP_CLOCK_ID = 58
+CS_CLOCKS = 1
+CS_PRIMARY_TRACE_CLOCK = 2
+CLOCK_ID = 1
+CLOCK_TIMESTAMP = 2
+BUILTIN_CLOCK_REALTIME = 1
+BUILTIN_CLOCK_MONOTONIC = 3
+
+# Sequences: the tracks' events (in time order, perfetto_order.py), the
+# few that came too late for it, and the anomalies and the hints written last.
 SEQUENCE_ID = 7
+LATE_SEQUENCE = 8
+ANOMALY_SEQUENCE = 9
+HINT_SEQUENCE = 10
 
 
-def packet(*fields: bytes) -> bytes:
-    """A TracePacket on mmtrace's sequence, holding `fields`."""
-    return field_bytes(TRACE_PACKET, field_varint(TP_SEQUENCE_ID, SEQUENCE_ID) + b"".join(fields))
+def packet(*fields: bytes, sequence: int = SEQUENCE_ID) -> bytes:
+    """A TracePacket on one of mmtrace's sequences (the main one unless
+    told), holding `fields`; the sequence id comes first."""
+    return field_bytes(TRACE_PACKET, field_varint(TP_SEQUENCE_ID, sequence) + b"".join(fields))
+
+
+def sequence_start(sequence: int) -> bytes:
+    """The first packet of a sequence: its state starts here, and its
+    timestamps are CLOCK_MONOTONIC."""
+    defaults = field_varint(TPD_TIMESTAMP_CLOCK_ID, BUILTIN_CLOCK_MONOTONIC)
+    return packet(field_varint(TP_SEQUENCE_FLAGS, SEQ_INCREMENTAL_STATE_CLEARED),
+                  field_bytes(TP_TRACE_PACKET_DEFAULTS, defaults), sequence=sequence)
+
+
+def clock_snapshot(monotonic_ns: int, realtime_minus_monotonic_ns: int | None) -> bytes:
+    """A ClockSnapshot: CLOCK_MONOTONIC (the trace's clock) and, where the
+    recording knows it, the wall clock at the same moment."""
+    clocks = [(BUILTIN_CLOCK_MONOTONIC, monotonic_ns)]
+    if isinstance(realtime_minus_monotonic_ns, int):
+        clocks.append((BUILTIN_CLOCK_REALTIME, monotonic_ns + realtime_minus_monotonic_ns))
+    body = b"".join(field_bytes(CS_CLOCKS, field_varint(CLOCK_ID, cid)
+                                + field_varint(CLOCK_TIMESTAMP, max(0, ts)))
+                    for cid, ts in clocks)
+    body += field_varint(CS_PRIMARY_TRACE_CLOCK, BUILTIN_CLOCK_MONOTONIC)
+    return packet(field_bytes(TP_CLOCK_SNAPSHOT, body))

@@ -40,16 +40,30 @@ def event_rows(n: int, ts: np.ndarray, track: np.ndarray, kind: bytes, labels=b"
     return _packet_rows(ts, body)
 
 
-def slice_rows(start_ns: np.ndarray, duration_ns: np.ndarray, pid: np.ndarray, tid: np.ndarray,
-               labels, track: np.ndarray | None = None, extra=None) -> Rows:
-    """A begin and an end packet per slice, as perfetto_events.slice_packets
-    writes them, for a whole batch of slices (labels and extra as event_rows
-    takes them)."""
+def slice_rows_apart(start_ns: np.ndarray, duration_ns: np.ndarray, pid: np.ndarray,
+                     tid: np.ndarray, labels, track: np.ndarray | None = None,
+                     extra=None) -> tuple[Rows, Rows]:
+    """The begin packets and the end packets of a whole batch of slices, as
+    perfetto_events.slice_packets writes them (labels and extra as
+    event_rows takes them)."""
     n = len(start_ns)
     track = thread_uuids(pid, tid) if track is None else track
     begin = event_rows(n, start_ns, track, field_varint(TE_TYPE, SLICE_BEGIN), labels, extra)
     end = event_rows(n, start_ns + duration_ns, track, field_varint(TE_TYPE, SLICE_END))
+    return begin, end
+
+
+def slice_rows(start_ns, duration_ns, pid, tid, labels, track=None, extra=None) -> Rows:
+    """A begin and an end packet per slice, a row each (slice_rows_apart)."""
+    begin, end = slice_rows_apart(start_ns, duration_ns, pid, tid, labels, track, extra)
     return begin.rows(end)
+
+
+def paired(begin: Rows, end: Rows, begin_ns: np.ndarray, end_ns: np.ndarray):
+    """(timestamps, lengths, bytes) of slices' packets, begin then end of each."""
+    ts = np.stack([np.asarray(begin_ns, np.uint64), np.asarray(end_ns, np.uint64)], axis=1)
+    lengths = np.stack([begin.lengths(), end.lengths()], axis=1)
+    return ts.reshape(-1), lengths.reshape(-1), begin.rows(end).bytes()
 
 
 def counter_rows(ts: np.ndarray, track: np.ndarray, values: np.ndarray) -> Rows:

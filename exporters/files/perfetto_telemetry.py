@@ -27,7 +27,8 @@ def latest_table(source, key: str) -> list[str]:
 
 
 class Telemetry:
-    """Writes each replay step's request latencies and entropy samples."""
+    """Each replay step's request latencies and entropy samples, as
+    (timestamp, packet); a track's descriptor first, as (None, packet)."""
 
     def __init__(self, source=None):
         self.source = source
@@ -59,15 +60,17 @@ class Telemetry:
                 self.tracks.add(uuid)
                 desc = (field_varint(TD_UUID, uuid) + field_str(TD_NAME, name(int(i)))
                         + field_bytes(TD_COUNTER, b""))
-                yield packet(field_bytes(TP_TRACK_DESCRIPTOR, desc))
+                yield None, packet(field_bytes(TP_TRACK_DESCRIPTOR, desc))
             event = (field_varint(TE_TYPE, COUNTER) + field_varint(TE_TRACK_UUID, uuid)
                      + varint(TE_DOUBLE_COUNTER_VALUE << 3 | 1) + struct.pack("<d", v))
-            yield packet(field_varint(TP_TIMESTAMP, int(t)), field_bytes(TP_TRACK_EVENT, event))
+            yield int(t), packet(field_varint(TP_TIMESTAMP, int(t)),
+                                 field_bytes(TP_TRACK_EVENT, event))
 
 
 def hint_packets(source):
     """The hint audit log of a recording (its latest copy in the meta): an
-    instant per decision, sent, held back by the cap, or dry-run."""
+    instant per decision, sent, held back by the cap, or dry-run; as
+    (timestamp, packet), the track's descriptor as (None, packet)."""
     audit = []
     for doc in getattr(source, "meta", None) or []:
         if isinstance(doc, dict) and isinstance(doc.get("hint_audit"), list):
@@ -76,7 +79,7 @@ def hint_packets(source):
     if not entries:
         return
     desc = field_varint(TD_UUID, HINT_TRACK) + field_str(TD_NAME, "mmtrace hints")
-    yield packet(field_bytes(TP_TRACK_DESCRIPTOR, desc))
+    yield None, packet(field_bytes(TP_TRACK_DESCRIPTOR, desc))
     for e in entries:
         body = (field_varint(TE_TYPE, INSTANT) + field_varint(TE_TRACK_UUID, HINT_TRACK)
                 + field_str(TE_CATEGORIES, "mmtrace.hint")
@@ -85,7 +88,7 @@ def hint_packets(source):
             if key in e:
                 body += annotation(key, e[key])
         ts = min(max(0, e["ts_ns"]), INT64 - 1)
-        yield packet(field_varint(TP_TIMESTAMP, ts), field_bytes(TP_TRACK_EVENT, body))
+        yield ts, packet(field_varint(TP_TIMESTAMP, ts), field_bytes(TP_TRACK_EVENT, body))
 
 
 def _name(table: list[str], i: int) -> str:

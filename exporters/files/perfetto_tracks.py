@@ -7,7 +7,7 @@ comes as a function of one value and, for the batch encoders, of arrays."""
 import numpy as np
 
 from mmtrace.exporters.files.perfetto_fields import (
-    TP_SEQUENCE_FLAGS, TP_TRACK_DESCRIPTOR, SEQ_INCREMENTAL_STATE_CLEARED, TD_UUID, TD_NAME,
+    TP_TRACK_DESCRIPTOR, TD_UUID, TD_NAME,
     TD_PROCESS, TD_THREAD, TD_PARENT_UUID, TD_COUNTER, CD_UNIT, UNIT_SIZE_BYTES, PD_PID, PD_NAME,
     THD_PID, THD_TID, THD_NAME, packet)
 from mmtrace.exporters.files.protowire import field_bytes, field_str, field_varint
@@ -103,10 +103,8 @@ class Tracks:
             process += field_str(PD_NAME, name)
             self.process_names[pid] = name
         desc = field_varint(TD_UUID, process_uuid(pid)) + field_bytes(TD_PROCESS, process)
-        flags = (field_varint(TP_SEQUENCE_FLAGS, SEQ_INCREMENTAL_STATE_CLEARED)
-                 if not self.pids else b"")
         self.pids.add(pid)
-        yield packet(flags, field_bytes(TP_TRACK_DESCRIPTOR, desc))
+        yield packet(field_bytes(TP_TRACK_DESCRIPTOR, desc))
 
     def new(self, pid: int, tid: int, thread_name: str):
         yield from self.process(pid, thread_name, main=tid == pid)
