@@ -295,13 +295,19 @@ def test_record_and_export_jsonl_end_to_end(natives, tmp_path, mmtrace_cli):
                                                     "h2d"]
     sync = mine[-1]
     assert sync["stream_handle"] == 0x3456 and sync["duration_ns"] > 0
-    # The ExC launch was on stream 0x3456: the sync retires it, and only it.
-    assert sync["op_id"] == 3
-    assert mine[2]["retired_ns"] == sync["ts_ns"] + sync["duration_ns"]
-    assert [o["retired_ns"] for o in mine[:2]] == [None, None]
-    # cudaMemcpy blocks: retired when it returns.
-    assert mine[9]["retired_ns"] == mine[9]["ts_ns"] + mine[9]["duration_ns"]
+    # The runtime's submissions failed: nothing was queued, nothing retires
+    # (its sync failed too, and covered nothing).
+    assert sync["op_id"] is None
+    assert [o["retired_ns"] for o in mine] == [None] * len(mine)
+    # The stand-in driver's calls succeed: its stream sync retires what its
+    # stream 0x7001 had queued, up to the copy; the device sync the rest.
     drv = [o for o in gpu if o["pid"] == driver["pid"]]
+    stream_sync, device_sync = [o for o in drv if o["kind"] == "sync"][:2]
+    on_7001 = [o for o in drv if o["kind"] != "sync" and o["stream_handle"] == 0x7001]
+    assert stream_sync["op_id"] == on_7001[-1]["op_id"] and on_7001[-1]["kind"] == "memcpy"
+    assert {o["retired_ns"] for o in on_7001} == {stream_sync["ts_ns"] + stream_sync["duration_ns"]}
+    others = [o for o in drv if o["kind"] != "sync" and o["stream_handle"] != 0x7001]
+    assert {o["retired_ns"] for o in others} == {device_sync["ts_ns"] + device_sync["duration_ns"]}
     assert [o["op_name"] for o in drv if o["kind"] == "launch"][0] == "triton_poi_fused_add_0"
 
     report = mmtrace_cli("report", path, "--json")
@@ -331,6 +337,22 @@ def test_record_and_export_jsonl_end_to_end(natives, tmp_path, mmtrace_cli):
     assert "dev.event" not in summary["events"]
     states = summary["device_probes"]["summary"]
     assert states["attached"] >= 20 and states["libraries"] >= 2
+    # ...and the Perfetto trace, as the official schema reads it: each of
+    # the runtime's launches carries its return code and outcome.
+    from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import Trace
+    trace_path = tmp_path / "gpu.pftrace"
+    exported = mmtrace_cli("export", path, "--format", "perfetto", "-o", trace_path)
+    assert exported.returncode == 0, exported.stderr
+    trace = Trace()
+    trace.ParseFromString(trace_path.read_bytes())
+    notes = [{a.name: getattr(a, a.WhichOneof("value")) for a in p.track_event.debug_annotations}
+             for p in trace.packet if p.track_event.debug_annotations]
+    launches = [n for n in notes if n.get("api") == "cudaLaunchKernel"
+                and n["stream"] in ("0x1234", "0x2345")]
+    assert len(launches) == 2
+    assert all(n["return_code"] == CUDA_ERROR_INSUFFICIENT_DRIVER
+               and n["outcome"] == "failed: cudaErrorInsufficientDriver (35)"
+               and {"grid", "block", "sched_delay_ns"} <= set(n) for n in launches), launches
 
 
 def test_record_traces_from_its_gpu_line_on_and_stops_at_its_duration(natives, tmp_path):

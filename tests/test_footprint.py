@@ -231,7 +231,10 @@ def test_record_says_when_each_stream_is_live(tmp_path):
         _, rest = rec.communicate(timeout=120)
     assert rec.returncode == 0, "".join(lines) + rest
     assert re.match(r"cpu stream live \(\d+\.\d\d s\); gpu/npu probes compiling$", lines[0]), lines
-    assert any(re.match(r"gpu/npu stream live \(\d+\.\d\d s\)$", line) for line in lines), lines
+    # ...and how the launches' return codes are probed (this kernel has uprobe sessions)
+    assert any(re.match(r"gpu/npu stream live \(\d+\.\d\d s\); per-launch return codes: 1 call "
+                        r"in 64 per CPU, and every call of a process whose calls failed in the "
+                        r"last second$", line) for line in lines), lines
     assert re.search(r"live: cpu \d+\.\d\d s, gpu/npu \d+\.\d\d s", lines[-1]), lines
     assert first < 4.0
 

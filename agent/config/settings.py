@@ -161,6 +161,16 @@ class EntropySettings:
 
 
 @dataclass
+class FailureSettings:
+    """When failed GPU/NPU calls are a storm (detectors/call_failures.py)."""
+    window_s: float = _seconds(1.0, 3600.0, low=0.001)
+    min_failures: int = _count(10, 1_000_000)       # failed calls in a window, at least...
+    min_share: float = _setting(0.5, Number(0.0, 1.0, low_open=True))  # ...and this share of them
+    consecutive: int = _count(3, 1000)              # such windows in a row fire
+    clear_windows: int = _count(5, 1000)            # windows without resolve
+
+
+@dataclass
 class OtlpSettings:
     # Empty: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; neither set: no OTLP export.
     endpoint: str = _setting("", Text(2048))
@@ -210,11 +220,13 @@ class DaemonConfig:
     device_poll_interval_s: float = _seconds(1.0, 3600.0, zero=True)  # 0: off
     p99: P99Settings = field(default_factory=P99Settings)
     entropy: EntropySettings = field(default_factory=EntropySettings)
+    failures: FailureSettings = field(default_factory=FailureSettings)
     otlp: OtlpSettings = field(default_factory=OtlpSettings)
     policy: PolicySettings = field(default_factory=PolicySettings)
 
 
-SECTIONS = {"p99": P99Settings, "entropy": EntropySettings, "otlp": OtlpSettings,
+SECTIONS = {"p99": P99Settings, "entropy": EntropySettings, "failures": FailureSettings,
+            "otlp": OtlpSettings,
             "policy": PolicySettings}
 
 

@@ -232,6 +232,7 @@ class Daemon:
         elif self._since_trim >= TRIM_AFTER_RECORDS and time.monotonic() >= self._next_trim:
             self._trim_heap()
         self.alarms.act(self.p99.advance(now_ns - int(self.config.p99.window_s * 1e9 / 4)))
+        self.alarms.act(self.streams.failures.tick(now_ns))
         self.sample_devices(now_ns)
         self.steering.inputs.device_weights = self.monitors.gpu_weights()
         self.steering.deliver(now_ns, self.server, self.messages.hint_scope)

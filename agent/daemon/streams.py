@@ -12,11 +12,12 @@ import numpy as np
 
 from mmtrace.bpf import device as device_stream
 from mmtrace.bpf import sched as sched_stream
+from mmtrace.detectors.call_failures import CallFailures
 from mmtrace.detectors.p99_drift import P99Drift
 from mmtrace.exporters.devices.device_state import GPU_STATE, state_records
 from mmtrace.exporters.live.event_counts import EventCounts
 
-from mmtrace.agent.config.settings import DaemonConfig
+from mmtrace.agent.config.settings import DaemonConfig, FailureSettings
 from mmtrace.agent.ingest import latency_series as ls
 from mmtrace.agent.ingest.align import Aligner, ApiRoles
 from mmtrace.agent.ingest.event_ring import EventRing
@@ -32,13 +33,19 @@ SCHEMAS = {**recorder.SCHEMAS, **telemetry.SCHEMAS, "gpu.state": GPU_STATE}
 MAX_OP_NAMES = 1 << 16
 
 
+def failures_detector(f: FailureSettings) -> CallFailures:
+    return CallFailures(window_s=f.window_s, min_failures=f.min_failures, min_share=f.min_share,
+                        consecutive=f.consecutive, clear_windows=f.clear_windows)
+
+
 class Streams:
     """What the daemon keeps of its streams, fed batch by batch."""
 
     def __init__(self, config: DaemonConfig, p99: P99Drift, act: Callable[[list], None],
-                 infos=None, otlp=None):
+                 infos=None, otlp=None, failures: CallFailures | None = None):
         self.config = config
         self.p99 = p99
+        self.failures = failures or failures_detector(config.failures)
         self.act = act
         age = int(config.ring_seconds * 1e9)
         infos = self.infos = infos or device_stream.default_infos()
@@ -78,6 +85,7 @@ class Streams:
         self.submitters.learn(batch)
         aligned = self.aligner.push(batch)
         self.counts.on_device(aligned, self.aligner.last_retired)
+        self.act(self.failures.feed(*ls.failure_calls(aligned, self.infos)))
         self.observe(ls.sync_series(self.series_id, aligned))
         self.observe(ls.retire_series(self.series_id, self.aligner.last_retired))
         if self.otlp is not None:

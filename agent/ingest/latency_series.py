@@ -116,3 +116,15 @@ def retire_series(series_id, aligned: np.ndarray) -> Series:
     latency = np.maximum(subs["retired_ns"] - ts, 0) / 1e9
     ids = _named(series_id, lambda pid: SeriesKey(series_keys.RETIRE, pid=pid), subs["pid"])
     return Series(ids, ts, latency, subs["tid"].astype(np.int64))
+
+
+def failure_calls(device_events: np.ndarray, infos: dict):
+    """What detectors/call_failures.py takes of device events: (pid, ts_ns,
+    failed, api name, error text) per call, the texts only where it failed."""
+    failed = device_stream.failed(device_events)
+    api_ids = device_events["api"].tolist()
+    names = [infos[a].api if a in infos else str(a) for a in api_ids]
+    errors = [None] * len(names)
+    for i in np.flatnonzero(failed).tolist():
+        errors[i] = device_stream.error_text(infos.get(api_ids[i]), int(device_events["ret"][i]))
+    return device_events["pid"], device_events["ts_ns"], failed, names, errors

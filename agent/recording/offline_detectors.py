@@ -5,11 +5,13 @@ what they find."""
 
 import numpy as np
 
+from mmtrace.detectors.call_failures import CallFailures
 from mmtrace.detectors.entropy_drift import EntropyDriftDetector
 from mmtrace.detectors.p99_drift import P99Drift
 
 from mmtrace.agent.ingest import latency_series as ls
-from mmtrace.agent.config.settings import DaemonConfig, EntropySettings, P99Settings
+from mmtrace.agent.config.settings import (DaemonConfig, EntropySettings, FailureSettings,
+                                          P99Settings)
 from mmtrace.agent.recording.replay import Step, replay
 from mmtrace.agent.recording.report_telemetry import latest_list, latest_table, name_at
 from mmtrace.agent.ingest.series_keys import SeriesKey
@@ -30,6 +32,7 @@ def settings_of(rec) -> DaemonConfig:
             try:
                 cfg.p99 = P99Settings(**conf.get("p99", {}))
                 cfg.entropy = EntropySettings(**conf.get("entropy", {}))
+                cfg.failures = FailureSettings(**conf.get("failures", {}))
             except TypeError:
                 pass     # written by another version: defaults
     return cfg
@@ -185,12 +188,40 @@ class EntropyReplay:
         return self.found
 
 
+class FailuresReplay:
+    """Storms of failed calls (detectors/call_failures.py), as the daemon
+    sees them: the decoded device rows of each step."""
+
+    def __init__(self, settings: FailureSettings):
+        f = settings
+        self.detector = CallFailures(window_s=f.window_s, min_failures=f.min_failures,
+                                     min_share=f.min_share, consecutive=f.consecutive,
+                                     clear_windows=f.clear_windows)
+        self.found: list[dict] = []
+        self.last_ns = 0
+
+    def feed(self, step: Step):
+        rows = step.device_rows()
+        if rows is None:
+            return
+        ev = rows.events
+        self.found += self.detector.feed(ev["pid"], ev["ts_ns"], rows.failed, list(rows.api),
+                                         list(rows.error))
+        self.last_ns = max(self.last_ns, int(ev["ts_ns"].max()))
+
+    def finish(self) -> list[dict]:
+        # The windows after the last call: a storm the recording ends in
+        # stays firing; one that ended before the recording did resolves.
+        return self.found + self.detector.tick(self.last_ns)
+
+
 class Detectors:
     """Every detector over one replay: feed() each step, then finish()."""
 
     def __init__(self, rec):
         cfg = settings_of(rec)
-        self.parts = [P99Replay(rec, cfg.p99), EntropyReplay(rec, cfg.entropy)]
+        self.parts = [P99Replay(rec, cfg.p99), EntropyReplay(rec, cfg.entropy),
+                      FailuresReplay(cfg.failures)]
 
     def feed(self, step: Step):
         for part in self.parts:

@@ -299,6 +299,10 @@ def anomaly_line(a: dict) -> str:
                  f"({ev['p99'] / ev['baseline']:.1f}x)")
     if ev.get("top_contributors"):
         line += "; top threads " + ", ".join(str(c[0]) for c in ev["top_contributors"][:3])
+    if ev.get("errors"):
+        top = ev["errors"][0]
+        line += (f": {ev.get('failed', 0):,} failed calls, most {top.get('api')} "
+                 f"{top.get('error')}")
     return line
 
 

@@ -19,8 +19,8 @@ from mmtrace.bpf.sched import wait_start_ns
 from mmtrace.exporters.files.perfetto_anomalies import anomaly_packets, recorded_anomalies
 from mmtrace.exporters.files.perfetto_device import DeviceEncoder
 from mmtrace.exporters.files.perfetto_events import gpu_state_packets
-from mmtrace.exporters.files.perfetto_fields import (ANOMALY_SEQUENCE, HINT_SEQUENCE, SEQUENCE_ID,
-                                                    clock_snapshot, sequence_start)
+from mmtrace.exporters.files.perfetto_fields import (ANOMALY_SEQUENCE, HINT_SEQUENCE,
+                                                    sequence_start, trace_start)
 from mmtrace.exporters.files.perfetto_order import PacketOrder, on_sequence
 from mmtrace.exporters.files.perfetto_rows import labels, paired, slice_rows_apart
 from mmtrace.exporters.files.perfetto_telemetry import Telemetry, hint_packets
@@ -114,12 +114,6 @@ def _runq_slice_packets(runq: np.ndarray):
     begin, end = slice_rows_apart(start, runq["ts_ns"] - start, runq["pid"], runq["tid"],
                                   labels("cpu", "runq"))
     return paired(begin, end, start, runq["ts_ns"])
-
-
-def trace_start(start_ns: int, realtime_minus_monotonic_ns: int | None) -> bytes:
-    """What a trace opens with: its sequence's state and clock, and the
-    wall clock beside it."""
-    return sequence_start(SEQUENCE_ID) + clock_snapshot(start_ns, realtime_minus_monotonic_ns)
 
 
 def write_recording(steps, out, source=None, detectors=None) -> int:

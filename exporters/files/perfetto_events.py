@@ -16,7 +16,7 @@ from mmtrace.exporters.files.perfetto_call_annotations import call_bytes, call_f
 from mmtrace.exporters.files.perfetto_fields import (
     TP_TIMESTAMP, TP_TRACK_EVENT, TE_TYPE, TE_TRACK_UUID, TE_CATEGORIES, TE_NAME,
     TE_COUNTER_VALUE, TE_DOUBLE_COUNTER_VALUE, TE_FLOW_IDS, TE_TERMINATING_FLOW_IDS,
-    SLICE_BEGIN, SLICE_END, INSTANT, COUNTER, packet)
+    SLICE_BEGIN, SLICE_END, INSTANT, COUNTER, packet, trace_start)
 from mmtrace.exporters.files.perfetto_tracks import (GPU_COUNTERS, Tracks, copied_uuid, flow_id,
                                                      gpu_counter_uuid, stream_uuid, thread_uuid)
 from mmtrace.exporters.files.protowire import field_bytes, field_fixed64, field_str, field_varint, varint
@@ -98,7 +98,6 @@ def item_packets(item) -> bytes:
 def write_perfetto(slices: list[Slice], out) -> int:
     """Write slices (any order) as a binary Perfetto trace, the packets in
     time order; returns their number."""
-    from mmtrace.exporters.files.perfetto import trace_start
     slices = sorted(slices, key=lambda s: s.start_ns)
     out.write(trace_start(0, None))
     for packet in _descriptors(slices):

@@ -90,3 +90,9 @@ def clock_snapshot(monotonic_ns: int, realtime_minus_monotonic_ns: int | None) -
                     for cid, ts in clocks)
     body += field_varint(CS_PRIMARY_TRACE_CLOCK, BUILTIN_CLOCK_MONOTONIC)
     return packet(field_bytes(TP_CLOCK_SNAPSHOT, body))
+
+
+def trace_start(start_ns: int, realtime_minus_monotonic_ns: int | None) -> bytes:
+    """What a trace opens with: its main sequence's state and clock, and
+    the wall clock beside it."""
+    return sequence_start(SEQUENCE_ID) + clock_snapshot(start_ns, realtime_minus_monotonic_ns)
