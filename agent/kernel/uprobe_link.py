@@ -17,6 +17,7 @@ process has exited before userspace could read its /proc/PID/maps.
 
 import ctypes
 import errno
+import functools
 import os
 import platform
 import struct
@@ -41,8 +42,11 @@ _libc.syscall.restype = ctypes.c_long
 BTF_VMLINUX = Path("/sys/kernel/btf/vmlinux")
 
 
+@functools.lru_cache(maxsize=16)
 def _btf_names(btf: Path, *names: bytes) -> bool:
-    """Whether the kernel's BTF holds every one of `names`. No BTF: no."""
+    """Whether the kernel's BTF holds every one of `names`. No BTF: no.
+    Read once per question: the running kernel does not change, and a
+    load asks several times (the attach mode, the session programs)."""
     try:
         data = btf.read_bytes()
     except OSError:
