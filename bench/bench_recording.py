@@ -2,6 +2,7 @@
 
     python bench/bench_recording.py [--sizes-mib 128 2048] [--baseline-rev REV]
                                     [--runq-per-drain 2000] [--launches 16]
+                                    [--real-s 15 [--pairs 1]]
                                     [--commands "export perfetto" ...]
 
 Writes a synthetic recording of each size through the real writer (the
@@ -11,7 +12,12 @@ then runs `mmtrace report --json` and `mmtrace export` in every format, each
 in its own process, output to /dev/null, and reports wall and CPU time,
 events per second (of wall time, and of CPU time: the host may be shared)
 and peak RSS (the child's ru_maxrss, which is its
-VmHWM). With --baseline-rev, the same commands of that git revision run
+VmHWM). With --real-s (root), a real recording comes first: `mmtrace
+record` for that long of a pipe ping-pong (tests/workloads/ctxswitch.c,
+--pairs pairs: the scheduler stream at the rate this host switches, with
+the cross-CPU disorder of a shared ring) and a launch loop on NVIDIA's
+real libcudart (tests/native/launch_loop.c: launches, copies and syncs
+that fail without a driver). The synthetic ones carry the same disorder. With --baseline-rev, the same commands of that git revision run
 side by side on the sizes up to --baseline-max-mib (the old reader holds
 the whole file and more). Figures go to bench/out/recording.json.
 """
@@ -30,6 +36,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from peak_rss import measure, mmtrace  # noqa: E402
 from synthetic_recording import write_synthetic  # noqa: E402
+import native  # noqa: E402
 
 COMMANDS = {
     "report": ["report", "{file}", "--json"],
@@ -53,6 +60,60 @@ def baseline_env(rev: str, where: Path) -> dict:
     return {**os.environ, "PYTHONPATH": str(where / "pkg")}
 
 
+def real_recording(path: Path, seconds: int, pairs: int) -> dict[str, int]:
+    """`mmtrace record` of a ping-pong and a launch loop; events by schema."""
+    from gpu_fixtures import build_natives
+    from mmtrace.agent.recording.file_format import RecordingReader
+    natives = build_natives(path.parent / "natives")
+    pingpong = native.workload("ctxswitch")
+    rec = subprocess.Popen(mmtrace("record", "-o", path, "--duration", seconds, "--lib",
+                                   natives.cudart), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    line = rec.stdout.readline()
+    while line and not line.startswith("gpu/npu stream live"):
+        line = rec.stdout.readline()
+    if not line:
+        raise SystemExit(f"mmtrace record ended before its GPU/NPU stream was live "
+                         f"(exit {rec.wait()})")
+    loop = subprocess.Popen([natives.launch_loop], stdin=subprocess.PIPE, text=True,
+                            stdout=subprocess.DEVNULL)
+    loop.stdin.write(f"run {seconds * 4000} 4 50000\n")   # ~16 k launches/s, paced
+    loop.stdin.flush()
+    subprocess.run([pingpong, str(seconds), str(pairs)], check=True, stdout=subprocess.DEVNULL)
+    rec.communicate(timeout=seconds + 60)
+    loop.kill()
+    loop.wait()
+    if rec.returncode:
+        raise SystemExit(f"mmtrace record failed (exit {rec.returncode})")
+    with RecordingReader(path) as reader:
+        return {name: sum(len(p) for p in reader.pieces(name)) for name in reader.schemas}
+
+
+def run_commands(opts, envs, path: Path, counts: dict, label: str, baseline: bool,
+                 results: list):
+    events = sum(counts.values())
+    size = path.stat().st_size
+    print(f"{path.name}: {size / 2**20:.0f} MiB, {events:,} events "
+          f"({counts.get('dev.event', 0):,} GPU)", flush=True)
+    for name in opts.commands:
+        template = COMMANDS[name]
+        for which, env in envs.items():
+            if which == "baseline" and not baseline:
+                continue
+            args = [a.replace("{file}", str(path)) for a in template]
+            r = measure(mmtrace(*args), env)
+            r.update(command=name, implementation=which, recording=label,
+                     file_mib=round(size / 2**20), events=events,
+                     events_per_s=round(events / r["wall_s"]),
+                     events_per_cpu_s=round(events / max(r["cpu_s"], 0.01)))
+            results.append(r)
+            status = "" if r["exit"] == 0 else f"  FAILED: {r['stderr'][-300:]}"
+            print(f"  {name:<16} {which:<9} {r['wall_s']:7.1f} s wall {r['cpu_s']:7.1f} s CPU"
+                  f"  {r['events_per_s'] / 1e6:5.2f} M events/s "
+                  f"({r['events_per_cpu_s'] / 1e6:5.2f} M per CPU s)  "
+                  f"peak RSS {r['peak_rss_mb']:7.1f} MB{status}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[128, 2048])
@@ -66,6 +127,9 @@ def main():
                     help="kernel launches per server process per drain")
     ap.add_argument("--commands", nargs="+", choices=list(COMMANDS), default=list(COMMANDS),
                     help="only these commands (default: all)")
+    ap.add_argument("--real-s", type=int, default=0,
+                    help="first a real recording of this many seconds (root; 0: none)")
+    ap.add_argument("--pairs", type=int, default=1, help="ping-pong pairs of --real-s")
     opts = ap.parse_args()
     opts.dir.mkdir(parents=True, exist_ok=True)
     envs = {"this": dict(os.environ)}
@@ -73,30 +137,18 @@ def main():
     if opts.baseline_rev:
         envs["baseline"] = baseline_env(opts.baseline_rev, Path(tmp.name))
     results = []
+    if opts.real_s:
+        path = opts.dir / f"real-{opts.real_s}s.mmtr"
+        counts = real_recording(path, opts.real_s, opts.pairs)
+        run_commands(opts, envs, path, counts, "real", True, results)
+        if not opts.keep:
+            path.unlink()
     for mib in opts.sizes_mib:
         path = opts.dir / f"synthetic-{mib}MiB.mmtr"
         counts = write_synthetic(path, mib << 20, runq_per_drain=opts.runq_per_drain,
                                  launches=opts.launches)
-        events = sum(counts.values())
-        size = path.stat().st_size
-        print(f"{path.name}: {size / 2**20:.0f} MiB, {events:,} events "
-              f"({counts['dev.event']:,} GPU)", flush=True)
-        for name in opts.commands:
-            template = COMMANDS[name]
-            for which, env in envs.items():
-                if which == "baseline" and mib > opts.baseline_max_mib:
-                    continue
-                args = [a.replace("{file}", str(path)) for a in template]
-                r = measure(mmtrace(*args), env)
-                r.update(command=name, implementation=which, file_mib=round(size / 2**20),
-                         events=events, events_per_s=round(events / r["wall_s"]),
-                         events_per_cpu_s=round(events / max(r["cpu_s"], 0.01)))
-                results.append(r)
-                status = "" if r["exit"] == 0 else f"  FAILED: {r['stderr'][-300:]}"
-                print(f"  {name:<16} {which:<9} {r['wall_s']:7.1f} s wall {r['cpu_s']:7.1f} s CPU"
-                      f"  {r['events_per_s'] / 1e6:5.2f} M events/s "
-                      f"({r['events_per_cpu_s'] / 1e6:5.2f} M per CPU s)  "
-                      f"peak RSS {r['peak_rss_mb']:7.1f} MB{status}", flush=True)
+        run_commands(opts, envs, path, counts, "synthetic", mib <= opts.baseline_max_mib,
+                     results)
         if not opts.keep:
             path.unlink()
     out = ROOT / "bench" / "out"

@@ -11,13 +11,18 @@ from mmtrace.bpf.sched import RUNQ_EVENT
 SCHEMAS = {"cpu.runq": RUNQ_EVENT, "dev.event": device_stream.DEV_EVENT}
 DRAIN_NS = 25_000_000
 LAUNCH, MEMCPY_ASYNC, STREAM_SYNC = 1, 9, 13     # cudaLaunchKernel, cudaMemcpyAsync, ...Sync
+DISORDER_NS = 3_700
 KERNELS = [0x1000 + 0x40 * k for k in range(16)]
 
 
 def _drain_template(rng, runq_per_drain: int, launches: int):
     """One drain's records, stamped from 0; each later drain shifts them."""
     runq = np.zeros(runq_per_drain, RUNQ_EVENT)
-    runq["ts_ns"] = np.sort(rng.integers(0, DRAIN_NS, runq_per_drain))
+    runq["ts_ns"] = np.sort(rng.integers(DISORDER_NS, DRAIN_NS, runq_per_drain))
+    # Two CPUs share a ring: a record is committed after records stamped
+    # up to a few µs after it (the order `record` reads them in).
+    late = rng.random(runq_per_drain) < 0.02
+    runq["ts_ns"][late] -= rng.integers(0, DISORDER_NS, int(late.sum())).astype(np.uint64)
     runq["delay_ns"] = rng.lognormal(np.log(8e3), 1.2, runq_per_drain).astype(np.uint64)
     runq["pid"] = rng.integers(0, 12, runq_per_drain) + 1000
     runq["tid"] = runq["pid"] * 10 + rng.integers(0, 8, runq_per_drain)

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -448,3 +449,47 @@ def test_a_negative_return_code_reads_back_as_written():
     codes = {a.int_value for p in trace.packet for a in p.track_event.debug_annotations
              if a.name == "return_code"}
     assert codes == {-7}
+
+
+def _stamped_packet(ts: int) -> bytes:
+    from mmtrace.exporters.files.protowire import field_bytes, field_varint
+    body = field_varint(proto.TP_SEQUENCE_ID, proto.SEQUENCE_ID) + field_varint(
+        proto.TP_TIMESTAMP, ts)
+    return field_bytes(proto.TRACE_PACKET, body)
+
+
+@pytest.mark.parametrize("window_ns", [20_000, 10**9])
+def test_packet_order_sorts_each_packet_once_and_holds_a_bounded_amount(monkeypatch, window_ns):
+    # Adds as a step's encoders make them: each roughly later than the one
+    # before, out of order within (a slice's end before the next one's
+    # begin), overlapping the next. A window of 1 s would hold them all:
+    # past max_bytes the oldest are written early (what comes after them
+    # goes on the late sequence, in order too).
+    from mmtrace.exporters.files.perfetto_order import PacketOrder
+    rng = np.random.default_rng(5)
+    out = io.BytesIO()
+    order = PacketOrder(out, window_ns=window_ns, max_bytes=60_000)
+    sorted_items, held = [], []
+    argsort = np.argsort
+    monkeypatch.setattr(np, "argsort", lambda a, *x, **k: sorted_items.append(len(a))
+                        or argsort(a, *x, **k))
+    total = 0
+    for add in range(300):
+        ts = 1_000_000 + add * 10_000 + rng.integers(0, 15_000, 200)
+        blobs = [_stamped_packet(int(t)) for t in ts]
+        order.add_packets(ts, blobs)
+        order.passed(int(ts.max()))
+        held.append(sum(len(b.data) for b in order._batches))
+        total += len(ts)
+    order.finish()
+    monkeypatch.undo()
+    written = packets(out.getvalue())
+    stamps = {seq: [p[proto.TP_TIMESTAMP][0] for p in written
+                    if p[proto.TP_SEQUENCE_ID][0] == seq and proto.TP_TIMESTAMP in p]
+              for seq in (proto.SEQUENCE_ID, proto.LATE_SEQUENCE)}
+    main, late = stamps[proto.SEQUENCE_ID], stamps[proto.LATE_SEQUENCE]
+    assert len(main) + len(late) == total
+    assert main == sorted(main) and late == sorted(late)
+    assert len(main) > 0.9 * total
+    assert sum(sorted_items) <= 2 * total, sum(sorted_items)
+    assert max(held) <= 60_000 + 200 * len(blobs[0]), max(held)

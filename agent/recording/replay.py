@@ -15,7 +15,7 @@ from mmtrace.agent.ingest.record_arrays import concat
 from mmtrace.agent.recording.time_order import ordered_steps
 
 DEVICE = "dev.event"
-MAX_WAITING_BYTES = 32 << 20
+MAX_WAITING_BYTES = 16 << 20
 
 
 @dataclass

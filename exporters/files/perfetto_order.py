@@ -10,7 +10,9 @@ in time order (a step's before the next step's), and no packet is earlier
 than the record it comes of by more than a run-queue wait (a wait's
 slice begins when it began). Waits longer than `window_ns` are rare; a
 packet that comes after later ones were written goes on a sequence of
-its own kind (LATE_SEQUENCE), written sorted at the end.
+its own kind (LATE_SEQUENCE), written sorted at the end. So do those a
+window holding more than `max_bytes` could not wait for: the memory held
+stays bounded whatever the rate.
 """
 
 import numpy as np
@@ -20,7 +22,8 @@ from mmtrace.exporters.files.perfetto_fields import (
 from mmtrace.exporters.files.protowire import varint
 
 REORDER_NS = 500_000_000
-GATHER_PACKETS = 1 << 15        # packets gathered at once: the index is 8 bytes a byte
+MAX_HELD_BYTES = 8 << 20       # past this, the oldest are written before their window ends
+GATHER_PACKETS = 1 << 13        # packets gathered at once
 _SEQ_TAG = varint(TP_SEQUENCE_ID << 3)[0]
 
 
@@ -38,25 +41,62 @@ def on_sequence(packet: bytes, sequence: int) -> bytes:
 
 
 def _gather(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray, at: np.ndarray):
-    """The bytes of packets `at` (in that order), a chunk at a time."""
+    """The bytes of packets `at` (in that order), a chunk at a time: the
+    index is 4 bytes a byte, so a chunk is a few MB at most."""
+    index_type = np.int32 if len(data) < 1 << 31 else np.int64
     for lo in range(0, len(at), GATHER_PACKETS):
         pick = at[lo:lo + GATHER_PACKETS]
-        ln, st = lengths[pick], starts[pick]
+        ln, st = lengths[pick].astype(index_type), starts[pick].astype(index_type)
         if not len(pick):
             continue
-        index = np.repeat(st - (np.cumsum(ln) - ln), ln) + np.arange(int(ln.sum()))
+        index = np.repeat(st - (np.cumsum(ln) - ln), ln)
+        index += np.arange(len(index), dtype=index_type)
         yield data[index].tobytes()
 
 
-class PacketOrder:
-    """Timed packets of the main sequence, written in time order."""
+class _Batch:
+    """The packets of one add, their bytes as they came, and the order of
+    their stamps; those before `at` (in that order) are written."""
 
-    def __init__(self, out, window_ns: int = REORDER_NS):
+    def __init__(self, ts: np.ndarray, lengths: np.ndarray, data: np.ndarray):
+        order = np.argsort(ts, kind="stable")
+        self.ts = ts[order]
+        lengths = lengths.astype(np.int32)      # an add is far below 2 GiB
+        self.starts = (np.cumsum(lengths, dtype=np.int64) - lengths)[order]
+        self.lengths = lengths[order]
+        self.bytes_before = np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)])
+        self.data = data
+        self.at = 0
+
+    def unwritten_until(self, before_ns: int | None) -> int:
+        """Bytes of the packets not yet written stamped before `before_ns`
+        (None: all)."""
+        end = max(self.until(before_ns), self.at)
+        return int(self.bytes_before[end] - self.bytes_before[self.at])
+
+    def until(self, before_ns: int | None) -> int:
+        """The index past the last packet stamped before `before_ns` (None: all)."""
+        if before_ns is None:
+            return len(self.ts)
+        return int(np.searchsorted(self.ts, np.uint64(before_ns), side="left"))
+
+    def take(self, end: int):
+        """Packets at..end: stamps, starts in `data`, lengths (in order)."""
+        pick = slice(self.at, end)
+        self.at = end
+        return self.ts[pick], self.starts[pick], self.lengths[pick]
+
+
+class PacketOrder:
+    """Timed packets of the main sequence, written in time order. Each add
+    is sorted once, on its own; writing merges the heads of the adds held
+    (a stable sort of sorted runs), so nothing held is sorted again."""
+
+    def __init__(self, out, window_ns: int = REORDER_NS, max_bytes: int = MAX_HELD_BYTES):
         self.out = out
         self.window_ns = window_ns
-        self._ts = np.zeros(0, np.uint64)
-        self._lengths = np.zeros(0, np.int64)
-        self._data = np.zeros(0, np.uint8)
+        self.max_bytes = max_bytes
+        self._batches: list[_Batch] = []
         self.written_to = 0                 # the latest timestamp written
         self.late: list[tuple[int, bytes]] = []
 
@@ -76,9 +116,10 @@ class PacketOrder:
             keep = np.flatnonzero(~late)
             data = np.frombuffer(b"".join(_gather(data, starts, lengths, keep)), np.uint8)
             ts, lengths = ts[keep], lengths[keep]
-        self._ts = np.concatenate([self._ts, ts])
-        self._lengths = np.concatenate([self._lengths, lengths])
-        self._data = np.concatenate([self._data, data])
+            if not len(ts):
+                return
+        self._batches.append(_Batch(ts, lengths, data))
+        self._bound()
 
     def add_packets(self, ts, packets: list[bytes]):
         self.add(ts, [len(p) for p in packets], b"".join(packets))
@@ -87,6 +128,24 @@ class PacketOrder:
         """Records stamped before `record_ts_ns` have all come: write what
         nothing to come can precede."""
         self._release(max(0, int(record_ts_ns) - self.window_ns))
+        self._bound()
+
+    def _bound(self):
+        """Held past max_bytes: write the oldest until half of that is left
+        (a write copies what it draws from, so it should draw much)."""
+        if not self._batches or sum(len(b.data) for b in self._batches) <= self.max_bytes:
+            return
+        unwritten = sum(b.unwritten_until(None) for b in self._batches)
+        want = unwritten - self.max_bytes // 2
+        lo = min(int(b.ts[b.at]) for b in self._batches)
+        hi = max(int(b.ts[-1]) for b in self._batches) + 1
+        while lo < hi:          # the lowest stamp before which `want` bytes wait
+            mid = (lo + hi) // 2
+            if sum(b.unwritten_until(mid) for b in self._batches) >= want:
+                hi = mid
+            else:
+                lo = mid + 1
+        self._release(lo)
 
     def finish(self):
         """Everything held, then the late packets on their own sequence."""
@@ -98,18 +157,26 @@ class PacketOrder:
             self.late = []
 
     def _release(self, before_ns: int | None):
-        if not len(self._ts):
+        heads = [(batch, end) for batch in self._batches
+                 if (end := batch.until(before_ns)) > batch.at]
+        if not heads:
             return
-        order = np.argsort(self._ts, kind="stable")
-        k = len(order) if before_ns is None else int(
-            np.searchsorted(self._ts[order], np.uint64(before_ns), side="left"))
-        if not k:
-            return
-        starts = np.cumsum(self._lengths) - self._lengths
-        for chunk in _gather(self._data, starts, self._lengths, order[:k]):
-            self.out.write(chunk)
-        self.written_to = max(self.written_to, int(self._ts[order[k - 1]]))
-        rest = order[k:]
-        self._data = np.frombuffer(b"".join(_gather(self._data, starts, self._lengths, rest)),
-                                   np.uint8)
-        self._ts, self._lengths = self._ts[rest], self._lengths[rest]
+        base, ts, starts, lengths = 0, [], [], []
+        for batch, end in heads:
+            t, st, ln = batch.take(end)
+            ts.append(t)
+            starts.append(st + base)
+            lengths.append(ln)
+            base += len(batch.data)
+        data = heads[0][0].data if len(heads) == 1 else np.concatenate(
+            [batch.data for batch, _ in heads])     # a copy, but no gather
+        self._batches = [b for b in self._batches if b.at < len(b.ts)]
+        ts, starts, lengths = (np.concatenate(x) for x in (ts, starts, lengths))
+        order = np.argsort(ts, kind="stable") if len(heads) > 1 else np.arange(len(ts))
+        starts, lengths = starts[order], lengths[order]
+        if (starts[1:] == starts[:-1] + lengths[:-1]).all():
+            self.out.write(data[starts[0]:starts[-1] + lengths[-1]].tobytes())
+        else:
+            for chunk in _gather(data, starts, lengths, np.arange(len(starts))):
+                self.out.write(chunk)
+        self.written_to = max(self.written_to, int(ts[order[-1]]))

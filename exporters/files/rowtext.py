@@ -8,6 +8,7 @@ import json
 import numpy as np
 
 _POW10 = 10 ** np.arange(1, 20, dtype=np.uint64)   # 10 .. 10**19
+_VARINT_STEPS = np.array([1 << 7 * k for k in range(1, 10)], np.uint64)   # 2**7 .. 2**63
 
 
 class Rows:
@@ -191,13 +192,9 @@ def decimal_lengths(values: np.ndarray) -> np.ndarray:
 
 
 def varint_lengths(values: np.ndarray) -> np.ndarray:
-    bits = np.zeros(len(values), np.int64)
-    v = values.astype(np.uint64)
-    for shift in (32, 16, 8, 4, 2, 1):
-        big = v >= (np.uint64(1) << np.uint64(shift))
-        bits += np.where(big, shift, 0)
-        v = np.where(big, v >> np.uint64(shift), v)
-    return np.maximum(1, (bits + 1 + 6) // 7)
+    """Bytes of each value as a protobuf varint (negative ones as uint64)."""
+    return 1 + np.searchsorted(_VARINT_STEPS, np.asarray(values).astype(np.uint64),
+                               side="right").astype(np.int64)
 
 
 def codes(values) -> tuple[np.ndarray, list]:
