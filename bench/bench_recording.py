@@ -151,9 +151,14 @@ def main():
                      results)
         if not opts.keep:
             path.unlink()
+    write_out("recording.json", results)
+
+
+def write_out(name: str, results: list):
+    """bench/out/NAME: the host and the results."""
     out = ROOT / "bench" / "out"
     out.mkdir(exist_ok=True)
-    (out / "recording.json").write_text(json.dumps(
+    (out / name).write_text(json.dumps(
         {"host": platform.node(), "cpus": os.cpu_count(), "results": results}, indent=2))
 
 

@@ -48,6 +48,7 @@ enum mmtrace_counter {
                                  * discovery read its maps: what only it loaded
                                  * was not probed */
     CNT_FAILED_CALLS,           /* GPU/NPU calls that returned an error code */
+    CNT_PROCESS_CHANGES_FULL,   /* a process change not kept: discovery reads all */
     MMTRACE_N_COUNTERS
 };
 

@@ -17,6 +17,7 @@ COUNTER_NAMES = (
     "switch_in_unseen",
     "exited_unread",
     "failed_calls",
+    "process_changes_full",
 )
 
 # Counters that mean an event or a fact was lost, not merely counted.
@@ -59,6 +60,11 @@ def describe_losses(counters: dict[str, int]) -> str:
     ringbuf_full_dev, 2 cpu switch_in_unseen" ("none" when nothing was)."""
     found = losses(counters)
     return ", ".join(f"{n:,} {stream_of(name)} {name}" for name, n in found.items()) or "none"
+
+
+def read_counter(table, name: str) -> int:
+    """One counter of the per-CPU array, summed."""
+    return int(sum(table[table.Key(COUNTER_NAMES.index(name))]))
 
 
 def read_counters(table) -> dict[str, int]:

@@ -142,11 +142,45 @@ static __always_inline void capture_load_frames(struct pt_regs *ctx, u32 tgid)
 BPF_TABLE("lru_hash", u32, u8, processes_read, MMTRACE_MAX_PROCESSES_READ);
 BPF_ARRAY(unread_exits_on, u32, 1);
 
+/* The processes whose mapped files may have changed since discovery last
+ * looked: an exec, a new process, a file mapped executable (a dlopen), an
+ * exit. One entry per process (the reasons or-ed, CHANGE_*) until the agent
+ * takes them all; discovery then reads /proc for those processes alone,
+ * whatever the number running. Kept only while discovery follows them
+ * (process_changes_on). Full: counted, and the agent reads every process. */
+#ifndef MMTRACE_MAX_PROCESS_CHANGES
+#define MMTRACE_MAX_PROCESS_CHANGES 8192
+#endif
+enum process_change {
+    CHANGE_EXEC = 1,
+    CHANGE_FORK = 2,
+    CHANGE_MAPPED = 4,
+    CHANGE_EXIT = 8,
+};
+BPF_HASH(process_changes, u32, u64, MMTRACE_MAX_PROCESS_CHANGES);
+BPF_ARRAY(process_changes_on, u32, 1);
+
+static __always_inline void note_change(u32 tgid, u64 change)
+{
+    u32 zero = 0;
+    u32 *on = process_changes_on.lookup(&zero);
+    if (!on || !*on || !tgid_in_scope(tgid))
+        return;
+    u64 *seen = process_changes.lookup(&tgid);     /* 64 bits: the atomic or needs them */
+    if (seen) {
+        __sync_fetch_and_or(seen, change);
+        return;
+    }
+    if (process_changes.update(&tgid, &change) != 0)
+        count(CNT_PROCESS_CHANGES_FULL);
+}
+
 TRACEPOINT_PROBE(sched, sched_process_exec)
 {
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     if (!tgid_in_scope(tgid))
         return 0;
+    note_change(tgid, CHANGE_EXEC);
     u32 zero = 0;
     struct exe_path *p = exe_path_scratch.lookup(&zero);
     if (!p)
@@ -162,6 +196,11 @@ TRACEPOINT_PROBE(sched, sched_process_fork)
 {
     u32 child = args->child_pid;
     processes_read.delete(&child);
+    /* A thread joins its creator (task_newtask filled threads before this
+     * tracepoint); a process holds its parent's files. */
+    struct thread_state *t = threads.lookup(&child);
+    if (!t || t->tgid == child)
+        note_change(child, CHANGE_FORK);
     return 0;
 }
 
@@ -169,11 +208,37 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32, zero = 0;
+#ifdef MMTRACE_EXIT_GROUP_DEAD
+    if (args->group_dead)           /* the last thread: the process is gone */
+        note_change(tgid, CHANGE_EXIT);
+#else
+    if ((u32)id == tgid)            /* no group_dead here: the leader's exit */
+        note_change(tgid, CHANGE_EXIT);
+#endif
     u32 *on = unread_exits_on.lookup(&zero);
     if (!on || !*on || (u32)id != tgid || !tgid_in_scope(tgid))
         return 0;               /* off, or a thread other than the leader */
     if (processes_read.delete(&tgid) != 0)
         count(CNT_EXITED_UNREAD);
+    return 0;
+}
+
+/* mmap(2) at entry, as the syscall tracepoints lay out every call: the
+ * common header, the syscall number, then each argument in 8 bytes. Read
+ * by offset, not through a generated struct: a kernel without syscall
+ * tracepoints fails this attach alone (the agent then rescans /proc). */
+struct mmap_enter_args {
+    u64 common;
+    s32 syscall_nr;
+    u32 pad;
+    u64 addr, len, prot, flags, fd, off;
+};
+
+int process_mapped(struct mmap_enter_args *args)
+{
+    if (!(args->prot & 0x4 /* PROT_EXEC */) || (s64)args->fd < 0)
+        return 0;
+    note_change(bpf_get_current_pid_tgid() >> 32, CHANGE_MAPPED);
     return 0;
 }
 

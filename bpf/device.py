@@ -27,6 +27,8 @@ from mmtrace.bpf.api import (BLOCK, BYTES, DIRECTION, GRID, HANDLE, LAUNCH_FIELD
 HEADER = "device.h"
 RINGBUF = "dev_events"
 LAYOUT_MAP = "layout_dev_event"
+# Why a process is in device.h's process_changes (bits of its value).
+CHANGE_EXEC, CHANGE_FORK, CHANGE_MAPPED, CHANGE_EXIT = 1, 2, 4, 8
 NAME_LEN = 64
 
 # Mirrors struct dev_event; checked against the compiled layout at load time.

@@ -381,3 +381,41 @@ def test_record_traces_from_its_gpu_line_on_and_stops_at_its_duration(natives, t
     mine = loaded.events["dev.event"][loaded.events["dev.event"]["pid"] == runtime["pid"]]
     assert len(mine) == 11, len(mine)       # the calls of test_record_and_export_jsonl_end_to_end
     assert abs(loaded.footer["duration_s"] - 5.0) <= 0.5, loaded.footer["duration_s"]
+
+
+def test_the_kernel_names_the_processes_whose_files_changed(cudart_session, natives, tmp_path):
+    """exec, fork, a library mapped executable (dlopen) and exit are noted
+    per process, and a Discoverer following them finds a library loaded
+    late at its next poll, reading no other process (rescan_every never)."""
+    from mmtrace.agent.discovery.discoverer import Discoverer
+    from mmtrace.agent.kernel.probed_symbols import wanted
+    from mmtrace.bpf.device import CHANGE_EXEC, CHANGE_EXIT, CHANGE_FORK, CHANGE_MAPPED
+    take = cudart_session.device.process_changes()
+    assert take is not None and take() is not None
+    lib = tmp_path / "libcudart.so.12"              # a copy: its own inode
+    shutil.copy(natives.cudart, lib)
+    child = subprocess.Popen([sys.executable, "-c", "import ctypes, sys\n"
+                              "print('ready', flush=True)\n"
+                              "ctypes.CDLL(sys.stdin.readline().strip())\n"
+                              "print('loaded', flush=True)\nsys.stdin.read()\n"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert take()[child.pid] & (CHANGE_FORK | CHANGE_EXEC) == CHANGE_FORK | CHANGE_EXEC
+        discoverer = Discoverer(wanted, pids=[child.pid], search_paths=[], rescan_every=10**6)
+        discoverer.follow(take)
+        assert [t for t in discoverer.poll() if t.path == str(lib)] == []
+        read = discoverer.counters["maps_read"]
+        assert discoverer.poll() == [] and discoverer.counters["maps_read"] == read
+        child.stdin.write(f"{lib}\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "loaded"
+        found = [t for t in discoverer.poll() if t.path == str(lib)]
+        assert [t.origin for t in found] == [f"maps:{child.pid}"]
+        assert discoverer.counters["maps_read"] == read + 1
+    finally:
+        child.stdin.close()
+        child.wait(timeout=10)
+    changes = take()
+    assert changes.get(child.pid, 0) & CHANGE_EXIT
+    assert not changes.get(child.pid, 0) & CHANGE_MAPPED    # taken by the discoverer

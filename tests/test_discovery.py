@@ -140,12 +140,17 @@ LOAD_ON_LINE = ("import ctypes, sys\n"
                 "for line in sys.stdin: ctypes.CDLL(line.strip()); print('loaded', flush=True)\n")
 
 
-@NEEDS_GCC
-def test_a_library_dlopened_later_by_a_known_process_is_found_within_rescan_every_polls(
-        tmp_path, stand_in, children):
+def library_elsewhere(tmp_path: Path, stand_in: Path) -> Path:
     lib = tmp_path / "elsewhere" / "libopapi.so"      # outside every searched path
     lib.parent.mkdir()
     shutil.copy(stand_in, lib)
+    return lib
+
+
+@NEEDS_GCC
+def test_a_library_dlopened_later_by_a_known_process_is_found_within_rescan_every_polls(
+        tmp_path, stand_in, children):
+    lib = library_elsewhere(tmp_path, stand_in)
     child = children([sys.executable, "-c", LOAD_ON_LINE])
     discoverer = Discoverer(wanted, pids=[child.pid], search_paths=[], rescan_every=3)
     assert by_inode(discoverer.poll(), lib) == []
@@ -154,6 +159,35 @@ def test_a_library_dlopened_later_by_a_known_process_is_found_within_rescan_ever
     assert child.proc.stdout.readline().strip() == "loaded"
     polls = [by_inode(discoverer.poll(), lib) for _ in range(3)]
     assert sum(len(p) for p in polls) == 1           # found once, within 3 polls
+
+
+@NEEDS_GCC
+def test_a_discoverer_that_follows_changes_reads_only_the_processes_named(
+        tmp_path, stand_in, children):
+    from mmtrace.bpf.device import CHANGE_EXIT, CHANGE_MAPPED
+    lib = library_elsewhere(tmp_path, stand_in)
+    child = children([sys.executable, "-c", LOAD_ON_LINE])
+    other = children([sys.executable, "-c", LOAD_ON_LINE])
+    feed: list = []
+    discoverer = Discoverer(wanted, pids=[child.pid, other.pid], search_paths=[],
+                            rescan_every=1)
+    discoverer.follow(lambda: feed.pop(0) if feed else {})
+    assert by_inode(discoverer.poll(), lib) == []   # one whole scan: both read
+    assert discoverer.counters["maps_read"] == 2
+    child.proc.stdin.write(f"{lib}\n")
+    child.proc.stdin.flush()
+    assert child.proc.stdout.readline().strip() == "loaded"
+    assert by_inode(discoverer.poll(), lib) == []   # nothing named: nothing read
+    assert discoverer.counters["maps_read"] == 2
+    feed.append({child.pid: CHANGE_MAPPED})
+    assert [t.origin for t in by_inode(discoverer.poll(), lib)] == [f"maps:{child.pid}"]
+    assert discoverer.counters["maps_read"] == 3
+    feed.append({child.pid: CHANGE_EXIT})           # gone: what only it held goes
+    discoverer.poll()
+    assert [t.path for t in discoverer.take_released()] == [str(lib)]
+    feed.append(None)                               # the kernel lost some: all again
+    assert [t.origin for t in by_inode(discoverer.poll(), lib)] == [f"maps:{child.pid}"]
+    assert discoverer.counters["maps_read"] == 5
 
 
 def test_the_processes_read_are_handed_over_once_and_the_gone_are_not(children):

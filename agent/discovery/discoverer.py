@@ -70,7 +70,8 @@ class Discoverer:
     `untraceable`); and examined (files parsed), targets (returned so far),
     released (targets released so far), over_cap (targets that had to wait
     because `max_targets` were out), waiting (targets waiting now), probed
-    (targets out now).
+    (targets out now), maps_read (processes whose maps were read so far),
+    following_changes (1 once the kernel tells which processes changed).
 
     `untraceable`: path -> why, for files that carry what is traced but
     cannot be probed (a stripped executable with a static CUDA runtime);
@@ -158,7 +159,14 @@ class Discoverer:
         new = self._hand_out(found)
         self.counters["probed"] = len(self._returned)
         self.counters["waiting"] = len(self._waiting)
+        self.counters["maps_read"] = self._processes.maps_read
         return new
+
+    def follow(self, changes: Callable[[], dict[int, int] | None]) -> None:
+        """Read only the processes the kernel says changed from now on
+        (ProcessScan.follow); `changes` is DeviceProbes.process_changes()."""
+        self._processes.follow(changes)
+        self.counters["following_changes"] = 1
 
     def _release_unheld(self, held: set) -> None:
         gone = [ident for ident in self._returned if ident not in held]

@@ -6,6 +6,11 @@ A process is read whole the first poll that sees it, and again once it
 exec()s; after that its maps are read again every `rescan_every` polls
 (a fifth of the processes each poll), which is where new dlopen()s show.
 Reading every maps file every poll was most of an idle agent's CPU.
+
+Once the kernel tells which processes changed (follow(): exec, fork, a file
+mapped executable, exit, from bpf/device.h), a poll reads those alone and
+lists /proc only every SWEEP_EVERY polls (for what was missed): the cost of
+a poll no longer grows with the number of processes running.
 """
 
 import os
@@ -17,8 +22,10 @@ from mmtrace.agent.discovery.proc_maps import (DELETED_SUFFIX, ProcessMaps, in_p
                                                read_maps)
 from mmtrace.agent.discovery.python_site_dirs import PythonSiteDirs
 from mmtrace.agent.discovery.recent import Recent
+from mmtrace.bpf.device import CHANGE_EXIT
 
 _GONE = (FileNotFoundError, ProcessLookupError)
+SWEEP_EVERY = 30        # polls between listings of /proc while changes are followed
 
 # note(reason, about, count=1): count a problem once per thing it is about.
 Note = Callable[..., None]
@@ -50,6 +57,18 @@ class ProcessScan:
         # one, kept for take_read().
         self.on_read: Callable[[int], None] | None = None
         self._read: Recent = Recent(MAX_REMEMBERED_FILES)
+        # What the kernel says changed since the last call: pid -> CHANGE_*
+        # bits, or None when it could not keep them all (read everything).
+        self._changes: Callable[[], dict[int, int] | None] | None = None
+        self._read_all_next = True
+        self.maps_read = 0
+
+    def follow(self, changes: Callable[[], dict[int, int] | None]) -> None:
+        """From the next scan on, read the processes `changes()` names
+        (after one more whole scan: what changed before the kernel kept
+        count is in none of its lists)."""
+        self._changes = changes
+        self._read_all_next = True
 
     def remembered(self) -> dict[str, int]:
         return {"mapped_files": len(self._maps_seen), "processes": len(self._held_by_pid)}
@@ -76,15 +95,48 @@ class ProcessScan:
         of their Python processes (host path -> as the process sees it)."""
         site_dirs: dict[str, str] = {}
         self._polls += 1
+        changes = None
+        if self._changes is not None and not self._read_all_next:
+            changes = self._changes()
+        self._read_all_next = False
+        if changes is not None:
+            self._scan_changed(changes, found, site_dirs)
+            return site_dirs
+        read_all = self._changes is not None    # following, but what changed is unknown
         for pid in self._process_ids():
             known = self._settled.get(pid)
-            if known is not None and (pid + self._polls) % self.rescan_every \
+            if not read_all and known is not None and (pid + self._polls) % self.rescan_every \
                     and known[0] == self._image(pid):
                 for host, seen_as in known[1].items():
                     site_dirs.setdefault(host, seen_as)
                 continue
             self._scan_process(pid, found, site_dirs)
         return site_dirs
+
+    def _scan_changed(self, changes: dict[int, int], found: dict, site_dirs: dict):
+        """The processes that changed read again, those that exited
+        forgotten; the others as they were."""
+        if self._polls % SWEEP_EVERY == 0:
+            self._process_ids()         # forgets the processes gone unseen
+        for pid, change in changes.items():
+            if self.pids is not None and pid not in self.pids:
+                continue
+            if change == CHANGE_EXIT:
+                self._forget(pid)
+            else:
+                self._scan_process(pid, found, site_dirs)
+        unsettled = [pid for pid in self._held_by_pid if pid not in self._settled]
+        for pid in unsettled:           # a file that could not be looked at: again
+            if pid not in changes:
+                self._scan_process(pid, found, site_dirs)
+        for _, own in self._settled.values():
+            for host, seen_as in own.items():
+                site_dirs.setdefault(host, seen_as)
+
+    def _forget(self, pid: int) -> None:
+        self._settled.pop(pid, None)
+        self._held_by_pid.pop(pid, None)
+        self._site_dirs.forget(pid)
 
     def _process_ids(self) -> list[int]:
         if self.pids is not None:
@@ -116,6 +168,7 @@ class ProcessScan:
         except OSError:
             self.note("unreadable_proc", pid)
             return
+        self.maps_read += 1
         self.note("maps_malformed_lines", pid, maps.malformed_lines)
         if self.on_read is not None:
             self.on_read(pid)

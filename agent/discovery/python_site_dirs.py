@@ -25,6 +25,9 @@ class PythonSiteDirs:
         self.proc_root = Path(proc_root)
         self._interpreter_dirs: dict[int, set[str]] = {}
 
+    def forget(self, pid: int) -> None:
+        self._interpreter_dirs.pop(pid, None)
+
     def forget_gone(self, alive: set[int]) -> None:
         for gone in set(self._interpreter_dirs) - alive:
             del self._interpreter_dirs[gone]

@@ -27,6 +27,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from mmtrace.bpf import counters as bpf_counters
 from mmtrace.bpf import device as device_stream
 
 from mmtrace.agent.discovery.elf_cache import ElfCache
@@ -280,6 +281,34 @@ class DeviceProbes:
         def mark(pid: int):
             marks[marks.Key(pid)] = read
         return mark
+
+    def process_changes(self):
+        """Turn on the kernel's list of the processes whose mapped files may
+        have changed (bpf/device.h: exec, fork, a file mapped executable,
+        exit); what takes it (pid -> CHANGE_* bits, or None when the kernel
+        could not keep them all: read every process). None where the
+        program or the kernel cannot (no syscall tracepoints): discovery
+        then reads /proc as before."""
+        try:
+            table, on = self.bpf["process_changes"], self.bpf["process_changes_on"]
+        except KeyError:            # a program built without it (tests' stand-ins)
+            return None
+        try:
+            self.bpf.attach_tracepoint(tp="syscalls:sys_enter_mmap", fn_name="process_mapped")
+        except Exception as exc:    # bcc raises bare Exception when a tracepoint is missing
+            log.info("process changes not followed (%s): discovery reads /proc", exc)
+            return None
+        on[on.Key(0)] = on.Leaf(1)
+        counters = self.bpf["counters"]
+        full = [bpf_counters.read_counter(counters, "process_changes_full")]
+
+        def take() -> dict[int, int] | None:
+            changes = {int(getattr(k, "value", k)): int(getattr(v, "value", v))
+                       for k, v in table.items_lookup_and_delete_batch()}
+            now = bpf_counters.read_counter(counters, "process_changes_full")
+            kept_all, full[0] = now == full[0], now
+            return changes if kept_all else None
+        return take
 
     def symbol_names(self) -> dict[int, str]:
         """Symbol id (in an event's symbol_id) -> aclnn symbol."""

@@ -74,7 +74,8 @@ class DeviceSources:
     def mark_reads_in(self, device) -> None:
         """From now on, each process discovery reads is marked in the
         kernel as it is read (those read before the programs loaded, at
-        once): the device program counts the processes that exit unread."""
+        once): the device program counts the processes that exit unread.
+        And discovery follows the processes the kernel says changed."""
         if self.discoverer is None or self.discoverer.on_read is not None:
             return
         mark = device.unread_exits()
@@ -83,6 +84,9 @@ class DeviceSources:
         for pid in self.discoverer.take_read():
             mark(pid)
         self.discoverer.on_read = mark
+        changes = device.process_changes()
+        if changes is not None:
+            self.discoverer.follow(changes)
 
     def _warn_untraceable(self):
         for path, why in self.untraceable().items():

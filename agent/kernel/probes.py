@@ -313,10 +313,24 @@ def cflags(options: ProbeOptions) -> list[str]:
         f"{wakeup_period(options.dev_ringbuf_pages, device_stream.DEV_EVENT.itemsize)}",
         "-Wno-macro-redefined",
     ]
+    if exit_has_group_dead():
+        flags.append("-DMMTRACE_EXIT_GROUP_DEAD")
     if options.device and launch_sessions(options):
         flags += ["-DMMTRACE_LAUNCH_SESSIONS",
                   f"-DMMTRACE_RETURN_EVERY={options.launch_return_every}"]
     return flags + list(options.extra_cflags)
+
+
+@functools.cache
+def exit_has_group_dead() -> bool:
+    """sched_process_exit says whether the thread was its process's last
+    (group_dead, Linux 6.x); without it, the leader's exit stands for it."""
+    for events in TRACEFS_EVENTS:
+        try:
+            return "group_dead" in (events / "sched" / "sched_process_exit" / "format").read_text()
+        except OSError:
+            continue
+    return False
 
 
 def wakeup_period(pages: int, record_size: int, cpus: int | None = None) -> int:
