@@ -125,7 +125,8 @@ class LiveProbes:
             self._devices = None
         if self.loaded is not None:
             for ring in self.loaded.rings:
-                waiter.forget(ring.reader.fileno())
+                for fd in ring.filenos():
+                    waiter.forget(fd)
             self.loaded.close()
             self.loaded = None
             self.ingest = None
