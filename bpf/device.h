@@ -541,8 +541,10 @@ static __always_inline struct dev_event *launch_event(struct pt_regs *ctx, u16 a
         ev = dev_reserve();
     if (ev) {
         dev_begin(ctx, ev, api, kind);
-        if (*timed || named)
+        if (named)
             named_begin(NAMED(ev));
+        else if (*timed)
+            NAMED(ev)->name_addr = 0;   /* scratch: carries no name (carries_name) */
     }
     return ev;
 }
