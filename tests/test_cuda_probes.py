@@ -427,6 +427,9 @@ def test_a_burst_of_50000_launches_back_to_back_is_recorded_whole(natives, tmp_p
     assert lost == {} and len(mine) == burst, (len(mine), lost, f"{burst / took:,.0f}/s")
     assert np.array_equal(np.sort(mine["op_id"]), np.arange(1, burst + 1, dtype=np.uint64))
     assert set(mine["comm"].tolist()) == {b"launch_loop"}
+    # ...sent by the kernel once, not read from /proc
+    named = recording.footer["name_resolution"]
+    assert named["threads_sent"] >= 1 and "comm_from_proc" not in named, named
     assert set(mine["api"].tolist()) == {1}         # cudaLaunchKernel
     assert set(mine["grid_x"].tolist()) == {64} and set(mine["block_x"].tolist()) == {256}
     assert set(mine["stream_handle"].tolist()) == {0x100}

@@ -191,6 +191,15 @@ class LoadedProbes:
                 "runq_total_ns": sched_stream.sum_from_table(self.bpf[sched_stream.SUM_MAP]),
                 "counters": self.counters(), "programs": programs}
 
+    def thread_comms(self) -> dict[str, int]:
+        """How the device events' comms were found: threads_sent (the
+        kernel's comm records), comm_from_proc, comm_unknown (device_ring.py)."""
+        for ring in self.rings:
+            comms = getattr(ring.reader, "comms", None)
+            if comms is not None:
+                return dict(comms.counters)
+        return {}
+
     def learn_threads(self, tid_to_tgid: dict[int, int]):
         """Tell the kernel the process of threads it has not seen switch out."""
         set_thread_tgids(self.bpf, tid_to_tgid)

@@ -339,7 +339,7 @@ class _DeviceRecording:
             return omitted
         return {"device_probes": self.device.states(),
                 "device_probe_summary": self.device.summary(),
-                "name_resolution": self.names.report(),
+                "name_resolution": {**self.names.report(), **self.loaded.thread_comms()},
                 "discovery": self.sources.counters(),
                 "untraceable_files": self.sources.untraceable(), **omitted}
 
