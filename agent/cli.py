@@ -147,7 +147,7 @@ class Seconds(click.ParamType):
               show_default=True,
               help="The kernel's GPU/NPU ring buffer, in MiB (a power of two): 8 holds a burst "
                    "of 55 000 launches back to back whole; the recorder is woken to drain it "
-                   "at an eighth to a quarter full. Kernel memory, mapped twice here.")
+                   "at an eighth to a quarter full. Kernel memory, mapped here.")
 def record(output, duration, pids, libs, nice, socket_path, launch_return_every,
            device_ringbuf_mib):
     """Record the CPU, GPU and NPU streams to a file for later analysis.

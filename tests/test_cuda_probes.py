@@ -442,7 +442,9 @@ def test_the_device_ring_wakes_its_reader_once_a_batch_is_in_not_per_record(nati
     edge-triggered, signalled by each CPU at every period-th record (an
     eighth to a quarter of the ring), never per record. A 64 KiB ring, and
     one traced process: one launch wakes nobody; CPUs x period launches
-    must (at least one CPU reached its period), and fit the ring."""
+    must (at least one CPU reached its period), and fit the ring. Then
+    runs of 300 (the ring holds 431) until the records have wrapped around
+    its end, one of them across it: each read whole, in order, intact."""
     from mmtrace.agent.ingest.wakeups import Waiter
     from mmtrace.agent.kernel.probes import wakeup_period
     from mmtrace.bpf import device
@@ -473,6 +475,15 @@ def test_the_device_ring_wakes_its_reader_once_a_batch_is_in_not_per_record(nati
         assert waiter.wait(5.0)
         assert set(waiter.ready) <= set(ring.filenos())
         assert len(ring.reader.read()) == burst
+        seen = 1 + burst
+        for _ in range(3):                      # 152-byte records in 65 536 bytes
+            run(300)
+            batch = ring.reader.read()
+            assert np.array_equal(batch["op_id"], np.arange(seen + 1, seen + 301))
+            assert set(batch["grid_x"].tolist()) == {64} and set(batch["comm"].tolist()) == {
+                b"launch_loop"}
+            seen += 300
+        assert seen * (device.DEV_RECORD.itemsize + 8) > 2 * pages * 4096
     finally:
         loop.stdin.close()
         loop.wait(timeout=10)

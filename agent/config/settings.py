@@ -214,8 +214,8 @@ class DaemonConfig:
     launch_return_every: int = _count(64, 1 << 20, low=0)
     # The kernel's GPU/NPU ring buffer, in MiB (a power of two): 8 holds a
     # burst of 55 000 launches whole (152 bytes each); its reader is woken
-    # at an eighth to a quarter full. Kernel memory, mapped twice in the
-    # agent (up to twice this in its RSS).
+    # at an eighth to a quarter full. Kernel memory, mapped by the agent
+    # (this much of its RSS).
     device_ringbuf_mib: int = _count(8, 1024)
     discover_interval_s: float = _seconds(2.0, 3600.0, low=0.1)
     nice: int = _setting(DEFAULT_NICE, Number(-20, 19, integer=True))  # the daemon's priority

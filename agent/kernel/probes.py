@@ -55,8 +55,8 @@ class ProbeOptions:
     # follows (the reader is woken when one is about a quarter full, and
     # drains at least every few hundred ms), and a daemon kept off the CPU
     # for a while: 8 MiB holds ~150k runq records, 0.6 s at 250k/s, 7 s at
-    # the rated 20k/s. Userspace maps each ring twice, so its size counts
-    # twice in the agent's RSS.
+    # the rated 20k/s. The agent maps each ring once (its size counts once
+    # in its RSS, from the start: agent/kernel/ringbuf.py).
     runq_ringbuf_pages: int = 2048      # 8 MiB
     max_threads: int = 65536
     extra_cflags: tuple[str, ...] = ()
@@ -66,8 +66,7 @@ class ProbeOptions:
     # held whole with no drain at all (55 188 records in 8 MiB), about
     # 55 ms at the ~1 M/s the uprobe trap allows here; its reader is woken
     # well before (at an eighth to a quarter full). Memory: 8 MiB of
-    # kernel memory, and the agent maps it twice (up to 16 MiB of RSS once
-    # every page was written).
+    # kernel memory, mapped by the agent (8 MiB of its RSS).
     dev_ringbuf_pages: int = 2048       # 8 MiB
     # Names (a kernel handle's, an aclop call's opType) and each thread's
     # comm, once: rare beside calls. 1 MiB: ~4 300 records.
