@@ -21,6 +21,8 @@
    the rate the uprobe trap allows; the launches in the recording, and
    those the kernel counted lost, by reason. Repeated --record-repeat
    times (the host is shared: the spread is part of the figure).
+5. The same loop under the daemon (`mmtrace run --trace-launches`): the
+   launches its metrics count (done and failed) and the kernel's losses.
 
 Needs root (loads eBPF), gcc, and the nvidia-cuda-runtime-cu12 wheel.
 Prints a table; writes bench/out/gpu_probes.json.
@@ -312,6 +314,60 @@ def record_loss(natives, launches: int, repeat: int) -> dict:
             "kept_fraction": [r["kept"] / r["launches"] for r in runs]}
 
 
+def daemon_loss(natives, launches: int, repeat: int) -> dict:
+    """`mmtrace run --pid P --lib libcudart --trace-launches` over
+    `launches` back-to-back cudaLaunchKernel calls: the launches its
+    metrics count, and those counted lost, per run."""
+    import socket
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape(port):
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        samples = [s for f in text_string_to_metric_families(text.decode()) for s in f.samples]
+        launched = sum(s.value for s in samples if s.labels.get("api") == "cudaLaunchKernel"
+                       and s.name in ("mmtrace_device_submissions_total",
+                                      "mmtrace_device_call_failures_total"))
+        lost = sum(s.value for s in samples if s.name == "mmtrace_events_lost_total"
+                   and s.labels.get("reason") == "ringbuf_full_dev")
+        return int(launched), int(lost)
+
+    runs = []
+    for _ in range(repeat):
+        loop = Loop(natives.launch_loop, launch_only=True)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with tempfile.TemporaryDirectory() as tmp:
+            log = Path(tmp) / "daemon.log"
+            with open(log, "w") as out:
+                daemon = subprocess.Popen(
+                    [sys.executable, "-m", "mmtrace.agent", "run", "--state-dir",
+                     str(Path(tmp) / "state"), "--socket", str(Path(tmp) / "s.sock"), "--lib",
+                     str(natives.cudart), "--pid", str(loop.pid), "--trace-launches",
+                     "--metrics-address", f"127.0.0.1:{port}"], stdout=out,
+                    stderr=subprocess.STDOUT)
+            try:
+                deadline = time.monotonic() + 120
+                while "gpu/npu probes live" not in log.read_text():
+                    if daemon.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError("the daemon did not go live:\n" + log.read_text())
+                    time.sleep(0.1)
+                took = loop.run(launches)
+                deadline = time.monotonic() + 60
+                while sum(scrape(port)) < launches and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                kept, lost = scrape(port)
+            finally:
+                loop.close()
+                daemon.send_signal(signal.SIGTERM)
+                daemon.wait(timeout=60)
+        runs.append({"launches": launches, "loop_s": took, "rate_per_s": launches / took,
+                     "kept": kept, "lost": lost})
+    return {"runs": runs, "kept_fraction": [r["kept"] / r["launches"] for r in runs]}
+
+
 def _launches_in(path: Path, pid: int) -> int:
     """cudaLaunchKernel events of process `pid` in a recording (failed calls
     included: without a driver every launch fails)."""
@@ -345,7 +401,8 @@ def main(argv=None):
     parser.add_argument("--events", type=int, default=300_000)
     parser.add_argument("--record-launches", type=int, default=300_000)
     parser.add_argument("--record-repeat", type=int, default=3)
-    parser.add_argument("--only", choices=["per_call", "adaptive", "python_cpu", "record"],
+    parser.add_argument("--only", choices=["per_call", "adaptive", "python_cpu", "record",
+                                           "daemon"],
                         action="append", help="run these sections only (repeatable)")
     parser.add_argument("-o", "--output", default=str(ROOT / "bench" / "out" / "gpu_probes.json"))
     args = parser.parse_args(argv)
@@ -359,7 +416,7 @@ def main(argv=None):
         shutil.copy(natives.cudart, cudart)
         natives = dataclasses.replace(natives, cudart=cudart, launch_loop=build_program(
             "launch_loop.c", cudart.parent, [cudart]))
-        wanted = set(args.only or ("per_call", "adaptive", "python_cpu", "record"))
+        wanted = set(args.only or ("per_call", "adaptive", "python_cpu", "record", "daemon"))
         sections = {
             "per_call": lambda: per_call(natives.launch_loop, natives.cudart, args.calls,
                                          args.repeat),
@@ -367,6 +424,7 @@ def main(argv=None):
                                          args.launch_ns, args.repeat),
             "python_cpu": lambda: python_cpu(natives, args.events),
             "record": lambda: record_loss(natives, args.record_launches, args.record_repeat),
+            "daemon": lambda: daemon_loss(natives, args.record_launches, args.record_repeat),
         }
         results = {name: run() for name, run in sections.items() if name in wanted}
         static_loop = nvcc_build(NATIVE / "launch_loop.c", "-cudart", "static", f"-I{NATIVE}",
@@ -418,6 +476,11 @@ def print_table(r: dict):
                      f"{run['kept'] / run['launches']:.1%} kept",
                      f"{run['kept']:,} in the file ({run['file_bytes'] / 2**20:.0f} MiB), "
                      f"{run['lost']:,} lost: {run['lost_by']}"))
+    for run in r.get("daemon", {}).get("runs", []):
+        rows.append((f"mmtrace run, {run['launches']:,} launches back to back "
+                     f"({run['rate_per_s'] / 1e6:.2f} M/s)",
+                     f"{run['kept'] / run['launches']:.1%} kept",
+                     f"{run['kept']:,} counted, {run['lost']:,} lost (ringbuf_full_dev)"))
     width = max(len(r[0]) for r in rows)
     for name, value, note in rows:
         print(f"{name:<{width}}  {value:>16}  {note}")
