@@ -489,13 +489,18 @@ def _device_ring(program, options: ProbeOptions) -> StreamRing:
     check_layout("dev_named_event", device_stream.DEV_NAMED,
                  program[device_stream.NAMED_LAYOUT_MAP].Leaf)
     readers = []
-    for name, pages, dtype in ((device_stream.RINGBUF, options.dev_ringbuf_pages,
-                                device_stream.DEV_RECORD),
-                               (device_stream.NAMES_RINGBUF, options.dev_names_ringbuf_pages,
-                                device_stream.DEV_NAMED)):
-        ring = program[name]
-        size = pages * 4096 if ring.max_entries == 0 else ring.max_entries
-        readers.append(RingReader(ring.map_fd, size, dtype))
+    try:
+        for name, pages, dtype in ((device_stream.RINGBUF, options.dev_ringbuf_pages,
+                                    device_stream.DEV_RECORD),
+                                   (device_stream.NAMES_RINGBUF, options.dev_names_ringbuf_pages,
+                                    device_stream.DEV_NAMED)):
+            ring = program[name]
+            size = pages * 4096 if ring.max_entries == 0 else ring.max_entries
+            readers.append(RingReader(ring.map_fd, size, dtype))
+    except BaseException:
+        for reader in readers:          # the first mapped, the second refused
+            reader.close()
+        raise
     return StreamRing("dev", DeviceRing(*readers))
 
 
