@@ -143,7 +143,13 @@ class Seconds(click.ParamType):
                    "process's first, and every one of a process whose calls failed in the "
                    "last second; 1: every launch (about 0.4 µs more each); 0: none. Copies, "
                    "syncs and graph launches always have theirs.")
-def record(output, duration, pids, libs, nice, socket_path, launch_return_every):
+@click.option("--device-ringbuf-mib", type=click.IntRange(1, 1024), default=8,
+              show_default=True,
+              help="The kernel's GPU/NPU ring buffer, in MiB (a power of two): 8 holds a burst "
+                   "of 55 000 launches back to back whole; the recorder is woken to drain it "
+                   "at an eighth to a quarter full. Kernel memory, mapped here.")
+def record(output, duration, pids, libs, nice, socket_path, launch_return_every,
+           device_ringbuf_mib):
     """Record the CPU, GPU and NPU streams to a file for later analysis.
 
     A progress line on stderr shows elapsed time, events and losses.
@@ -168,6 +174,9 @@ def record(output, duration, pids, libs, nice, socket_path, launch_return_every)
     for pid in pids:
         if not os.path.exists(f"/proc/{pid}"):
             raise MmtraceError(f"--pid {pid}: no such process")
+    if device_ringbuf_mib & (device_ringbuf_mib - 1):
+        raise MmtraceError(f"--device-ringbuf-mib {device_ringbuf_mib}: expected a power of two "
+                           "(1, 2, 4, ... 1024)")
     from mmtrace.agent.kernel.probes import require_privileges
     require_privileges()        # the one clear line comes before any warning
     why_not = set_niceness(nice)
@@ -176,7 +185,8 @@ def record(output, duration, pids, libs, nice, socket_path, launch_return_every)
     from mmtrace.agent.kernel.probes import ProbeOptions
     result = recorder.record(output, duration, pids=pids, libs=libs,
                              options=ProbeOptions(pids=tuple(pids),
-                                                  launch_return_every=launch_return_every),
+                                                  launch_return_every=launch_return_every,
+                                                  dev_ringbuf_pages=device_ringbuf_mib * 256),
                              progress=recorder.Progress(), socket_path=socket_path,
                              compile_apart=True,      # this process's only load
                              warn=lambda text: click.echo(f"mmtrace: warning: {text}",

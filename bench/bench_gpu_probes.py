@@ -16,17 +16,28 @@
    Goal <= 1.02.
 3. Python CPU per GPU event: the record path (ring read, names, file
    write) and the live alignment ring, process CPU time per event.
+4. Launches kept: `mmtrace record` (the command, as a user runs it) over
+   a loop of --record-launches cudaLaunchKernel calls back to back, at
+   the rate the uprobe trap allows; the launches in the recording, and
+   those the kernel counted lost, by reason. Repeated --record-repeat
+   times (the host is shared: the spread is part of the figure).
+5. The same loop under the daemon (`mmtrace run --trace-launches`): the
+   launches its metrics count (done and failed) and the kernel's losses.
 
 Needs root (loads eBPF), gcc, and the nvidia-cuda-runtime-cu12 wheel.
 Prints a table; writes bench/out/gpu_probes.json.
 
     sudo .venv/bin/python bench/bench_gpu_probes.py [--calls 200000] [--repeat 5]
+    sudo .venv/bin/python bench/bench_gpu_probes.py --only record   # section 4 alone
 """
 
 import argparse
 import dataclasses
 import json
+import os
+import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -265,6 +276,111 @@ def python_cpu(natives, events: int) -> dict:
             "aligner_us_per_event": align_cpu / max(total, 1) * 1e6}
 
 
+def record_loss(natives, launches: int, repeat: int) -> dict:
+    """`mmtrace record --pid P --lib libcudart` over `launches` back-to-back
+    cudaLaunchKernel calls: how many the recording holds, and what the
+    kernel counted lost, per run."""
+    mmtrace = Path(sys.executable).parent / "mmtrace"
+    runs = []
+    for _ in range(repeat):
+        loop = Loop(natives.launch_loop, launch_only=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "loop.mmtr"
+            rec = subprocess.Popen([str(mmtrace), "record", "-o", str(out), "--pid",
+                                    str(loop.pid), "--lib", str(natives.cudart)],
+                                   stderr=subprocess.PIPE, text=True)
+            try:
+                for line in rec.stderr:
+                    if "gpu/npu stream live" in line:
+                        break
+                else:
+                    raise RuntimeError("mmtrace record ended before the GPU stream was live")
+                took = loop.run(launches)
+                time.sleep(0.5)
+            finally:
+                loop.close()
+                rec.send_signal(signal.SIGINT)
+                tail = rec.stderr.read()
+                rec.wait(timeout=120)
+            kept = _launches_in(out, loop.pid)
+            wrote = re.search(r"wrote .*?: ([\d,]+) events, ([\d,]+) lost(?: \((.*)\))?", tail)
+            runs.append({"launches": launches, "loop_s": took,
+                         "rate_per_s": launches / took,
+                         "kept": kept,
+                         "lost": int(wrote.group(2).replace(",", "")) if wrote else None,
+                         "lost_by": wrote.group(3) if wrote else tail.strip()[-200:],
+                         "file_bytes": os.path.getsize(out)})
+    return {"runs": runs,
+            "kept_fraction": [r["kept"] / r["launches"] for r in runs]}
+
+
+def daemon_loss(natives, launches: int, repeat: int) -> dict:
+    """`mmtrace run --pid P --lib libcudart --trace-launches` over
+    `launches` back-to-back cudaLaunchKernel calls: the launches its
+    metrics count, and those counted lost, per run."""
+    import socket
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape(port):
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        samples = [s for f in text_string_to_metric_families(text.decode()) for s in f.samples]
+        launched = sum(s.value for s in samples if s.labels.get("api") == "cudaLaunchKernel"
+                       and s.name in ("mmtrace_device_submissions_total",
+                                      "mmtrace_device_call_failures_total"))
+        lost = sum(s.value for s in samples if s.name == "mmtrace_events_lost_total"
+                   and s.labels.get("reason") == "ringbuf_full_dev")
+        return int(launched), int(lost)
+
+    runs = []
+    for _ in range(repeat):
+        loop = Loop(natives.launch_loop, launch_only=True)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with tempfile.TemporaryDirectory() as tmp:
+            log = Path(tmp) / "daemon.log"
+            with open(log, "w") as out:
+                daemon = subprocess.Popen(
+                    [sys.executable, "-m", "mmtrace.agent", "run", "--state-dir",
+                     str(Path(tmp) / "state"), "--socket", str(Path(tmp) / "s.sock"), "--lib",
+                     str(natives.cudart), "--pid", str(loop.pid), "--trace-launches",
+                     "--metrics-address", f"127.0.0.1:{port}"], stdout=out,
+                    stderr=subprocess.STDOUT)
+            try:
+                deadline = time.monotonic() + 120
+                while "gpu/npu probes live" not in log.read_text():
+                    if daemon.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError("the daemon did not go live:\n" + log.read_text())
+                    time.sleep(0.1)
+                took = loop.run(launches)
+                deadline = time.monotonic() + 60
+                while sum(scrape(port)) < launches and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                kept, lost = scrape(port)
+            finally:
+                loop.close()
+                daemon.send_signal(signal.SIGTERM)
+                daemon.wait(timeout=60)
+        runs.append({"launches": launches, "loop_s": took, "rate_per_s": launches / took,
+                     "kept": kept, "lost": lost})
+    return {"runs": runs, "kept_fraction": [r["kept"] / r["launches"] for r in runs]}
+
+
+def _launches_in(path: Path, pid: int) -> int:
+    """cudaLaunchKernel events of process `pid` in a recording (failed calls
+    included: without a driver every launch fails)."""
+    from mmtrace.agent.recording.file_format import RecordingReader
+    from mmtrace.bpf import device
+    n = 0
+    with RecordingReader(path) as reader:
+        for piece in reader.pieces("dev.event"):
+            n += int(np.count_nonzero((piece["kind"] == device.KIND_IDS["launch"])
+                                      & (piece["pid"] == pid)))
+    return n
+
+
 def _ready(loop: Loop) -> bool:
     import select
     readable, _, _ = select.select([loop.proc.stdout], [], [], 0)
@@ -283,6 +399,11 @@ def main(argv=None):
     parser.add_argument("--launch-ns", type=int, default=4_000,
                         help="host work after each launch, standing in for a real launch")
     parser.add_argument("--events", type=int, default=300_000)
+    parser.add_argument("--record-launches", type=int, default=300_000)
+    parser.add_argument("--record-repeat", type=int, default=3)
+    parser.add_argument("--only", choices=["per_call", "adaptive", "python_cpu", "record",
+                                           "daemon"],
+                        action="append", help="run these sections only (repeatable)")
     parser.add_argument("-o", "--output", default=str(ROOT / "bench" / "out" / "gpu_probes.json"))
     args = parser.parse_args(argv)
     from gpu_fixtures import build_natives, build_program
@@ -295,14 +416,19 @@ def main(argv=None):
         shutil.copy(natives.cudart, cudart)
         natives = dataclasses.replace(natives, cudart=cudart, launch_loop=build_program(
             "launch_loop.c", cudart.parent, [cudart]))
-        results = {
-            "per_call": per_call(natives.launch_loop, natives.cudart, args.calls, args.repeat),
-            "adaptive": adaptive(natives, args.iterations, args.launches_per_sync,
-                                 args.launch_ns, args.repeat),
-            "python_cpu": python_cpu(natives, args.events),
+        wanted = set(args.only or ("per_call", "adaptive", "python_cpu", "record", "daemon"))
+        sections = {
+            "per_call": lambda: per_call(natives.launch_loop, natives.cudart, args.calls,
+                                         args.repeat),
+            "adaptive": lambda: adaptive(natives, args.iterations, args.launches_per_sync,
+                                         args.launch_ns, args.repeat),
+            "python_cpu": lambda: python_cpu(natives, args.events),
+            "record": lambda: record_loss(natives, args.record_launches, args.record_repeat),
+            "daemon": lambda: daemon_loss(natives, args.record_launches, args.record_repeat),
         }
+        results = {name: run() for name, run in sections.items() if name in wanted}
         static_loop = nvcc_build(NATIVE / "launch_loop.c", "-cudart", "static", f"-I{NATIVE}",
-                                 name="launch_loop-static")
+                                 name="launch_loop-static") if "per_call" in wanted else None
         if static_loop is not None:
             results["per_call_static"] = per_call(static_loop, static_loop, args.calls,
                                                   args.repeat)
@@ -332,11 +458,36 @@ def per_call_rows(c: dict, what: str) -> list[tuple]:
 
 
 def print_table(r: dict):
-    a, p = r["adaptive"], r["python_cpu"]
-    rows = per_call_rows(r["per_call"], "libcudart.so.12")
+    rows = per_call_rows(r["per_call"], "libcudart.so.12") if "per_call" in r else []
     if "per_call_static" in r:
         rows += per_call_rows(r["per_call_static"], "static runtime in the executable")
-    rows += [
+    if "adaptive" in r:
+        rows += adaptive_rows(r["adaptive"])
+    if "python_cpu" in r:
+        p = r["python_cpu"]
+        rows += [
+            ("Python CPU, record path", f"{p['record_path_us_per_event']:.3f} µs/event",
+             f"{p['events']:,} events, {p['lost']} lost"),
+            ("Python CPU, alignment ring", f"{p['aligner_us_per_event']:.3f} µs/event", ""),
+        ]
+    for run in r.get("record", {}).get("runs", []):
+        rows.append((f"mmtrace record, {run['launches']:,} launches back to back "
+                     f"({run['rate_per_s'] / 1e6:.2f} M/s)",
+                     f"{run['kept'] / run['launches']:.1%} kept",
+                     f"{run['kept']:,} in the file ({run['file_bytes'] / 2**20:.0f} MiB), "
+                     f"{run['lost']:,} lost: {run['lost_by']}"))
+    for run in r.get("daemon", {}).get("runs", []):
+        rows.append((f"mmtrace run, {run['launches']:,} launches back to back "
+                     f"({run['rate_per_s'] / 1e6:.2f} M/s)",
+                     f"{run['kept'] / run['launches']:.1%} kept",
+                     f"{run['kept']:,} counted, {run['lost']:,} lost (ringbuf_full_dev)"))
+    width = max(len(r[0]) for r in rows)
+    for name, value, note in rows:
+        print(f"{name:<{width}}  {value:>16}  {note}")
+
+
+def adaptive_rows(a: dict) -> list[tuple]:
+    return [
         (f"loop of {a['launches_per_sync']} launches + copy + sync, untraced",
          f"{a['untraced_s'] * 1e3:.1f} ms", f"launch stand-in {a['launch_ns_stand_in']} ns"),
         ("  adaptive (launch probes off)", f"{a['adaptive_s'] * 1e3:.1f} ms",
@@ -344,13 +495,7 @@ def print_table(r: dict):
          f"{a['launch_events_in_adaptive_mode']} launch events"),
         ("  everything traced", f"{a['fully_traced_s'] * 1e3:.1f} ms",
          f"{a['fully_traced_vs_untraced']:.3f}x untraced"),
-        ("Python CPU, record path", f"{p['record_path_us_per_event']:.3f} µs/event",
-         f"{p['events']:,} events, {p['lost']} lost"),
-        ("Python CPU, alignment ring", f"{p['aligner_us_per_event']:.3f} µs/event", ""),
     ]
-    width = max(len(r[0]) for r in rows)
-    for name, value, note in rows:
-        print(f"{name:<{width}}  {value:>16}  {note}")
 
 
 if __name__ == "__main__":

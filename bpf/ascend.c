@@ -10,14 +10,14 @@
 static __always_inline int aclnn_launch(struct pt_regs *ctx, u16 api, u32 slot)
 {
     int timed;
-    struct dev_event *ev = launch_event(ctx, api, DEV_LAUNCH, &timed);
+    struct dev_event *ev = launch_event(ctx, api, DEV_LAUNCH, &timed, 0);
     if (!ev)
         return 1;
     ev->probe_ip = PT_REGS_IP(ctx);
     ev->symbol_id = bpf_get_attach_cookie(ctx) >> 32;    /* 0: attached without */
     ev->handle = PT_REGS_PARM3(ctx);
     ev->stream_handle = PT_REGS_PARM4(ctx);
-    return launch_done(ctx, ev, slot, timed);
+    return launch_done(ctx, ev, slot, timed, 0);
 }
 
 /* An aclop call: opType (const char *) first, the stream on the stack. */
@@ -25,13 +25,13 @@ static __always_inline int aclop_launch(struct pt_regs *ctx, u16 api, u32 slot,
                                         u32 stack_slot)
 {
     int timed;
-    struct dev_event *ev = launch_event(ctx, api, DEV_LAUNCH, &timed);
+    struct dev_event *ev = launch_event(ctx, api, DEV_LAUNCH, &timed, 1);
     if (!ev)
         return 1;
-    read_name(ev, (const char *)PT_REGS_PARM1(ctx));
+    read_name(NAMED(ev), (const char *)PT_REGS_PARM1(ctx));
     read_user(ev, &ev->stream_handle, sizeof(ev->stream_handle),
               (void *)(PT_REGS_SP(ctx) + 8 * stack_slot));
-    return launch_done(ctx, ev, slot, timed);
+    return launch_done(ctx, ev, slot, timed, 1);
 }
 
 /* aclopExecuteV2(opType, numInputs, inputDesc, inputs, numOutputs,
@@ -79,7 +79,7 @@ static __always_inline int acl_kernel_launch(struct pt_regs *ctx, u16 api, u32 s
                                              u64 handle, u32 blocks, u64 stream)
 {
     int timed;
-    struct dev_event *ev = launch_event(ctx, api, DEV_LAUNCH, &timed);
+    struct dev_event *ev = launch_event(ctx, api, DEV_LAUNCH, &timed, 0);
     if (!ev)
         return 1;
     ev->handle = handle;
@@ -87,7 +87,7 @@ static __always_inline int acl_kernel_launch(struct pt_regs *ctx, u16 api, u32 s
     ev->grid_y = 1;
     ev->grid_z = 1;
     ev->stream_handle = stream;
-    return launch_done(ctx, ev, slot, timed);
+    return launch_done(ctx, ev, slot, timed, 0);
 }
 
 /* aclrtLaunchKernel(aclrtFuncHandle funcHandle, uint32_t blockDim, const

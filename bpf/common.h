@@ -65,14 +65,18 @@ static __always_inline void count(u32 which)
  * CPU forces a wake-up at every WAKEUP_EVERY-th record it submits, so a
  * ring is at most about a quarter full when its reader is woken (userspace
  * sizes the period from the ring and the CPU count); at low rates the
- * reader drains on its own timer. Slot 0: run-queue ring, 1: device ring. */
+ * reader drains on its own timer. Slot 0: run-queue ring, 1: device ring,
+ * 2: the device names ring. */
 #ifndef MMTRACE_RUNQ_WAKEUP_EVERY
 #define MMTRACE_RUNQ_WAKEUP_EVERY 1024
 #endif
 #ifndef MMTRACE_DEV_WAKEUP_EVERY
 #define MMTRACE_DEV_WAKEUP_EVERY 256
 #endif
-BPF_PERCPU_ARRAY(ringbuf_submitted, u64, 2);
+#ifndef MMTRACE_DEV_NAMES_WAKEUP_EVERY
+#define MMTRACE_DEV_NAMES_WAKEUP_EVERY 64
+#endif
+BPF_PERCPU_ARRAY(ringbuf_submitted, u64, 3);
 
 static __always_inline u64 ringbuf_wakeup_flag(u32 ring, u64 every)
 {
@@ -102,8 +106,9 @@ struct thread_state {
     u64 last_delay_ns;  /* its latest run-queue delay (in scope only) */
     u64 last_ts_ns;     /* when it got the CPU after that delay */
     u32 tgid;           /* its process; 0 until learnt */
-    u32 reserved;
+    u32 dev_flags;      /* THREAD_COMM_SENT: its comm is on the device names ring */
 };
+#define THREAD_COMM_SENT 1
 MMTRACE_SHARED_TABLE("hash", u32, struct thread_state, threads, MMTRACE_MAX_THREADS);
 
 static __always_inline int tgid_in_scope(u32 tgid)

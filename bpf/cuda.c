@@ -59,7 +59,7 @@ static __always_inline void set_shape(struct dev_event *ev, const u32 grid[3],
 static __always_inline int launch_runtime(struct pt_regs *ctx, u16 api, u32 slot)
 {
     int timed;
-    struct dev_event *ev = launch_event(ctx, api, DEV_LAUNCH, &timed);
+    struct dev_event *ev = launch_event(ctx, api, DEV_LAUNCH, &timed, 0);
     if (!ev)
         return 1;
     u64 grid_xy = PT_REGS_PARM2(ctx), block_xy = PT_REGS_PARM4(ctx);
@@ -76,14 +76,14 @@ static __always_inline int launch_runtime(struct pt_regs *ctx, u16 api, u32 slot
     ev->shared_mem_bytes = stack[1];
     ev->stream_handle = stack[2];
     set_outer_caller(ctx, ev);
-    return launch_done(ctx, ev, slot, timed);
+    return launch_done(ctx, ev, slot, timed, 0);
 }
 
 /* cudaLaunchKernelExC(const cudaLaunchConfig_t *config, const void *func, void **args) */
 static __always_inline int launch_runtime_ex(struct pt_regs *ctx, u16 api, u32 slot)
 {
     int timed;
-    struct dev_event *ev = launch_event(ctx, api, DEV_LAUNCH, &timed);
+    struct dev_event *ev = launch_event(ctx, api, DEV_LAUNCH, &timed, 0);
     if (!ev)
         return 1;
     ev->handle = PT_REGS_PARM2(ctx);
@@ -94,7 +94,7 @@ static __always_inline int launch_runtime_ex(struct pt_regs *ctx, u16 api, u32 s
     ev->stream_handle = cfg.stream;
     read_user(ev, &ev->return_ip, sizeof(ev->return_ip), STACK_ARG(ctx, 0));
     set_outer_caller(ctx, ev);
-    return launch_done(ctx, ev, slot, timed);
+    return launch_done(ctx, ev, slot, timed, 0);
 }
 
 /* cuLaunchKernel / cuLaunchCooperativeKernel (CUfunction f, unsigned gridX,
@@ -103,7 +103,7 @@ static __always_inline int launch_runtime_ex(struct pt_regs *ctx, u16 api, u32 s
 static __always_inline int launch_driver(struct pt_regs *ctx, u16 api, u32 slot)
 {
     int timed;
-    struct dev_event *ev = launch_event(ctx, api, DEV_LAUNCH, &timed);
+    struct dev_event *ev = launch_event(ctx, api, DEV_LAUNCH, &timed, 0);
     if (!ev)
         return 1;
     ev->handle = PT_REGS_PARM1(ctx);
@@ -117,14 +117,14 @@ static __always_inline int launch_driver(struct pt_regs *ctx, u16 api, u32 slot)
     ev->block_z = (u32)stack[0];
     ev->shared_mem_bytes = (u32)stack[1];
     ev->stream_handle = stack[2];
-    return launch_done(ctx, ev, slot, timed);
+    return launch_done(ctx, ev, slot, timed, 0);
 }
 
 /* cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra) */
 static __always_inline int launch_driver_ex(struct pt_regs *ctx, u16 api, u32 slot)
 {
     int timed;
-    struct dev_event *ev = launch_event(ctx, api, DEV_LAUNCH, &timed);
+    struct dev_event *ev = launch_event(ctx, api, DEV_LAUNCH, &timed, 0);
     if (!ev)
         return 1;
     ev->handle = PT_REGS_PARM2(ctx);
@@ -133,7 +133,7 @@ static __always_inline int launch_driver_ex(struct pt_regs *ctx, u16 api, u32 sl
     set_shape(ev, cfg.grid, cfg.block);
     ev->shared_mem_bytes = cfg.shared_mem;
     ev->stream_handle = cfg.stream;
-    return launch_done(ctx, ev, slot, timed);
+    return launch_done(ctx, ev, slot, timed, 0);
 }
 
 /* cudaGraphLaunch / cuGraphLaunch (graphExec, stream); also the shape of
@@ -227,13 +227,13 @@ static __always_inline int memcpy_runtime(struct pt_regs *ctx, u16 api, u32 slot
 static __always_inline int handle_out_call(struct pt_regs *ctx, u16 api, u32 slot,
                                            u64 alias, u64 name_addr)
 {
-    struct dev_event *ev = call_event(ctx, api, DEV_FUNCTION_NAME);
+    struct dev_named_event *ev = NAMED(call_event(ctx, api, DEV_FUNCTION_NAME));
     if (!ev)
         return 0;
     ev->handle = PT_REGS_PARM1(ctx);    /* the out-parameter until return */
     ev->alias = alias;
     ev->name_addr = name_addr;
-    call_store(ev, slot);
+    call_store(DEV(ev), slot);
     return 0;
 }
 
@@ -251,12 +251,12 @@ static __always_inline int get_alias(struct pt_regs *ctx, u16 api, u32 slot)
  * written by the call, its string read at return. */
 static __always_inline int func_get_name(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    struct dev_event *ev = call_event(ctx, api, DEV_FUNCTION_NAME);
+    struct dev_named_event *ev = NAMED(call_event(ctx, api, DEV_FUNCTION_NAME));
     if (!ev)
         return 0;
     ev->name_addr = PT_REGS_PARM1(ctx);     /* the out-parameter until return */
     ev->handle = PT_REGS_PARM2(ctx);
-    call_store(ev, slot);
+    call_store(DEV(ev), slot);
     return 0;
 }
 
@@ -266,10 +266,10 @@ static __always_inline int func_get_name(struct pt_regs *ctx, u16 api, u32 slot)
 static __always_inline int returned_handle(struct pt_regs *ctx, u32 slot, int name_indirect)
 {
     u64 key;
-    struct dev_event *entry = call_lookup(&key, slot);
+    struct dev_named_event *entry = call_lookup(&key, slot);
     if (!entry)
         return 0;
-    struct dev_event *ev = returned_event(ctx, entry);
+    struct dev_named_event *ev = returned_named(ctx, entry);
     if (ev) {
         u64 name = entry->name_addr;
         ev->name_addr = 0;
@@ -277,12 +277,12 @@ static __always_inline int returned_handle(struct pt_regs *ctx, u32 slot, int na
             ev->handle = 0;
         if (ev->ret == 0) {
             if (name_indirect)
-                read_user(ev, &name, sizeof(name), (void *)entry->name_addr);
+                read_user(DEV(ev), &name, sizeof(name), (void *)entry->name_addr);
             else
-                read_user(ev, &ev->handle, sizeof(ev->handle), (void *)entry->handle);
+                read_user(DEV(ev), &ev->handle, sizeof(ev->handle), (void *)entry->handle);
             read_name(ev, (const char *)name);
         }
-        dev_submit(ev);
+        dev_submit_named(ev);
     }
     calls_in_flight.delete(&key);
     return 0;

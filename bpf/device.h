@@ -1,4 +1,4 @@
-/* GPU and NPU streams: the one event layout both share, calls in flight
+/* GPU and NPU streams: the event layouts both share, calls in flight
  * between a uprobe and its uretprobe, the per-process submission sequence
  * and the per-thread device. Compiled after common.h and before sched.c (its
  * sched_process_free forgets a freed thread's calls here); decoded by
@@ -6,8 +6,15 @@
  * the tables in bpf/cuda.py and bpf/ascend.py. Compiled either with sched.c
  * (MMTRACE_DEVICE_IN_UNIT) or on its own after it, on the maps it exports. */
 
+/* Two rings (sizes: agent/kernel/probes.py ProbeOptions): dev_events
+ * carries the per-call records (struct dev_event, 144 bytes), dev_names
+ * the rare ones that carry strings (struct dev_named_event: a kernel
+ * handle's name, an aclop opType, and a thread's comm, once per thread). */
 #ifndef MMTRACE_DEV_RINGBUF_PAGES
-#define MMTRACE_DEV_RINGBUF_PAGES 512
+#define MMTRACE_DEV_RINGBUF_PAGES 2048
+#endif
+#ifndef MMTRACE_DEV_NAMES_RINGBUF_PAGES
+#define MMTRACE_DEV_NAMES_RINGBUF_PAGES 256
 #endif
 #ifndef MMTRACE_MAX_CALLS
 #define MMTRACE_MAX_CALLS 16384
@@ -28,6 +35,9 @@ enum dev_kind {
     DEV_MODEL_EXEC,
     DEV_EVENT_RECORD,   /* cudaEventRecord: where a later event sync points */
     DEV_FUNCTION_NAME,  /* a kernel handle's name, or the handle it stands for */
+    DEV_THREAD,         /* a thread's comm (dev_names only): sent before the
+                         * thread's first call, again after exec or a rename;
+                         * userspace fills each event's comm from it */
 };
 
 enum dev_flag {
@@ -39,49 +49,69 @@ enum dev_flag {
 #define DEV_NO_DIRECTION 0xff
 #define DEV_NO_DEVICE (-1)
 
+/* What every device record carries. Per-call facts only: the strings that
+ * belong to a thread (comm) or to a handle (its name) go once on dev_names.
+ * The fields are those of the recorded layout (bpf/device.py DEV_EVENT) in
+ * its order, name_addr and alias aside, so that userspace widens a batch
+ * with two block copies. */
+#define DEV_EVENT_FIELDS \
+    u64 ts_ns;              /* call entry, CLOCK_MONOTONIC */ \
+    u64 duration_ns;        /* entry to return, when DEV_RETURNED */ \
+    u64 sched_delay_ns;     /* the thread's latest run-queue delay before the call */ \
+    u64 op_id;              /* per-process submission sequence from 1; 0 = none */ \
+    u64 handle;             /* function / CUfunction / graph exec / event / op handle */ \
+    u64 stream_handle; \
+    u64 bytes; \
+    u64 shared_mem_bytes; \
+    u64 probe_ip;           /* address probed (aclnn: the op, when no cookie) */ \
+    u64 return_ip;          /* launches: the caller's return address, [rsp] */ \
+    u64 outer_return_ip;    /* and its caller's, [rbp + 8] where rbp is a frame */ \
+    u32 grid_x, grid_y, grid_z;     /* flat, not arrays: recordings keep */ \
+    u32 block_x, block_y, block_z;  /* scalar fields only */ \
+    u32 pid; \
+    u32 tid; \
+    s32 device;             /* DEV_NO_DEVICE when the thread never set one */ \
+    s32 ret;                /* return code, when DEV_RETURNED */ \
+    u32 symbol_id;          /* the attach cookie: which aclnn op; 0 = none */ \
+    u16 api;                /* API_* id */ \
+    u8 kind;                /* enum dev_kind */ \
+    u8 direction;           /* raw memcpy kind of the API; DEV_NO_DIRECTION */ \
+    u8 flags;               /* enum dev_flag */ \
+    u8 reserved[7];
+
+/* A kernel launch, copy, sync, ...: the hot path's record (dev_events). */
 struct dev_event {
-    u64 ts_ns;              /* call entry, CLOCK_MONOTONIC */
-    u64 duration_ns;        /* entry to return, when DEV_RETURNED */
-    u64 sched_delay_ns;     /* the thread's latest run-queue delay before the call */
-    u64 op_id;              /* per-process submission sequence from 1; 0 = none */
-    u64 handle;             /* function / CUfunction / graph exec / event / op handle */
-    u64 stream_handle;
-    u64 bytes;
-    u64 shared_mem_bytes;
-    u64 probe_ip;           /* address probed (aclnn: the op, when no cookie) */
+    DEV_EVENT_FIELDS
+};
+
+/* The same, with what only names carry (dev_names; calls in flight). A
+ * struct dev_event * may point at one: the fields above come first. */
+struct dev_named_event {
+    DEV_EVENT_FIELDS
     u64 name_addr;          /* user address of `name`: read in userspace when the
                              * kernel could not (a page not yet faulted in) */
     u64 alias;              /* DEV_FUNCTION_NAME: what `handle` stands for (the
                              * host function of a cudaKernel_t, the CUkernel of a
                              * CUfunction) */
-    u64 return_ip;          /* launches: the caller's return address, [rsp] */
-    u64 outer_return_ip;    /* and its caller's, [rbp + 8] where rbp is a frame */
-    u32 grid_x, grid_y, grid_z;     /* flat, not arrays: recordings keep */
-    u32 block_x, block_y, block_z;  /* scalar fields only */
-    u32 pid;
-    u32 tid;
-    s32 device;             /* DEV_NO_DEVICE when the thread never set one */
-    s32 ret;                /* return code, when DEV_RETURNED */
-    u32 symbol_id;          /* the attach cookie: which aclnn op; 0 = none */
-    u16 api;                /* API_* id */
-    u8 kind;                /* enum dev_kind */
-    u8 direction;           /* raw memcpy kind of the API; DEV_NO_DIRECTION */
-    u8 flags;               /* enum dev_flag */
-    u8 reserved[7];
     char comm[16];
     char name[MMTRACE_NAME_LEN];    /* opType, kernel name: NUL-terminated */
 };
 
-/* Checked against the numpy dtype at load time; never written. */
+#define DEV(ev) ((struct dev_event *)(ev))
+#define NAMED(ev) ((struct dev_named_event *)(ev))
+
+/* Checked against the numpy dtypes at load time; never written. */
 BPF_ARRAY(layout_dev_event, struct dev_event, 1);
+BPF_ARRAY(layout_dev_named_event, struct dev_named_event, 1);
 
 BPF_RINGBUF_OUTPUT(dev_events, MMTRACE_DEV_RINGBUF_PAGES);
+BPF_RINGBUF_OUTPUT(dev_names, MMTRACE_DEV_NAMES_RINGBUF_PAGES);
 
 /* A call between its uprobe and its uretprobe: the event built at entry.
  * Keyed by thread and call slot, so that a runtime call and the driver call
  * it makes (cudaStreamSynchronize -> cuStreamSynchronize) do not collide. */
-BPF_HASH(calls_in_flight, u64, struct dev_event, MMTRACE_MAX_CALLS);
-BPF_PERCPU_ARRAY(call_scratch, struct dev_event, 1);
+BPF_HASH(calls_in_flight, u64, struct dev_named_event, MMTRACE_MAX_CALLS);
+BPF_PERCPU_ARRAY(call_scratch, struct dev_named_event, 1);
 
 /* process -> last op_id handed out */
 BPF_HASH(op_seq, u32, u64, MMTRACE_MAX_PROCESSES);
@@ -175,9 +205,32 @@ static __always_inline void note_change(u32 tgid, u64 change)
         count(CNT_PROCESS_CHANGES_FULL);
 }
 
+/* A thread's comm is sent again after it changes: exec names it after the
+ * new program, prctl(PR_SET_NAME) and /proc/.../comm rename it. */
+static __always_inline void comm_changed(u32 tid)
+{
+    struct thread_state *t = threads.lookup(&tid);
+    if (t)
+        t->dev_flags &= ~THREAD_COMM_SENT;
+}
+
+#ifdef MMTRACE_TASK_RENAME
+TRACEPOINT_PROBE(task, task_rename)
+{
+#ifdef MMTRACE_TASK_RENAME_PID
+    comm_changed(args->pid);
+#else
+    comm_changed((u32)bpf_get_current_pid_tgid());   /* kernels whose format has no pid */
+#endif
+    return 0;
+}
+#endif
+
 TRACEPOINT_PROBE(sched, sched_process_exec)
 {
-    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    comm_changed((u32)id);
     if (!tgid_in_scope(tgid))
         return 0;
     note_change(tgid, CHANGE_EXEC);
@@ -263,29 +316,68 @@ static __always_inline u64 next_op_id(struct pt_regs *ctx, u32 tgid)
     return __sync_fetch_and_add(seq, 1) + 1;
 }
 
-/* Zero the event and fill what every event carries; callers have checked
- * the scope already, so that out-of-scope calls cost one lookup. */
-static __always_inline void dev_begin(struct pt_regs *ctx, struct dev_event *ev, u16 api,
-                                      u8 kind)
+/* What every event starts with: zeros, and who made it when. */
+static __always_inline void dev_fill(struct dev_event *ev, u32 tgid, u32 tid, u64 now,
+                                     u16 api, u8 kind)
 {
-    u64 id = bpf_get_current_pid_tgid();
-    u32 tgid = id >> 32;
-    u32 tid = (u32)id;
     __builtin_memset(ev, 0, sizeof(*ev));
-    ev->ts_ns = bpf_ktime_get_ns();
+    ev->ts_ns = now;
     ev->pid = tgid;
     ev->tid = tid;
     ev->api = api;
     ev->kind = kind;
     ev->direction = DEV_NO_DIRECTION;
     ev->device = DEV_NO_DEVICE;
+}
+
+/* What a named event carries beyond dev_fill's: zeroed, and the comm
+ * (its record is rare: it carries its own). */
+static __always_inline void named_begin(struct dev_named_event *ev)
+{
+    ev->name_addr = 0;
+    ev->alias = 0;
+    __builtin_memset(ev->name, 0, sizeof(ev->name));
+    bpf_get_current_comm(&ev->comm, sizeof(ev->comm));
+}
+
+/* A thread's comm on dev_names (a DEV_THREAD record); 1 when sent. */
+static __always_inline int send_thread(u32 tgid, u32 tid, u64 now)
+{
+    struct dev_named_event *ev = dev_names.ringbuf_reserve(sizeof(struct dev_named_event));
+    if (!ev)
+        return 0;
+    dev_fill(DEV(ev), tgid, tid, now, 0, DEV_THREAD);
+    named_begin(ev);
+    dev_names.ringbuf_submit(ev, ringbuf_wakeup_flag(2, MMTRACE_DEV_NAMES_WAKEUP_EVERY));
+    return 1;
+}
+
+/* Zero the event and fill what every event carries; callers have checked
+ * the scope already, so that out-of-scope calls cost one lookup. The
+ * thread's comm goes on dev_names before its first event (and after each
+ * change), not in every event; a thread the scheduler program has no entry
+ * for yet gets one (not waiting, its process known) that says it was sent.
+ * Where the comm could not be sent (dev_names full) it is sent with the
+ * next event; userspace reads /proc/TID/comm for the events in between. */
+static __always_inline void dev_begin(struct pt_regs *ctx, struct dev_event *ev, u16 api,
+                                      u8 kind)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    u32 tid = (u32)id;
+    dev_fill(ev, tgid, tid, bpf_ktime_get_ns(), api, kind);
     struct thread_state *t = threads.lookup(&tid);
-    if (t)
+    if (t) {
         ev->sched_delay_ns = t->last_delay_ns;
+        if (!(t->dev_flags & THREAD_COMM_SENT) && send_thread(tgid, tid, ev->ts_ns))
+            t->dev_flags |= THREAD_COMM_SENT;
+    } else if (send_thread(tgid, tid, ev->ts_ns)) {
+        struct thread_state fresh = { .tgid = tgid, .dev_flags = THREAD_COMM_SENT };
+        threads.insert(&tid, &fresh);
+    }
     s32 *dev = thread_device.lookup(&tid);
     if (dev)
         ev->device = *dev;
-    bpf_get_current_comm(&ev->comm, sizeof(ev->comm));
     if (kind == DEV_LAUNCH || kind == DEV_GRAPH_LAUNCH || kind == DEV_MEMCPY ||
         kind == DEV_MODEL_EXEC)
         ev->op_id = next_op_id(ctx, tgid);
@@ -308,7 +400,7 @@ static __always_inline void read_user(struct dev_event *ev, void *dst, u32 size,
 }
 
 /* The string at `src` into ev->name, truncation flagged and counted. */
-static __always_inline void read_name(struct dev_event *ev, const char *src)
+static __always_inline void read_name(struct dev_named_event *ev, const char *src)
 {
     if (!src)
         return;
@@ -333,10 +425,18 @@ static __always_inline void read_name(struct dev_event *ev, const char *src)
 }
 
 /* A per-launch call whose return is not probed builds its event in the
- * ring buffer itself. */
+ * ring buffer itself: dev_events, or dev_names for one that carries a name. */
 static __always_inline struct dev_event *dev_reserve(void)
 {
     struct dev_event *ev = dev_events.ringbuf_reserve(sizeof(struct dev_event));
+    if (!ev)
+        count(CNT_RINGBUF_FULL_DEV);
+    return ev;
+}
+
+static __always_inline struct dev_named_event *dev_reserve_named(void)
+{
+    struct dev_named_event *ev = dev_names.ringbuf_reserve(sizeof(struct dev_named_event));
     if (!ev)
         count(CNT_RINGBUF_FULL_DEV);
     return ev;
@@ -349,45 +449,55 @@ static __always_inline void dev_submit(struct dev_event *ev)
     count(CNT_DEV_EVENTS);
 }
 
+static __always_inline void dev_submit_named(struct dev_named_event *ev)
+{
+    dev_names.ringbuf_submit(ev, ringbuf_wakeup_flag(2, MMTRACE_DEV_NAMES_WAKEUP_EVERY));
+    count(CNT_DEV_EVENTS);
+}
+
 /* The per-CPU scratch event for calls timed by a uretprobe. */
-static __always_inline struct dev_event *call_begin(void)
+static __always_inline struct dev_named_event *call_begin(void)
 {
     u32 zero = 0;
     return call_scratch.lookup(&zero);
 }
 
+/* `ev`: a call_begin() event. */
 static __always_inline void call_store(struct dev_event *ev, u32 slot)
 {
     u64 key = call_key(ev->tid, slot);
-    if (calls_in_flight.update(&key, ev) != 0)
+    if (calls_in_flight.update(&key, NAMED(ev)) != 0)
         count(CNT_CALL_MAP_FULL);
 }
 
 /* At a return: the entry of this thread's call in `slot`. NULL when the
  * caller is out of scope, or (counted) when the entry was not seen:
  * attached mid-call, or dropped. */
-static __always_inline struct dev_event *call_lookup(u64 *key, u32 slot)
+static __always_inline struct dev_named_event *call_lookup(u64 *key, u32 slot)
 {
     if (!in_scope())
         return NULL;
     *key = call_key((u32)bpf_get_current_pid_tgid(), slot);
-    struct dev_event *ev = calls_in_flight.lookup(key);
+    struct dev_named_event *ev = calls_in_flight.lookup(key);
     if (!ev)
         count(CNT_RETURN_WITHOUT_ENTRY);
     return ev;
 }
 
-/* A call timed by a uretprobe starts its event in per-CPU scratch, kept
- * with call_store() until its return; NULL when the caller is out of scope.
+/* A call timed by a uretprobe starts its event in per-CPU scratch (a named
+ * event: whether it carries a name is known at its return), kept with
+ * call_store() until its return; NULL when the caller is out of scope.
  * Per-launch calls start theirs with launch_event() below. */
 static __always_inline struct dev_event *call_event(struct pt_regs *ctx, u16 api, u8 kind)
 {
     if (!in_scope())
         return NULL;
-    struct dev_event *ev = call_begin();
-    if (ev)
-        dev_begin(ctx, ev, api, kind);
-    return ev;
+    struct dev_named_event *ev = call_begin();
+    if (ev) {
+        dev_begin(ctx, DEV(ev), api, kind);
+        named_begin(ev);
+    }
+    return DEV(ev);
 }
 
 /* process -> until when (ns) every per-launch call of theirs has its return
@@ -406,18 +516,41 @@ static __always_inline void note_return_code(struct dev_event *ev)
     count(CNT_FAILED_CALLS);
 }
 
+/* A stored call carries a name (a kernel handle's, an opType): its record
+ * goes on dev_names whole, else on dev_events without the named part. */
+static __always_inline int carries_name(struct dev_named_event *entry)
+{
+    return entry->kind == DEV_FUNCTION_NAME || entry->name_addr != 0;
+}
+
+static __always_inline void returned_fill(struct pt_regs *ctx, struct dev_event *ev)
+{
+    ev->duration_ns = bpf_ktime_get_ns() - ev->ts_ns;
+    ev->ret = (s32)PT_REGS_RC(ctx);
+    ev->flags |= DEV_RETURNED;
+    note_return_code(ev);
+}
+
 /* The ring-buffer copy of a stored call, with its duration and return code
  * filled in; NULL when the ring is full. The caller submits it. */
 static __always_inline struct dev_event *returned_event(struct pt_regs *ctx,
-                                                        struct dev_event *entry)
+                                                        struct dev_named_event *entry)
 {
     struct dev_event *ev = dev_reserve();
     if (ev) {
         __builtin_memcpy(ev, entry, sizeof(*ev));
-        ev->duration_ns = bpf_ktime_get_ns() - entry->ts_ns;
-        ev->ret = (s32)PT_REGS_RC(ctx);
-        ev->flags |= DEV_RETURNED;
-        note_return_code(ev);
+        returned_fill(ctx, ev);
+    }
+    return ev;
+}
+
+static __always_inline struct dev_named_event *returned_named(struct pt_regs *ctx,
+                                                              struct dev_named_event *entry)
+{
+    struct dev_named_event *ev = dev_reserve_named();
+    if (ev) {
+        __builtin_memcpy(ev, entry, sizeof(*ev));
+        returned_fill(ctx, DEV(ev));
     }
     return ev;
 }
@@ -456,16 +589,28 @@ static __always_inline int launch_return_wanted(void)
 }
 
 /* A per-launch call's event, NULL when out of scope or no room: in per-CPU
- * scratch when its return is probed (*timed), else in the ring. */
+ * scratch when its return is probed (*timed), else in the ring (dev_names
+ * for a call that carries a name: `named`, a constant per decoder). */
 static __always_inline struct dev_event *launch_event(struct pt_regs *ctx, u16 api, u8 kind,
-                                                      int *timed)
+                                                      int *timed, int named)
 {
     if (!in_scope())
         return NULL;
     *timed = launch_return_wanted();
-    struct dev_event *ev = *timed ? call_begin() : dev_reserve();
-    if (ev)
+    struct dev_event *ev;
+    if (*timed)
+        ev = DEV(call_begin());
+    else if (named)
+        ev = DEV(dev_reserve_named());
+    else
+        ev = dev_reserve();
+    if (ev) {
         dev_begin(ctx, ev, api, kind);
+        if (named)
+            named_begin(NAMED(ev));
+        else if (*timed)
+            NAMED(ev)->name_addr = 0;   /* scratch: carries no name (carries_name) */
+    }
     return ev;
 }
 
@@ -474,10 +619,13 @@ static __always_inline struct dev_event *launch_event(struct pt_regs *ctx, u16 a
  * The return address ([rsp]) tells the return from a later entry
  * (session_return). */
 static __always_inline int launch_done(struct pt_regs *ctx, struct dev_event *ev, u32 slot,
-                                       int timed)
+                                       int timed, int named)
 {
     if (!timed) {
-        dev_submit(ev);
+        if (named)
+            dev_submit_named(NAMED(ev));
+        else
+            dev_submit(ev);
         return 1;
     }
     if (!ev->return_ip)
@@ -493,7 +641,7 @@ static __always_inline int launch_done(struct pt_regs *ctx, struct dev_event *ev
 static __always_inline int session_return(struct pt_regs *ctx, u32 slot)
 {
     u64 key = call_key((u32)bpf_get_current_pid_tgid(), slot);
-    struct dev_event *ev = calls_in_flight.lookup(&key);
+    struct dev_named_event *ev = calls_in_flight.lookup(&key);
     return ev && ev->return_ip == PT_REGS_IP(ctx);
 }
 
@@ -535,12 +683,18 @@ static __always_inline int sync_device(struct pt_regs *ctx, u16 api, u32 slot)
 static __always_inline int timed_return(struct pt_regs *ctx, u16 api, u32 slot)
 {
     u64 key;
-    struct dev_event *entry = call_lookup(&key, slot);
+    struct dev_named_event *entry = call_lookup(&key, slot);
     if (!entry)
         return 0;
-    struct dev_event *ev = returned_event(ctx, entry);
-    if (ev)
-        dev_submit(ev);
+    if (carries_name(entry)) {
+        struct dev_named_event *named = returned_named(ctx, entry);
+        if (named)
+            dev_submit_named(named);
+    } else {
+        struct dev_event *ev = returned_event(ctx, entry);
+        if (ev)
+            dev_submit(ev);
+    }
     calls_in_flight.delete(&key);
     return 0;
 }
@@ -560,7 +714,7 @@ static __always_inline int set_device(struct pt_regs *ctx, u16 api, u32 slot)
 static __always_inline int set_device_return(struct pt_regs *ctx, u16 api, u32 slot)
 {
     u64 key;
-    struct dev_event *entry = call_lookup(&key, slot);
+    struct dev_named_event *entry = call_lookup(&key, slot);
     if (!entry)
         return 0;
     if (PT_REGS_RC(ctx) == 0) {

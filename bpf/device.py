@@ -25,13 +25,18 @@ from mmtrace.bpf.api import (BLOCK, BYTES, DIRECTION, GRID, HANDLE, LAUNCH_FIELD
                   MEMCPY_FIELDS, SHARED_MEM, STREAM, Api, base_name)
 
 HEADER = "device.h"
-RINGBUF = "dev_events"
+RINGBUF = "dev_events"              # struct dev_event records (DEV_RECORD)
+NAMES_RINGBUF = "dev_names"         # struct dev_named_event records (DEV_NAMED)
 LAYOUT_MAP = "layout_dev_event"
+NAMED_LAYOUT_MAP = "layout_dev_named_event"
 # Why a process is in device.h's process_changes (bits of its value).
 CHANGE_EXEC, CHANGE_FORK, CHANGE_MAPPED, CHANGE_EXIT = 1, 2, 4, 8
 NAME_LEN = 64
 
-# Mirrors struct dev_event; checked against the compiled layout at load time.
+# A device event as the agent holds it and a recording stores it ("dev.event"):
+# the kernel's record (DEV_RECORD) with its thread's comm, and the name and
+# addresses only named events carry (DEV_NAMED). The layout recordings have
+# always had; agent/kernel/device_ring.py widens the kernel's records into it.
 DEV_EVENT = np.dtype([
     ("ts_ns", "<u8"),
     ("duration_ns", "<u8"),
@@ -63,11 +68,23 @@ DEV_EVENT = np.dtype([
     ("name", f"S{NAME_LEN}"),
 ])
 
+# Mirrors struct dev_event (bpf/device.h): the per-call record of the
+# dev_events ring, DEV_EVENT's fields in its order without name_addr,
+# alias, comm and name. Checked against the compiled layout at load time.
+_NAMED_ONLY = ("name_addr", "alias", "comm", "name")
+DEV_RECORD = np.dtype([(name, DEV_EVENT.fields[name][0]) for name in DEV_EVENT.names
+                       if name not in _NAMED_ONLY])
+# Mirrors struct dev_named_event: DEV_RECORD, then what only names carry
+# (the dev_names ring: kernel handles' names, opTypes, threads' comms).
+DEV_NAMED = np.dtype(DEV_RECORD.descr + [(name, DEV_EVENT.fields[name][0])
+                                         for name in _NAMED_ONLY])
+
 # enum dev_kind
 KINDS = {1: "launch", 2: "graph_launch", 3: "memcpy", 4: "sync", 5: "model_exec",
-         6: "event_record", 7: "function_name"}
+         6: "event_record", 7: "function_name", 8: "thread"}
 KIND_IDS = {name: kid for kid, name in KINDS.items()}
-# Kinds the interface exports as jsonl events; the others feed alignment and names.
+# Kinds the interface exports as jsonl events; the others feed alignment and
+# names ("thread": a comm on the names ring, consumed as the ring is read).
 EXPORTED_KINDS = ("launch", "graph_launch", "memcpy", "sync", "model_exec")
 SUBMISSION_KINDS = ("launch", "graph_launch", "memcpy", "model_exec")
 # A device event as recorded: the kernel's record, and when the first sync that

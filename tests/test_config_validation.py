@@ -45,6 +45,9 @@ BAD = [
     ("discover_interval_s = nan", "discover_interval_s = nan (expected a number of seconds in 0.1..3600)"),
     ("flight_min_interval_s = -1", "flight_min_interval_s = -1 (expected 0 or a number of seconds in 0.000001..86400)"),
     ("launch_burst_s = -1", "launch_burst_s = -1 (expected a number of seconds in 0.000001..86400)"),
+    ("device_ringbuf_mib = 3", "device_ringbuf_mib = 3 (expected a power of two: 1, 2, 4, ... "
+                               "1024)"),
+    ("device_ringbuf_mib = 2048", "device_ringbuf_mib = 2048 (expected an integer in 1..1024)"),
     ('pids = ["abc", 1.5]', "pids = ['abc', 1.5] (expected a list of at most 4096 items, "
                             "each an integer in 1..4194304)"),
     ("pids = [-1, 0]", "pids = [-1, 0] (expected a list of at most 4096 items"),

@@ -419,3 +419,113 @@ def test_the_kernel_names_the_processes_whose_files_changed(cudart_session, nati
     changes = take()
     assert changes.get(child.pid, 0) & CHANGE_EXIT
     assert not changes.get(child.pid, 0) & CHANGE_MAPPED    # taken by the discoverer
+
+
+def test_a_burst_of_50000_launches_back_to_back_is_recorded_whole(natives, tmp_path):
+    """50 000 cudaLaunchKernel calls back to back on the real libcudart (at
+    the rate the uprobe trap allows, about 1 M/s here) under `mmtrace
+    record`: every one is in the file, each once (op_id 1..50 000), with
+    its thread's comm, and nothing is counted lost. The device ring holds
+    55 188 launch records (8 MiB), so the burst fits even where the drain
+    does not run during it; what a smaller ring or a slower drain would
+    miss is counted (ringbuf_full_dev), never silently gone."""
+    from mmtrace.agent.recording.file_format import read_recording
+    from mmtrace.bpf import counters, device
+    burst = 50_000
+    loop = subprocess.Popen([str(natives.launch_loop), "launch-only"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    path = tmp_path / "burst.mmtr"
+    rec = None
+    try:
+        pid = int(loop.stdout.readline().split()[1])
+        rec = subprocess.Popen([sys.executable, "-m", "mmtrace.agent", "record", "-o", str(path),
+                                "--pid", str(pid), "--lib", str(natives.cudart)],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        seen = [rec.stdout.readline()]
+        while seen[-1] and not seen[-1].startswith("gpu/npu stream live"):
+            seen.append(rec.stdout.readline())
+        assert seen[-1].startswith("gpu/npu stream live"), seen
+        loop.stdin.write(f"run {burst}\n")
+        loop.stdin.flush()
+        took = float(loop.stdout.readline().split()[1])
+        time.sleep(0.2)
+    finally:
+        loop.stdin.close()
+        loop.wait(timeout=30)
+        if rec is not None:
+            rec.send_signal(signal.SIGINT)
+            rec.communicate(timeout=60)
+    assert rec.returncode == 0
+    recording = read_recording(path)
+    dev = recording.events["dev.event"]
+    mine = dev[(dev["pid"] == pid) & (dev["kind"] == device.KIND_IDS["launch"])]
+    lost = {name: n for name, n in recording.footer["counters"].items()
+            if name in counters.LOSS_COUNTERS and counters.stream_of(name) == "dev" and n}
+    assert len(mine) + sum(lost.values()) == burst, (len(mine), lost)
+    assert lost == {} and len(mine) == burst, (len(mine), lost, f"{burst / took:,.0f}/s")
+    assert np.array_equal(np.sort(mine["op_id"]), np.arange(1, burst + 1, dtype=np.uint64))
+    assert set(mine["comm"].tolist()) == {b"launch_loop"}
+    # ...sent by the kernel once, not read from /proc
+    named = recording.footer["name_resolution"]
+    assert named["threads_sent"] >= 1 and "comm_from_proc" not in named, named
+    assert set(mine["api"].tolist()) == {1}         # cudaLaunchKernel
+    assert set(mine["grid_x"].tolist()) == {64} and set(mine["block_x"].tolist()) == {256}
+    assert set(mine["stream_handle"].tolist()) == {0x100}
+    # No driver: every launch failed, and its return code says so.
+    assert set(mine["ret"].tolist()) <= {0, CUDA_ERROR_INSUFFICIENT_DRIVER}
+
+
+def test_the_device_ring_wakes_its_reader_once_a_batch_is_in_not_per_record(natives):
+    """What `record` and the daemon sleep on: the device ring's descriptor,
+    edge-triggered, signalled by each CPU at every period-th record (an
+    eighth to a quarter of the ring), never per record. A 64 KiB ring, and
+    one traced process: one launch wakes nobody; CPUs x period launches
+    must (at least one CPU reached its period), and fit the ring. Then
+    runs of 300 (the ring holds 431) until the records have wrapped around
+    its end, one of them across it: each read whole, in order, intact."""
+    from mmtrace.agent.ingest.wakeups import Waiter
+    from mmtrace.agent.kernel.probes import wakeup_period
+    from mmtrace.bpf import device
+    pages = 16
+    period = wakeup_period(pages, device.DEV_RECORD.itemsize)
+    burst = period * (os.cpu_count() or 1)
+    assert burst + 1 <= pages * 4096 // (device.DEV_RECORD.itemsize + 8)
+    loop = subprocess.Popen([str(natives.launch_loop), "launch-only"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    session = waiter = None
+    try:
+        pid = int(loop.stdout.readline().split()[1])
+        session = DeviceSession([natives.cudart], pids=(pid,), dev_ringbuf_pages=pages)
+        (ring,) = [r for r in session.loaded.rings if r.stream == "dev"]
+        waiter = Waiter()
+        for fd in ring.filenos():
+            waiter.watch(fd, edge=True)
+
+        def run(n):
+            loop.stdin.write(f"run {n}\n")
+            loop.stdin.flush()
+            assert loop.stdout.readline().startswith("done")
+
+        run(1)
+        assert not waiter.wait(0.3)             # a record in the ring, and no signal
+        assert len(ring.reader.read()) == 1
+        run(burst)
+        assert waiter.wait(5.0)
+        assert set(waiter.ready) <= set(ring.filenos())
+        assert len(ring.reader.read()) == burst
+        seen = 1 + burst
+        for _ in range(3):                      # 152-byte records in 65 536 bytes
+            run(300)
+            batch = ring.reader.read()
+            assert np.array_equal(batch["op_id"], np.arange(seen + 1, seen + 301))
+            assert set(batch["grid_x"].tolist()) == {64} and set(batch["comm"].tolist()) == {
+                b"launch_loop"}
+            seen += 300
+        assert seen * (device.DEV_RECORD.itemsize + 8) > 2 * pages * 4096
+    finally:
+        loop.stdin.close()
+        loop.wait(timeout=10)
+        if waiter is not None:
+            waiter.close()
+        if session is not None:
+            session.close()

@@ -16,7 +16,7 @@ import pytest
 from mmtrace.agent.kernel import compiler_memory
 from mmtrace.agent.ingest.event_ring import EventRing
 from mmtrace.agent.kernel.probes import wakeup_period
-from mmtrace.agent.daemon.wakeups import Waiter
+from mmtrace.agent.ingest.wakeups import Waiter
 from mmtrace.bpf.sched import RUNQ_EVENT
 
 

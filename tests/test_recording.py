@@ -216,6 +216,16 @@ def test_bad_flags_exit_2(args):
     assert result.output.strip().splitlines()[-1].startswith("Error:")
 
 
+@pytest.mark.parametrize("mib,wanted", [
+    ("3", "mmtrace: error: --device-ringbuf-mib 3: expected a power of two (1, 2, 4, ... 1024)"),
+    ("2048", "Error: Invalid value for '--device-ringbuf-mib'"),
+])
+def test_a_device_ring_size_that_is_no_power_of_two_is_one_line_and_exit_2(mib, wanted):
+    result = CliRunner().invoke(cli, ["record", "-o", "x.mmtr", "--device-ringbuf-mib", mib])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.output.strip().splitlines()[-1].startswith(wanted), result.output
+
+
 @pytest.mark.parametrize("command", ["doctor", "record", "report", "export", "run"])
 def test_every_command_has_help_with_an_example(command):
     result = CliRunner().invoke(cli, [command, "--help"])

@@ -212,6 +212,11 @@ class DaemonConfig:
     # process's first, and all of a process whose calls fail (1: every one,
     # at about 0.4 us more a launch; 0: none)
     launch_return_every: int = _count(64, 1 << 20, low=0)
+    # The kernel's GPU/NPU ring buffer, in MiB (a power of two): 8 holds a
+    # burst of 55 000 launches whole (152 bytes each); its reader is woken
+    # at an eighth to a quarter full. Kernel memory, mapped by the agent
+    # (this much of its RSS).
+    device_ringbuf_mib: int = _count(8, 1024)
     discover_interval_s: float = _seconds(2.0, 3600.0, low=0.1)
     nice: int = _setting(DEFAULT_NICE, Number(-20, 19, integer=True))  # the daemon's priority
     metrics_address: str = _setting(":9464", Text(256))          # Prometheus endpoint; "off": none
@@ -276,6 +281,9 @@ def build(doc: dict) -> DaemonConfig:
     if p.min_baseline_windows > p.baseline_windows:
         problems.append(f"[p99] min_baseline_windows = {p.min_baseline_windows} (expected at "
                         f"most baseline_windows = {p.baseline_windows})")
+    if cfg.device_ringbuf_mib & (cfg.device_ringbuf_mib - 1):
+        problems.append(f"device_ringbuf_mib = {cfg.device_ringbuf_mib} (expected a power of "
+                        "two: 1, 2, 4, ... 1024)")
     if p.clear_factor > p.factor:
         problems.append(f"[p99] clear_factor = {p.clear_factor:g} (expected at most "
                         f"factor = {p.factor:g})")

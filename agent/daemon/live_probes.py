@@ -20,6 +20,15 @@ from mmtrace.agent.kernel.probes import CPU_PROBE_STATE
 log = logging.getLogger("mmtrace.daemon")
 
 
+
+def probe_options(cfg: DaemonConfig) -> probe_loader.ProbeOptions:
+    """What the daemon's configuration asks of the probes (`run` and
+    `run --check` alike)."""
+    return probe_loader.ProbeOptions(pids=tuple(cfg.pids),
+                                     trace_launches=not cfg.adaptive_launches,
+                                     launch_return_every=cfg.launch_return_every,
+                                     dev_ringbuf_pages=cfg.device_ringbuf_mib * 256)
+
 class LiveProbes:
     def __init__(self, config: DaemonConfig, compile_apart: bool = False):
         self.config = config
@@ -37,9 +46,7 @@ class LiveProbes:
         the GPU/NPU programs start compiling."""
         cfg = self.config
         self._began = time.monotonic()
-        options = probe_loader.ProbeOptions(pids=tuple(cfg.pids),
-                                            trace_launches=not cfg.adaptive_launches,
-                                            launch_return_every=cfg.launch_return_every)
+        options = probe_options(cfg)
         self.sources = DeviceSources(cfg.libs, cfg.pids, discover=True, warn=log.warning,
                                      interval_s=cfg.discover_interval_s)
         self.loaded = probe_loader.load_cpu(options, compile_apart=self.compile_apart)
@@ -118,7 +125,8 @@ class LiveProbes:
             self._devices = None
         if self.loaded is not None:
             for ring in self.loaded.rings:
-                waiter.forget(ring.reader.fileno())
+                for fd in ring.filenos():
+                    waiter.forget(fd)
             self.loaded.close()
             self.loaded = None
             self.ingest = None

@@ -79,10 +79,9 @@ def run_check(cfg: DaemonConfig, sources: str, warnings: list[str], *,
 
 
 def _cpu_stream(cfg: DaemonConfig, report: Report, compile_apart: bool):
+    from mmtrace.agent.daemon.live_probes import probe_options
     from mmtrace.agent.kernel import probes as probe_loader
-    options = probe_loader.ProbeOptions(pids=tuple(cfg.pids),
-                                        trace_launches=not cfg.adaptive_launches,
-                                        launch_return_every=cfg.launch_return_every)
+    options = probe_options(cfg)
     try:
         loaded = probe_loader.load(options, compile_apart=compile_apart)
     except MmtraceError as exc:

@@ -127,15 +127,24 @@ class DeviceNames:
         yield from self._fresh(batch["pid"][wanted], addrs)
 
     def _callers(self, batch: np.ndarray):
-        launches = batch[np.isin(batch["api"], self._caller_apis)]
-        both = np.concatenate([launches["return_ip"], launches["outer_return_ip"]])
-        pids = np.concatenate([launches["pid"], launches["pid"]])
-        yield from self._fresh(pids[both != 0], both[both != 0])
+        # The three fields, not the launches' whole records: a batch is tens
+        # of thousands of launches at the rates the probes allow.
+        launch = np.isin(batch["api"], self._caller_apis)
+        both = np.concatenate([batch["return_ip"][launch], batch["outer_return_ip"][launch]])
+        pid = batch["pid"][launch]
+        pids = np.concatenate([pid, pid])
+        known = both != 0
+        yield from self._fresh(pids[known], both[known])
 
     def _fresh(self, pids: np.ndarray, addrs: np.ndarray):
         """(pid, distinct addresses not seen before) for each process."""
         if not len(addrs):
             return
+        # A burst repeats its few kernels and callers: runs of one (pid,
+        # address) go first, in one pass, so that the sorts below see few.
+        new = np.ones(len(addrs), bool)
+        new[1:] = (addrs[1:] != addrs[:-1]) | (pids[1:] != pids[:-1])
+        pids, addrs = pids[new], addrs[new]
         for pid in np.unique(pids).tolist():
             distinct = np.unique(addrs[pids == pid]).tolist()
             known = self._seen.get(pid, ())
@@ -205,8 +214,9 @@ class DeviceNames:
     # ----- strings the kernel could not read ----------------------------
 
     def _read_missing_strings(self, batch: np.ndarray):
-        missing = np.flatnonzero(((batch["flags"] & device_stream.FLAG_READ_FAILED) != 0)
-                                 & (batch["name"] == b"") & (batch["name_addr"] != 0))
+        failed = np.flatnonzero(((batch["flags"] & device_stream.FLAG_READ_FAILED) != 0)
+                                & (batch["name_addr"] != 0))
+        missing = failed[batch["name"][failed] == b""]     # names compared only where wanted
         if not len(missing):
             return
         cache: dict[tuple[int, int], bytes | None] = {}

@@ -25,6 +25,7 @@ from mmtrace.agent.kernel.concurrent_close import close_all
 from mmtrace.agent.errors import MmtraceError
 from mmtrace.agent.kernel.layout import LayoutMismatch, check_layout
 from mmtrace.agent.kernel.privileges import can_load_bpf
+from mmtrace.agent.kernel.device_ring import DeviceRing
 from mmtrace.agent.kernel.ringbuf import RingReader
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,12 @@ CPU_PROBE_STATE = {"stream": "cpu", "program": sched_stream.SOURCE, "state": "at
 @dataclass
 class StreamRing:
     stream: str
-    reader: RingReader
+    reader: RingReader | DeviceRing
+
+    def filenos(self) -> tuple[int, ...]:
+        """The descriptors to wait on (the device stream reads two rings)."""
+        filenos = getattr(self.reader, "filenos", None)
+        return filenos() if filenos is not None else (self.reader.fileno(),)
 
 
 @dataclass
@@ -49,13 +55,22 @@ class ProbeOptions:
     # follows (the reader is woken when one is about a quarter full, and
     # drains at least every few hundred ms), and a daemon kept off the CPU
     # for a while: 8 MiB holds ~150k runq records, 0.6 s at 250k/s, 7 s at
-    # the rated 20k/s. Userspace maps each ring twice, so its size counts
-    # twice in the agent's RSS.
+    # the rated 20k/s. The agent maps each ring once (its size counts once
+    # in its RSS, from the start: agent/kernel/ringbuf.py).
     runq_ringbuf_pages: int = 2048      # 8 MiB
     max_threads: int = 65536
     extra_cflags: tuple[str, ...] = ()
     device: bool = True                 # compile the GPU/NPU programs
-    dev_ringbuf_pages: int = 512        # 2 MiB: ~9k device records
+    # The device ring takes every call (144-byte records, 152 with the
+    # ring's header). Sized for a burst of 50 000 launches back to back
+    # held whole with no drain at all (55 188 records in 8 MiB), about
+    # 55 ms at the ~1 M/s the uprobe trap allows here; its reader is woken
+    # well before (at an eighth to a quarter full). Memory: 8 MiB of
+    # kernel memory, mapped by the agent (8 MiB of its RSS).
+    dev_ringbuf_pages: int = 2048       # 8 MiB
+    # Names (a kernel handle's, an aclop call's opType) and each thread's
+    # comm, once: rare beside calls. 1 MiB: ~4 300 records.
+    dev_names_ringbuf_pages: int = 256
     max_calls_in_flight: int = 16384
     trace_launches: bool = True         # False: the adaptive mode, per-launch probes off
     attach_mode: str | None = None      # "multi" / "single"; None: the best the kernel has
@@ -174,6 +189,15 @@ class LoadedProbes:
         return {"runq_slots": self.runq_hist(),
                 "runq_total_ns": sched_stream.sum_from_table(self.bpf[sched_stream.SUM_MAP]),
                 "counters": self.counters(), "programs": programs}
+
+    def thread_comms(self) -> dict[str, int]:
+        """How the device events' comms were found: threads_sent (the
+        kernel's comm records), comm_from_proc, comm_unknown (device_ring.py)."""
+        for ring in self.rings:
+            comms = getattr(ring.reader, "comms", None)
+            if comms is not None:
+                return dict(comms.counters)
+        return {}
 
     def learn_threads(self, tid_to_tgid: dict[int, int]):
         """Tell the kernel the process of threads it has not seen switch out."""
@@ -304,15 +328,18 @@ def cflags(options: ProbeOptions) -> list[str]:
         f"-DMMTRACE_MAX_THREADS={options.max_threads}",
         f"-DMMTRACE_RUNQ_RINGBUF_PAGES={options.runq_ringbuf_pages}",
         f"-DMMTRACE_DEV_RINGBUF_PAGES={options.dev_ringbuf_pages}",
+        f"-DMMTRACE_DEV_NAMES_RINGBUF_PAGES={options.dev_names_ringbuf_pages}",
         f"-DMMTRACE_MAX_CALLS={options.max_calls_in_flight}",
         f"-DMMTRACE_CALL_SLOTS={device_stream.default_table().call_slots}",
         f"-DMMTRACE_MAX_CPUS={possible_cpu_slots()}",
         f"-DMMTRACE_RUNQ_WAKEUP_EVERY="
         f"{wakeup_period(options.runq_ringbuf_pages, sched_stream.RUNQ_EVENT.itemsize)}",
         f"-DMMTRACE_DEV_WAKEUP_EVERY="
-        f"{wakeup_period(options.dev_ringbuf_pages, device_stream.DEV_EVENT.itemsize)}",
+        f"{wakeup_period(options.dev_ringbuf_pages, device_stream.DEV_RECORD.itemsize)}",
+        f"-DMMTRACE_DEV_NAMES_WAKEUP_EVERY="
+        f"{wakeup_period(options.dev_names_ringbuf_pages, device_stream.DEV_NAMED.itemsize)}",
         "-Wno-macro-redefined",
-    ]
+    ] + task_rename_flags()
     if exit_has_group_dead():
         flags.append("-DMMTRACE_EXIT_GROUP_DEAD")
     if options.device and launch_sessions(options):
@@ -331,6 +358,23 @@ def exit_has_group_dead() -> bool:
         except OSError:
             continue
     return False
+
+
+@functools.cache
+def task_rename_flags() -> list[str]:
+    """The task_rename tracepoint, where tracefs has it: a renamed thread's
+    comm is sent again (bpf/device.h comm_changed). Its format has the
+    renamed task's pid on most kernels; without it, the current task."""
+    for events in TRACEFS_EVENTS:
+        try:
+            text = (events / "task" / "task_rename" / "format").read_text()
+        except OSError:
+            continue
+        flags = ["-DMMTRACE_TASK_RENAME"]
+        if " pid;" in text:
+            flags.append("-DMMTRACE_TASK_RENAME_PID")
+        return flags
+    return []
 
 
 def wakeup_period(pages: int, record_size: int, cpus: int | None = None) -> int:
@@ -407,7 +451,8 @@ def load_cpu(options: ProbeOptions | None = None, *,
     import_bcc()
     pages = options.runq_ringbuf_pages
     for what, value in (("ring buffer pages", pages),
-                        ("device ring buffer pages", options.dev_ringbuf_pages)):
+                        ("device ring buffer pages", options.dev_ringbuf_pages),
+                        ("device names ring buffer pages", options.dev_names_ringbuf_pages)):
         if value <= 0 or value & (value - 1):
             raise MmtraceError(f"{what} must be a power of two, got {value}")
     split = options.device and compile_apart
@@ -453,10 +498,24 @@ def _compile(text: str, flags: list[str]):
 
 
 def _device_ring(program, options: ProbeOptions) -> StreamRing:
-    check_layout("dev_event", device_stream.DEV_EVENT, program[device_stream.LAYOUT_MAP].Leaf)
-    ring = program[device_stream.RINGBUF]
-    size = options.dev_ringbuf_pages * 4096 if ring.max_entries == 0 else ring.max_entries
-    return StreamRing("dev", RingReader(ring.map_fd, size, device_stream.DEV_EVENT))
+    """The device stream's rings: calls, and names (agent/kernel/device_ring.py)."""
+    check_layout("dev_event", device_stream.DEV_RECORD, program[device_stream.LAYOUT_MAP].Leaf)
+    check_layout("dev_named_event", device_stream.DEV_NAMED,
+                 program[device_stream.NAMED_LAYOUT_MAP].Leaf)
+    readers = []
+    try:
+        for name, pages, dtype in ((device_stream.RINGBUF, options.dev_ringbuf_pages,
+                                    device_stream.DEV_RECORD),
+                                   (device_stream.NAMES_RINGBUF, options.dev_names_ringbuf_pages,
+                                    device_stream.DEV_NAMED)):
+            ring = program[name]
+            size = pages * 4096 if ring.max_entries == 0 else ring.max_entries
+            readers.append(RingReader(ring.map_fd, size, dtype))
+    except BaseException:
+        for reader in readers:          # the first mapped, the second refused
+            reader.close()
+        raise
+    return StreamRing("dev", DeviceRing(*readers))
 
 
 def set_thread_tgids(program, tid_to_tgid: dict[int, int]):

@@ -3,11 +3,14 @@
 bcc's ring buffer API calls a Python function per record, which tops out
 well below the rates a busy host produces. The kernel lets a consumer map
 the ring directly: a consumer page we write, then a read-only producer page
-and the data area mapped twice in a row, so a run of records that wraps
-around the end is still contiguous. With every record the same size, the
-headers of a whole batch are one strided numpy view: one pass finds the
-first record still being written, one copy takes the batch out, one store
-hands the space back to the kernel.
+and the data area. The kernel offers the data area twice in a row, so that
+a run of records that wraps around the end is contiguous; mapped so, every
+page of it counts twice in the agent's RSS (the pages are mapped at once).
+It is mapped once here, and a batch that wraps around the end is copied
+out in its two parts. With every record the same size, the headers of a
+whole batch are one strided numpy view: one pass finds the first record
+still being written, one copy takes the batch out, one store hands the
+space back to the kernel.
 """
 
 import mmap
@@ -47,7 +50,7 @@ class RingReader:
         self._page = page
         self._consumer = mmap.mmap(map_fd, page, mmap.MAP_SHARED,
                                    mmap.PROT_READ | mmap.PROT_WRITE, offset=0)
-        self._producer = mmap.mmap(map_fd, page + 2 * size, mmap.MAP_SHARED,
+        self._producer = mmap.mmap(map_fd, page + size, mmap.MAP_SHARED,
                                    mmap.PROT_READ, offset=page)
         # The positions are read and written as whole aligned 8-byte words
         # through numpy views. struct.pack_into stores byte by byte, and the
@@ -81,8 +84,8 @@ class RingReader:
             available = min(available, max_records)
         if available <= 0:
             return np.empty(0, self.dtype)
-        offset = self._page + (cons & self.mask)
-        records = np.frombuffer(self._producer, self._record, available, offset)
+        raw = self._bytes(cons & self.mask, available * self.stride)
+        records = raw.view(self._record)
         lengths = records["len"]
         busy = np.flatnonzero(lengths & BUSY_BIT)
         ready = int(busy[0]) if busy.size else available
@@ -96,7 +99,7 @@ class RingReader:
                 f"ring record {int(wrong[0])} of this batch is {int(sizes[wrong[0]])} "
                 f"bytes, expected {self.dtype.itemsize} ({self.dtype.names})")
         # One strided byte copy of the payloads (field-wise copies are slow).
-        raw = np.frombuffer(self._producer, np.uint8, ready * self.stride, offset)
+        raw = raw[:ready * self.stride]
         batch = raw.reshape(ready, self.stride)[:, HEADER_SIZE:].copy().view(self.dtype)
         batch = batch.reshape(-1)
         discarded = (lengths & DISCARD_BIT) != 0
@@ -107,6 +110,17 @@ class RingReader:
         self.records_read += len(batch)
         self.batches += 1
         return batch
+
+    def _bytes(self, start: int, length: int) -> np.ndarray:
+        """`length` bytes of the data area from `start`: a view, or where they
+        wrap around its end a copy of the two parts in order (headers
+        first, as the kernel commits them)."""
+        first = self.size - start
+        if length <= first:
+            return np.frombuffer(self._producer, np.uint8, length, self._page + start)
+        return np.concatenate([
+            np.frombuffer(self._producer, np.uint8, first, self._page + start),
+            np.frombuffer(self._producer, np.uint8, length - first, self._page)])
 
     def close(self):
         del self._consumer_pos_word, self._producer_pos_word

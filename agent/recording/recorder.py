@@ -11,6 +11,7 @@ from mmtrace.bpf import device as device_stream
 from mmtrace.bpf import sched as sched_stream
 
 from mmtrace.agent import heap
+from mmtrace.agent.ingest.wakeups import Waiter
 from mmtrace.agent.kernel import probes as probe_loader
 from mmtrace.agent.kernel.device_compile import DeviceCompile, device_programs_failed
 from mmtrace.agent.kernel.device_sources import DeviceSources, attach_and_release
@@ -179,9 +180,13 @@ class _Recording:
         file; until `stop`, or `duration_s` after the CPU stream went live
         (the GPU/NPU streams join once compiled, about a second later): the
         file spans the duration asked for, and at least until every stream
-        is live. A write the disk refused ends the drain (finish says so)."""
+        is live. A write the disk refused ends the drain (finish says so).
+        A tick comes every `drain_interval_s`, and sooner when a ring wakes
+        its reader (its programs do when it is an eighth to a quarter
+        full: bpf/common.h), so that a burst is drained as it comes."""
         self.started = time.monotonic()
         deadline = self.started + duration_s if duration_s else None
+        waiter = Waiter()
         try:
             while True:
                 self._wire_once_compiled()
@@ -194,10 +199,15 @@ class _Recording:
                 self._show_progress(finishing)
                 if finishing:
                     break
-                time.sleep(drain_interval_s)
+                for ring in self.loaded.rings:
+                    for fd in ring.filenos():
+                        waiter.watch(fd, edge=True)
+                waiter.wait(drain_interval_s)
         except OSError:
             if self.writer.failed is None:
                 raise
+        finally:
+            waiter.close()
 
     def _wire_once_compiled(self):
         """The recording's device side once compiled (and the first scan is
@@ -329,7 +339,7 @@ class _DeviceRecording:
             return omitted
         return {"device_probes": self.device.states(),
                 "device_probe_summary": self.device.summary(),
-                "name_resolution": self.names.report(),
+                "name_resolution": {**self.names.report(), **self.loaded.thread_comms()},
                 "discovery": self.sources.counters(),
                 "untraceable_files": self.sources.untraceable(), **omitted}
 

@@ -1,8 +1,9 @@
-"""Where the daemon's loop sleeps: on the descriptors that bring it work
-(the ring buffers, the hint socket), with a deadline for what runs on time
-(detector windows, the watchdog, discovery). An idle host costs a few
-wake-ups a second instead of a poll every tick; a busy one wakes the loop
-once per batch, as the eBPF programs signal it (bpf/common.h)."""
+"""Where the drain loops sleep (the daemon's and `record`'s): on the
+descriptors that bring them work (the ring buffers, the hint socket), with
+a deadline for what runs on time (detector windows, the watchdog,
+discovery, record's drain timer). An idle host costs a few wake-ups a
+second instead of a poll every tick; a busy one wakes the loop once per
+batch, as the eBPF programs signal it (bpf/common.h)."""
 
 import select
 import time
@@ -15,6 +16,7 @@ class Waiter:
         self.clock = clock
         self.wakeups = 0            # returns from wait(), data or deadline
         self.data_wakeups = 0       # ... of which a descriptor was ready
+        self.ready: list[int] = []  # the descriptors the last wait() found ready
 
     def watch(self, fd: int, edge: bool = False):
         """Wake on `fd` becoming readable. `edge`: only when its producer
@@ -40,6 +42,7 @@ class Waiter:
         self.wakeups += 1
         if ready:
             self.data_wakeups += 1
+        self.ready = [fd for fd, _ in ready]
         return bool(ready)
 
     def _epoll(self) -> select.epoll:

@@ -1,0 +1,181 @@
+"""The device stream's two rings read as one stream of DEV_EVENT records.
+
+The kernel sends each call as a 144-byte struct dev_event (bpf/device.py
+DEV_RECORD) on `dev_events`, and what belongs to a thread or a handle
+rather than to a call on `dev_names` (DEV_NAMED, 240 bytes): a thread's
+comm once (DEV_THREAD records, again after exec or a rename), a kernel
+handle's name, an aclop call with its opType. A reader of the device
+stream gets what it always had, DEV_EVENT records (the recorded layout):
+the per-call records widened by two block copies, each with its thread's
+comm; the named ones in place among them by time; the thread records
+consumed here.
+
+The names ring is read first: a name or comm sent before a call is read
+no later than the call. A thread whose comm never came (the names ring was
+full when it was sent; the kernel sends it again with its next call) is
+named from /proc/TID/comm, and counted.
+"""
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from mmtrace.bpf import device as device_stream
+
+from mmtrace.agent.kernel.ringbuf import RingReader
+
+DEV_EVENT = device_stream.DEV_EVENT
+DEV_RECORD = device_stream.DEV_RECORD
+DEV_NAMED = device_stream.DEV_NAMED
+THREAD = device_stream.KIND_IDS["thread"]
+MAX_THREADS = 1 << 17       # comms kept: twice the kernel's thread map
+
+
+def copy_runs(narrow: np.dtype, wide: np.dtype) -> list[tuple[int, int, int]]:
+    """(start, end, wide_start): the byte runs of `narrow` that sit in a row
+    of `wide` too, in the same order; together they cover all of `narrow`."""
+    runs = []
+    for name in narrow.names:
+        _, lo = narrow.fields[name][:2]
+        _, at = wide.fields[name][:2]
+        size = narrow.fields[name][0].itemsize
+        if wide.fields[name][0] != narrow.fields[name][0]:
+            raise TypeError(f"{name}: {narrow.fields[name][0]} here, "
+                            f"{wide.fields[name][0]} in the wide layout")
+        if runs and runs[-1][1] == lo and runs[-1][2] + (lo - runs[-1][0]) == at:
+            runs[-1] = (runs[-1][0], lo + size, runs[-1][2])
+        else:
+            runs.append((lo, lo + size, at))
+    return runs
+
+
+_RECORD_RUNS = copy_runs(DEV_RECORD, DEV_EVENT)
+
+
+def widen(records: np.ndarray) -> np.ndarray:
+    """DEV_EVENT copies of DEV_RECORD records, comm, name and the named
+    addresses empty."""
+    n = len(records)
+    out = np.zeros(n, DEV_EVENT)
+    if n:
+        src = np.ascontiguousarray(records).view(np.uint8).reshape(n, DEV_RECORD.itemsize)
+        dst = out.view(np.uint8).reshape(n, DEV_EVENT.itemsize)
+        for lo, hi, at in _RECORD_RUNS:
+            dst[:, at:at + hi - lo] = src[:, lo:hi]
+    return out
+
+
+def from_named(records: np.ndarray) -> np.ndarray:
+    """DEV_EVENT copies of DEV_NAMED records (rare: field by field)."""
+    out = np.zeros(len(records), DEV_EVENT)
+    for name in DEV_NAMED.names:
+        out[name] = records[name]
+    return out
+
+
+class ThreadComms:
+    """Thread id -> comm, from the kernel's DEV_THREAD records; a thread
+    missing from them is read from /proc once (the root is injectable)."""
+
+    def __init__(self, proc_root: Path = Path("/proc"), max_threads: int = MAX_THREADS):
+        self.proc_root = Path(proc_root)
+        self.max_threads = max_threads
+        self._comm: dict[int, bytes] = {}
+        self.counters: Counter[str] = Counter()
+
+    def learn(self, threads: np.ndarray):
+        """DEV_THREAD records, oldest first: the latest comm of each wins."""
+        for tid, comm in zip(threads["tid"].tolist(), threads["comm"].tolist()):
+            self._comm.pop(tid, None)           # renamed: to the young end
+            self._comm[tid] = comm
+        while len(self._comm) > self.max_threads:
+            del self._comm[next(iter(self._comm))]
+        self.counters["threads_sent"] += len(threads)
+
+    def get(self, tid: int) -> bytes:
+        comm = self._comm.get(tid)
+        if comm is None:
+            comm = self._from_proc(tid)
+            self._comm[tid] = comm
+        return comm
+
+    def _from_proc(self, tid: int) -> bytes:
+        try:
+            text = (self.proc_root / str(tid) / "comm").read_bytes().rstrip(b"\n")
+        except OSError:
+            self.counters["comm_unknown"] += 1      # gone: its events say ""
+            return b""
+        self.counters["comm_from_proc"] += 1
+        return text[:15]
+
+    def fill(self, events: np.ndarray):
+        """Each event's comm, from its thread id (in place)."""
+        if not len(events):
+            return
+        tids = events["tid"]
+        first = int(tids[0])
+        if np.all(tids == first):               # the usual batch: one launching thread
+            events["comm"] = self.get(first)
+            return
+        distinct, inverse = np.unique(tids, return_inverse=True)
+        comms = np.array([self.get(t) for t in distinct.tolist()], DEV_EVENT.fields["comm"][0])
+        events["comm"] = comms[inverse]
+
+
+def merge(events: np.ndarray, named: np.ndarray) -> np.ndarray:
+    """`named` (few) put among `events` (about in time order) by ts_ns."""
+    if not len(named):
+        return events
+    if not len(events):
+        return named
+    named = named[np.argsort(named["ts_ns"], kind="stable")]
+    at = np.searchsorted(events["ts_ns"], named["ts_ns"], side="right")
+    return np.insert(events, at, named)
+
+
+class DeviceRing:
+    """Both device rings, read as one: `read()` gives DEV_EVENT records."""
+
+    def __init__(self, events: RingReader, names: RingReader,
+                 comms: ThreadComms | None = None):
+        if events.dtype != DEV_RECORD or names.dtype != DEV_NAMED:
+            raise TypeError("DeviceRing: the events ring reads DEV_RECORD, the names ring "
+                            "DEV_NAMED")
+        self.events = events
+        self.names = names
+        self.comms = comms if comms is not None else ThreadComms()
+        self.dtype = DEV_EVENT
+        self.records_read = 0
+        self.batches = 0
+
+    def fileno(self) -> int:
+        return self.events.fileno()
+
+    def filenos(self) -> tuple[int, ...]:
+        """Both rings' descriptors: each is readable (epoll) when its
+        programs wake their reader, once per batch."""
+        return (self.events.fileno(), self.names.fileno())
+
+    def pending_bytes(self) -> int:
+        return self.events.pending_bytes() + self.names.pending_bytes()
+
+    def read(self, max_records: int | None = None) -> np.ndarray:
+        """Every record committed now, names first; DEV_EVENT records."""
+        named = self.names.read(max_records)
+        if len(named):
+            thread = named["kind"] == THREAD
+            if thread.any():
+                self.comms.learn(named[thread])
+                named = named[~thread]
+        events = widen(self.events.read(max_records))
+        self.comms.fill(events)
+        batch = merge(events, from_named(named)) if len(named) else events
+        if len(batch):
+            self.records_read += len(batch)
+            self.batches += 1
+        return batch
+
+    def close(self):
+        self.events.close()
+        self.names.close()

@@ -1,0 +1,138 @@
+"""The device stream's two rings read as one (agent/kernel/device_ring.py):
+the kernel's 144-byte call records widened into the recorded layout, each
+with its thread's comm; the named records among them by time; the thread
+records consumed. No eBPF: the rings are stood in for."""
+
+import numpy as np
+import pytest
+
+from mmtrace.agent.kernel import device_ring
+from mmtrace.agent.kernel.device_ring import DeviceRing, ThreadComms, copy_runs, widen
+from mmtrace.bpf import device
+
+
+class FakeRing:
+    """A RingReader's read(): the batches given, one per call."""
+
+    def __init__(self, dtype, batches=()):
+        self.dtype = np.dtype(dtype)
+        self.batches = list(batches)
+        self.closed = False
+
+    def read(self, max_records=None):
+        return self.batches.pop(0) if self.batches else np.zeros(0, self.dtype)
+
+    def fileno(self):
+        return -1
+
+    def pending_bytes(self):
+        return 0
+
+    def close(self):
+        self.closed = True
+
+
+def calls(ts, tid=7, pid=5):
+    out = np.zeros(len(ts), device.DEV_RECORD)
+    out["ts_ns"] = ts
+    out["tid"] = tid
+    out["pid"] = pid
+    out["kind"] = device.KIND_IDS["launch"]
+    return out
+
+
+def named(ts, kind, tid=7, pid=5, comm=b"", name=b""):
+    out = np.zeros(len(ts), device.DEV_NAMED)
+    out["ts_ns"] = ts
+    out["tid"] = tid
+    out["pid"] = pid
+    out["kind"] = device.KIND_IDS[kind]
+    out["comm"] = comm
+    out["name"] = name
+    return out
+
+
+def test_records_are_the_recorded_layout_less_what_only_names_carry():
+    assert device.DEV_RECORD.itemsize == 144 and device.DEV_NAMED.itemsize == 240
+    assert set(device.DEV_EVENT.names) - set(device.DEV_RECORD.names) == {
+        "name_addr", "alias", "comm", "name"}
+    assert set(device.DEV_NAMED.names) == set(device.DEV_EVENT.names)
+    # Two block copies widen a record: the fields before name_addr, and after alias.
+    assert copy_runs(device.DEV_RECORD, device.DEV_EVENT) == [(0, 72, 0), (72, 144, 88)]
+
+
+def test_widening_keeps_every_field_of_every_record():
+    rng = np.random.default_rng(1)
+    raw = rng.integers(0, 256, (50, device.DEV_RECORD.itemsize), dtype=np.uint8)
+    records = raw.view(device.DEV_RECORD).reshape(-1)
+    wide = widen(records)
+    assert wide.dtype == device.DEV_EVENT
+    for name in device.DEV_RECORD.names:
+        assert np.array_equal(wide[name], records[name]), name
+    for name in ("name_addr", "alias", "comm", "name"):
+        assert not wide[name].any(), name
+
+
+def test_each_call_gets_its_threads_comm_and_thread_records_are_consumed():
+    events = FakeRing(device.DEV_RECORD, [calls([10, 20]), calls([30, 40], tid=8)])
+    names = FakeRing(device.DEV_NAMED, [named([5], "thread", comm=b"decode"),
+                                        named([25], "thread", tid=8, comm=b"vision")])
+    ring = DeviceRing(events, names, ThreadComms(proc_root="/nonexistent"))
+    first = ring.read()
+    assert first.dtype == device.DEV_EVENT
+    assert first["comm"].tolist() == [b"decode", b"decode"]
+    assert set(first["kind"].tolist()) == {device.KIND_IDS["launch"]}
+    second = ring.read()
+    assert second["comm"].tolist() == [b"vision", b"vision"]
+    assert (ring.records_read, ring.batches) == (4, 2)
+    assert len(ring.read()) == 0
+    ring.close()
+    assert events.closed and names.closed
+
+
+def test_a_rename_applies_from_its_record_on():
+    comms = ThreadComms(proc_root="/nonexistent")
+    comms.learn(named([1], "thread", comm=b"python3"))
+    comms.learn(named([3], "thread", comm=b"pt_main_thread"))
+    batch = widen(calls([4, 5]))
+    comms.fill(batch)
+    assert batch["comm"].tolist() == [b"pt_main_thread"] * 2
+
+
+def test_a_thread_whose_comm_never_came_is_read_from_proc_once(tmp_path):
+    (tmp_path / "42").mkdir()
+    (tmp_path / "42" / "comm").write_bytes(b"a-very-long-thread-name\n")
+    comms = ThreadComms(proc_root=tmp_path)
+    batch = widen(np.concatenate([calls([1, 2], tid=42), calls([3], tid=43)]))
+    comms.fill(batch)
+    comms.fill(batch)
+    assert batch["comm"].tolist() == [b"a-very-long-thr"] * 2 + [b""]
+    assert (comms.counters["comm_from_proc"], comms.counters["comm_unknown"]) == (1, 1)
+
+
+def test_the_comm_table_stays_bounded():
+    comms = ThreadComms(proc_root="/nonexistent", max_threads=100)
+    threads = named(np.arange(1000), "thread", comm=b"t")
+    threads["tid"] = np.arange(1000)
+    comms.learn(threads)
+    assert len(comms._comm) == 100
+    assert comms.get(999) == b"t" and comms.get(0) == b""
+
+
+def test_named_records_come_among_the_calls_in_time_order():
+    events = FakeRing(device.DEV_RECORD, [calls([10, 20, 30, 40])])
+    names = FakeRing(device.DEV_NAMED, [np.concatenate([
+        named([35], "launch", name=b"Add"), named([1], "thread", comm=b"npu"),
+        named([15], "function_name", name=b"vector_add")])])
+    batch = DeviceRing(events, names, ThreadComms(proc_root="/nonexistent")).read()
+    assert batch["ts_ns"].tolist() == [10, 15, 20, 30, 35, 40]
+    assert batch["name"].tolist() == [b"", b"vector_add", b"", b"", b"Add", b""]
+    assert batch["comm"].tolist()[0] == b"npu"
+    # a named record keeps the comm it carries
+    assert batch["comm"].tolist()[1] == b""
+
+
+def test_rings_of_other_layouts_are_refused():
+    with pytest.raises(TypeError):
+        DeviceRing(FakeRing(device.DEV_EVENT), FakeRing(device.DEV_NAMED))
+    assert device_ring.THREAD == 8
