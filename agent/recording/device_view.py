@@ -125,7 +125,11 @@ def decode_aligned(aligned: np.ndarray, ctx: DeviceContext, kernel_names: dict) 
         for i in at.tolist():
             fields[i] = info.fields
         bad = at[failed[at]]
-        error[bad] = [device_stream.error_text(info, ret) for ret in rows["ret"][bad].tolist()]
+        if len(bad):            # a storm of failures has few distinct codes
+            codes, which = np.unique(rows["ret"][bad], return_inverse=True)
+            texts = np.empty(len(codes), object)
+            texts[:] = [device_stream.error_text(info, code) for code in codes.tolist()]
+            error[bad] = texts[which]
         if device_stream.DIRECTION in info.fields:
             table = device_stream.direction_names(info.stream)
             direction[at] = [table.get(d) for d in rows["direction"][at].tolist()]
