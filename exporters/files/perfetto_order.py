@@ -41,17 +41,34 @@ def on_sequence(packet: bytes, sequence: int) -> bytes:
 
 
 def _gather(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray, at: np.ndarray):
-    """The bytes of packets `at` (in that order), a chunk at a time: the
-    index is 4 bytes a byte, so a chunk is a few MB at most."""
-    index_type = np.int32 if len(data) < 1 << 31 else np.int64
+    """The bytes of packets `at` (in that order), a chunk at a time: each
+    chunk's packets as the rows of a window view over `data` as wide as
+    its longest, copied row by row and trimmed to their lengths (a third
+    of the work of an index of every byte, where the lengths are even)."""
     for lo in range(0, len(at), GATHER_PACKETS):
         pick = at[lo:lo + GATHER_PACKETS]
-        ln, st = lengths[pick].astype(index_type), starts[pick].astype(index_type)
         if not len(pick):
             continue
-        index = np.repeat(st - (np.cumsum(ln) - ln), ln)
-        index += np.arange(len(index), dtype=index_type)
-        yield data[index].tobytes()
+        ln, st = lengths[pick], starts[pick]
+        width = int(ln.max())
+        windows = len(data) - width + 1
+        if windows <= 0 or int(st.max()) >= windows or width * len(ln) > 2 * int(ln.sum()):
+            # A packet too near the end for a window, or lengths too uneven
+            # for rows as wide as the longest.
+            yield _gather_bytes(data, st, ln)
+            continue
+        rows = np.lib.stride_tricks.as_strided(data, shape=(windows, width), strides=(1, 1),
+                                               writeable=False)[st]
+        yield rows[np.arange(width) < ln[:, None]].tobytes()
+
+
+def _gather_bytes(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> bytes:
+    """The same by an index of every byte (4 bytes a byte)."""
+    index_type = np.int32 if len(data) < 1 << 31 else np.int64
+    ln, st = lengths.astype(index_type), starts.astype(index_type)
+    index = np.repeat(st - (np.cumsum(ln) - ln), ln)
+    index += np.arange(len(index), dtype=index_type)
+    return data[index].tobytes()
 
 
 class _Batch:
