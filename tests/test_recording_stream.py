@@ -111,6 +111,28 @@ def test_disorder_within_pieces_is_sorted_once_not_with_all_that_is_held(monkeyp
     assert sum(sorted_items) <= 2 * 200_000, sum(sorted_items)
 
 
+@pytest.mark.parametrize("order", ["reversed", "shuffled"])
+def test_runs_stay_few_whatever_order_the_pieces_come_in(order):
+    # A crafted file: one record per piece, in reverse or random order.
+    # Every piece would begin a run of its own; merged as timsort keeps its
+    # stack, they stay O(log n), and the whole comes out sorted.
+    from mmtrace.agent.recording.time_order import _Lane
+    n = 20_000
+    dtype = np.dtype([("ts_ns", "<u8"), ("seq", "<u4")])
+    stamps = np.arange(n, dtype=np.uint64)[::-1] if order == "reversed" else \
+        np.random.default_rng(9).permutation(n).astype(np.uint64)
+    records = np.zeros(n, dtype)
+    records["ts_ns"], records["seq"] = stamps, np.arange(n)
+    lane = _Lane(iter(np.split(records, n)), dtype)
+    most = 0
+    for _ in range(n):
+        lane.pull(10**12)
+        most = max(most, len(lane.runs))
+    assert most <= 2 * int(np.log2(n)) + 2, most
+    out = lane.release(None)
+    assert out["ts_ns"].tolist() == list(range(n))
+
+
 def test_memory_bounds_what_a_stream_of_late_records_holds_back():
     # Every piece of "late" carries a record from the start: its horizon never
     # moves, and only the bound on held bytes lets anything out before the end.

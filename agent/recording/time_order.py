@@ -29,6 +29,7 @@ class _Run:
     def __init__(self, piece: np.ndarray):
         self.pieces = [piece]
         self.lasts = [int(piece["ts_ns"][-1])]     # each piece's newest stamp
+        self.count = len(piece)
 
     @property
     def last(self) -> int:
@@ -37,6 +38,7 @@ class _Run:
     def append(self, piece: np.ndarray):
         self.pieces.append(piece)
         self.lasts.append(int(piece["ts_ns"][-1]))
+        self.count += len(piece)
 
     def count_until(self, limit: int) -> int:
         """How many records are stamped at or before `limit`."""
@@ -51,7 +53,7 @@ class _Run:
         """Take out the pieces (and the part of a piece) stamped at or
         before `limit` (None: all); what is left stays."""
         if limit is None:
-            out, self.pieces, self.lasts = self.pieces, [], []
+            out, self.pieces, self.lasts, self.count = self.pieces, [], [], 0
             return out
         whole = bisect.bisect_right(self.lasts, limit)
         out = self.pieces[:whole]
@@ -62,7 +64,14 @@ class _Run:
             if k:
                 out.append(first[:k])
                 self.pieces[0] = first[k:]
+        self.count -= sum(len(p) for p in out)
         return out
+
+
+def _merged(older: _Run, newer: _Run) -> _Run:
+    """One run of two (the older's records first among equal stamps)."""
+    joined = concat(older.pieces + newer.pieces)
+    return _Run(take(joined, np.argsort(joined["ts_ns"], kind="stable")))
 
 
 class _Lane:
@@ -98,8 +107,14 @@ class _Lane:
         fits = [run for run in self.runs if run.last <= first]
         if fits:
             max(fits, key=lambda run: run.last).append(piece)
-        else:
-            self.runs.append(_Run(piece))
+            return
+        self.runs.append(_Run(piece))
+        # Runs stay few whatever the input (a file of one-record pieces in
+        # reverse order, say): a run no bigger than twice the one after it
+        # is merged with it, as timsort keeps its stack: O(n log n) in all.
+        while len(self.runs) > 1 and self.runs[-2].count <= 2 * self.runs[-1].count:
+            newer = self.runs.pop()
+            self.runs.append(_merged(self.runs.pop(), newer))
 
     @property
     def newest(self) -> int | None:
