@@ -53,6 +53,49 @@ sys.path.insert(0, str(ROOT / "tests"))
 from native import NATIVE, nvcc_build  # noqa: E402
 
 EMPTY_PROGRAM = "int empty(struct pt_regs *ctx) { return 0; }"
+# What any per-launch tracer pays beyond the trap, as floors beside
+# mmtrace's decoder: a ring-buffer record of a launch's size (reserved,
+# stamped, submitted without a wake-up) and one of a single cache line,
+# and what a bpftrace one-liner does (six argument registers read, one
+# hash map update).
+FLOOR_PROGRAM = """
+#include <uapi/linux/ptrace.h>
+BPF_RINGBUF_OUTPUT(floor_ring, 8192);      /* 32 MiB: a whole run of records */
+BPF_HASH(floor_map, u32, u64, 65536);
+
+int ring_record(struct pt_regs *ctx)
+{
+    u64 *p = floor_ring.ringbuf_reserve(144);
+    if (!p)
+        return 0;
+    p[0] = bpf_ktime_get_ns();
+    p[1] = bpf_get_current_pid_tgid();
+    p[2] = PT_REGS_PARM1(ctx);
+    floor_ring.ringbuf_submit(p, BPF_RB_NO_WAKEUP);
+    return 0;
+}
+
+int ring_record_small(struct pt_regs *ctx)     /* one cache line with its header */
+{
+    u64 *p = floor_ring.ringbuf_reserve(24);
+    if (!p)
+        return 0;
+    p[0] = bpf_ktime_get_ns();
+    p[1] = bpf_get_current_pid_tgid();
+    p[2] = PT_REGS_PARM1(ctx);
+    floor_ring.ringbuf_submit(p, BPF_RB_NO_WAKEUP);
+    return 0;
+}
+
+int args_map(struct pt_regs *ctx)
+{
+    u64 v = PT_REGS_PARM1(ctx) ^ PT_REGS_PARM2(ctx) ^ PT_REGS_PARM3(ctx)
+            ^ PT_REGS_PARM4(ctx) ^ PT_REGS_PARM5(ctx) ^ PT_REGS_PARM6(ctx);
+    u32 tid = bpf_get_current_pid_tgid();
+    floor_map.update(&tid, &v);
+    return 0;
+}
+"""
 RING_PAGES = 1 << 15     # 128 MiB: 600k device events
 
 
@@ -117,6 +160,8 @@ def per_call(loop_binary: Path, runtime: Path, calls: int, repeat: int) -> dict:
     loop = Loop(loop_binary, launch_only=True)
     empty_bcc = bcc.BPF(text=EMPTY_PROGRAM)
     empty_multi, _ = empty_multi_link(runtime, attach=False)
+    floors = bcc.BPF(text=FLOOR_PROGRAM)
+    floors["floor_ring"].open_ring_buffer(lambda *_: None)
     traced = {}
     # "multi" probes launches as uprobe sessions: with no driver every call
     # fails, so every return is probed (a storm of failures is counted
@@ -139,6 +184,16 @@ def per_call(loop_binary: Path, runtime: Path, calls: int, repeat: int) -> dict:
             return loop.run(calls)
         finally:
             empty_bcc.detach_uprobe(name=str(runtime), sym="cudaLaunchKernel")
+
+    def run_floor(fn_name):
+        def run():
+            floors.attach_uprobe(name=str(runtime), sym="cudaLaunchKernel", fn_name=fn_name)
+            try:
+                return loop.run(calls)
+            finally:
+                floors.detach_uprobe(name=str(runtime), sym="cudaLaunchKernel")
+                floors.ring_buffer_consume()        # room for the next run
+        return run
 
     def run_empty_multi():
         _, link = empty_multi_link(runtime, program=empty_multi)
@@ -163,7 +218,10 @@ def per_call(loop_binary: Path, runtime: Path, calls: int, repeat: int) -> dict:
     configs = {"untraced": run_untraced, "empty_multi": run_empty_multi,
                "traced_multi": run_traced("multi"),
                "traced_multi_entry": run_traced("multi_entry"),
-               "empty_single": run_empty_single, "traced_single": run_traced("single")}
+               "empty_single": run_empty_single, "traced_single": run_traced("single"),
+               "floor_ring_single": run_floor("ring_record"),
+               "floor_small_ring_single": run_floor("ring_record_small"),
+               "floor_args_map_single": run_floor("args_map")}
     best = {name: float("inf") for name in configs}
     try:
         loop.run(calls // 10)       # warm up
@@ -177,7 +235,10 @@ def per_call(loop_binary: Path, runtime: Path, calls: int, repeat: int) -> dict:
             loaded.close()
         empty_bcc.cleanup()
         empty_multi.cleanup()
+        floors.cleanup()
     out = {f"{name}_ns": t / calls * 1e9 for name, t in best.items()}
+    for floor in ("floor_ring_single", "floor_small_ring_single", "floor_args_map_single"):
+        out[f"{floor}_vs_empty"] = out[f"{floor}_ns"] / out["empty_single_ns"]
     for mode in ("multi", "multi_entry", "single"):
         out[f"traced_{mode}_events_per_call"] = min(delivered[mode]) / calls
         t, u = out[f"traced_{mode}_ns"], out["untraced_ns"]
@@ -454,6 +515,15 @@ def per_call_rows(c: dict, what: str) -> list[tuple]:
         ("  + mmtrace, bcc uprobe per symbol", f"{c['traced_single_ns']:.0f} ns/call",
          f"{c['traced_single_vs_empty']:.3f}x empty (goal <= 1.10); decoder "
          f"{c['decoder_ns_single']:.0f} ns"),
+        ("  + floor: a 144-byte ring record, stamped (bcc uprobe)",
+         f"{c['floor_ring_single_ns']:.0f} ns/call",
+         f"{c['floor_ring_single_vs_empty']:.3f}x empty"),
+        ("  + floor: a 24-byte ring record, stamped (bcc uprobe)",
+         f"{c['floor_small_ring_single_ns']:.0f} ns/call",
+         f"{c['floor_small_ring_single_vs_empty']:.3f}x empty"),
+        ("  + floor: six arguments read, one map update (bcc uprobe)",
+         f"{c['floor_args_map_single_ns']:.0f} ns/call",
+         f"{c['floor_args_map_single_vs_empty']:.3f}x empty"),
     ]
 
 
