@@ -63,9 +63,9 @@ FLOOR_PROGRAM = """
 BPF_RINGBUF_OUTPUT(floor_ring, 8192);      /* 32 MiB: a whole run of records */
 BPF_HASH(floor_map, u32, u64, 65536);
 
-int ring_record(struct pt_regs *ctx)
+static __always_inline int ring_record_of(struct pt_regs *ctx, u32 size)
 {
-    u64 *p = floor_ring.ringbuf_reserve(144);
+    u64 *p = floor_ring.ringbuf_reserve(size);
     if (!p)
         return 0;
     p[0] = bpf_ktime_get_ns();
@@ -75,17 +75,8 @@ int ring_record(struct pt_regs *ctx)
     return 0;
 }
 
-int ring_record_small(struct pt_regs *ctx)     /* one cache line with its header */
-{
-    u64 *p = floor_ring.ringbuf_reserve(24);
-    if (!p)
-        return 0;
-    p[0] = bpf_ktime_get_ns();
-    p[1] = bpf_get_current_pid_tgid();
-    p[2] = PT_REGS_PARM1(ctx);
-    floor_ring.ringbuf_submit(p, BPF_RB_NO_WAKEUP);
-    return 0;
-}
+int ring_record(struct pt_regs *ctx) { return ring_record_of(ctx, 144); }
+int ring_record_small(struct pt_regs *ctx) { return ring_record_of(ctx, 24); }   /* a cache line */
 
 int args_map(struct pt_regs *ctx)
 {
