@@ -185,7 +185,8 @@ enum process_change {
     CHANGE_EXEC = 1,
     CHANGE_FORK = 2,
     CHANGE_MAPPED = 4,
-    CHANGE_EXIT = 8,
+    CHANGE_EXIT = 8,            /* the process's last thread */
+    CHANGE_LEADER_EXIT = 16,    /* its first thread (kernels without group_dead) */
 };
 BPF_HASH(process_changes, u32, u64, MMTRACE_MAX_PROCESS_CHANGES);
 BPF_ARRAY(process_changes_on, u32, 1);
@@ -265,8 +266,8 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
     if (args->group_dead)           /* the last thread: the process is gone */
         note_change(tgid, CHANGE_EXIT);
 #else
-    if ((u32)id == tgid)            /* no group_dead here: the leader's exit */
-        note_change(tgid, CHANGE_EXIT);
+    if ((u32)id == tgid)            /* no group_dead here: its threads may live on */
+        note_change(tgid, CHANGE_LEADER_EXIT);
 #endif
     u32 *on = unread_exits_on.lookup(&zero);
     if (!on || !*on || (u32)id != tgid || !tgid_in_scope(tgid))
@@ -276,10 +277,13 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
     return 0;
 }
 
-/* mmap(2) at entry, as the syscall tracepoints lay out every call: the
- * common header, the syscall number, then each argument in 8 bytes. Read
- * by offset, not through a generated struct: a kernel without syscall
- * tracepoints fails this attach alone (the agent then rescans /proc). */
+/* mmap(2), as the syscall tracepoints lay out every call: the common
+ * header, the syscall number, then each argument (or the return value) in
+ * 8 bytes. Read by offset, not through a generated struct: a kernel
+ * without syscall tracepoints fails these attaches alone (the agent then
+ * rescans /proc). A file mapped executable is noted at the call's return,
+ * once the mapping is there to be read: noted at entry, a scan between
+ * the two would take the note and miss the mapping. */
 struct mmap_enter_args {
     u64 common;
     s32 syscall_nr;
@@ -287,11 +291,34 @@ struct mmap_enter_args {
     u64 addr, len, prot, flags, fd, off;
 };
 
-int process_mapped(struct mmap_enter_args *args)
+struct syscall_exit_args {
+    u64 common;
+    s32 syscall_nr;
+    u32 pad;
+    s64 ret;
+};
+
+BPF_HASH(mapping_executable, u32, u8, MMTRACE_MAX_THREADS);    /* tid, between the two */
+
+int process_mapping(struct mmap_enter_args *args)
 {
     if (!(args->prot & 0x4 /* PROT_EXEC */) || (s64)args->fd < 0)
         return 0;
-    note_change(bpf_get_current_pid_tgid() >> 32, CHANGE_MAPPED);
+    u32 tid = bpf_get_current_pid_tgid();
+    u8 yes = 1;
+    mapping_executable.update(&tid, &yes);
+    return 0;
+}
+
+int process_mapped(struct syscall_exit_args *args)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = id;
+    if (mapping_executable.delete(&tid) != 0)
+        return 0;               /* not a file mapped executable */
+    if (args->ret < 0 && args->ret > -4096)
+        return 0;               /* the call failed: nothing mapped */
+    note_change(id >> 32, CHANGE_MAPPED);
     return 0;
 }
 
@@ -731,6 +758,7 @@ static __always_inline int set_device_return(struct pt_regs *ctx, u16 api, u32 s
 static __always_inline void device_forget_thread(u32 tid)
 {
     thread_device.delete(&tid);
+    mapping_executable.delete(&tid);    /* freed inside an mmap */
     op_seq.delete(&tid);    /* the process, when tid is its leader */
 #pragma unroll
     for (u32 slot = 0; slot < MMTRACE_CALL_SLOTS; slot++) {

@@ -30,7 +30,7 @@ NAMES_RINGBUF = "dev_names"         # struct dev_named_event records (DEV_NAMED)
 LAYOUT_MAP = "layout_dev_event"
 NAMED_LAYOUT_MAP = "layout_dev_named_event"
 # Why a process is in device.h's process_changes (bits of its value).
-CHANGE_EXEC, CHANGE_FORK, CHANGE_MAPPED, CHANGE_EXIT = 1, 2, 4, 8
+CHANGE_EXEC, CHANGE_FORK, CHANGE_MAPPED, CHANGE_EXIT, CHANGE_LEADER_EXIT = 1, 2, 4, 8, 16
 NAME_LEN = 64
 
 # A device event as the agent holds it and a recording stores it ("dev.event"):

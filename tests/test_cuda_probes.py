@@ -419,6 +419,38 @@ def test_the_kernel_names_the_processes_whose_files_changed(cudart_session, nati
     changes = take()
     assert changes.get(child.pid, 0) & CHANGE_EXIT
     assert not changes.get(child.pid, 0) & CHANGE_MAPPED    # taken by the discoverer
+    # A mapping is noted at its return, and only one the kernel made: a
+    # static program (no loader mapping libraries) maps a file executable,
+    # opened for reading, then for writing only (refused: EACCES).
+    from native import compile_text
+    mapper = compile_text(tmp_path / "map_exec", MAP_EXEC_C, "-static")
+    notes = {}
+    for mode in ("read", "write"):
+        proc = subprocess.Popen([str(mapper), str(lib), mode], stdout=subprocess.PIPE, text=True)
+        said = proc.communicate(timeout=10)[0].strip()
+        assert said == ("mapped" if mode == "read" else "refused 13"), said
+        notes[mode] = take().get(proc.pid, 0)
+    assert notes["read"] & CHANGE_MAPPED and notes["read"] & CHANGE_EXIT
+    assert not notes["write"] & CHANGE_MAPPED and notes["write"] & CHANGE_EXIT
+
+
+MAP_EXEC_C = r"""
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+int main(int argc, char **argv)
+{
+    int fd = open(argv[1], strcmp(argv[2], "read") == 0 ? O_RDONLY : O_WRONLY);
+    void *p = mmap(0, 4096, PROT_READ | PROT_EXEC, MAP_PRIVATE, fd, 0);
+    if (p == MAP_FAILED)
+        printf("refused %d\n", errno);
+    else
+        printf("mapped\n");
+    return 0;
+}
+"""
 
 
 def test_a_burst_of_50000_launches_back_to_back_is_recorded_whole(natives, tmp_path):

@@ -164,7 +164,7 @@ def test_a_library_dlopened_later_by_a_known_process_is_found_within_rescan_ever
 @NEEDS_GCC
 def test_a_discoverer_that_follows_changes_reads_only_the_processes_named(
         tmp_path, stand_in, children):
-    from mmtrace.bpf.device import CHANGE_EXIT, CHANGE_MAPPED
+    from mmtrace.bpf.device import CHANGE_EXIT, CHANGE_LEADER_EXIT, CHANGE_MAPPED
     lib = library_elsewhere(tmp_path, stand_in)
     child = children([sys.executable, "-c", LOAD_ON_LINE])
     other = children([sys.executable, "-c", LOAD_ON_LINE])
@@ -182,6 +182,9 @@ def test_a_discoverer_that_follows_changes_reads_only_the_processes_named(
     feed.append({child.pid: CHANGE_MAPPED})
     assert [t.origin for t in by_inode(discoverer.poll(), lib)] == [f"maps:{child.pid}"]
     assert discoverer.counters["maps_read"] == 3
+    feed.append({child.pid: CHANGE_LEADER_EXIT})    # its first thread only, and it lives:
+    discoverer.poll()                               # kept (a kernel without group_dead)
+    assert discoverer.take_released() == []
     feed.append({child.pid: CHANGE_EXIT})           # gone: what only it held goes
     discoverer.poll()
     assert [t.path for t in discoverer.take_released()] == [str(lib)]

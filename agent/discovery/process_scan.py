@@ -22,7 +22,7 @@ from mmtrace.agent.discovery.proc_maps import (DELETED_SUFFIX, ProcessMaps, in_p
                                                read_maps)
 from mmtrace.agent.discovery.python_site_dirs import PythonSiteDirs
 from mmtrace.agent.discovery.recent import Recent
-from mmtrace.bpf.device import CHANGE_EXIT
+from mmtrace.bpf.device import CHANGE_EXIT, CHANGE_LEADER_EXIT
 
 _GONE = (FileNotFoundError, ProcessLookupError)
 SWEEP_EVERY = 30        # polls between listings of /proc while changes are followed
@@ -121,9 +121,10 @@ class ProcessScan:
         for pid, change in changes.items():
             if self.pids is not None and pid not in self.pids:
                 continue
-            if change == CHANGE_EXIT:
+            if change == CHANGE_EXIT or (change == CHANGE_LEADER_EXIT and not os.path.exists(
+                    f"{self.proc_root}/{pid}")):
                 self._forget(pid)
-            else:
+            elif change != CHANGE_LEADER_EXIT:      # its threads live on: as it was
                 self._scan_process(pid, found, site_dirs)
         unsettled = [pid for pid in self._held_by_pid if pid not in self._settled]
         for pid in unsettled:           # a file that could not be looked at: again

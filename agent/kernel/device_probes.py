@@ -85,6 +85,7 @@ class DeviceProbes:
         self._window = LaunchWindow(self._end_window)
         self._lock = threading.RLock()
         self._closed = False
+        self._changes_taken = None      # process_changes(), once turned on
         self._next_rewrite_check = 0.0
 
     @property
@@ -293,9 +294,17 @@ class DeviceProbes:
             table, on = self.bpf["process_changes"], self.bpf["process_changes_on"]
         except KeyError:            # a program built without it (tests' stand-ins)
             return None
+        if self._changes_taken is not None:
+            return self._changes_taken          # one list, one taker
+        attached = []
         try:
-            self.bpf.attach_tracepoint(tp="syscalls:sys_enter_mmap", fn_name="process_mapped")
+            for tp, fn in (("syscalls:sys_enter_mmap", "process_mapping"),
+                           ("syscalls:sys_exit_mmap", "process_mapped")):
+                self.bpf.attach_tracepoint(tp=tp, fn_name=fn)
+                attached.append(tp)
         except Exception as exc:    # bcc raises bare Exception when a tracepoint is missing
+            for tp in attached:
+                self.bpf.detach_tracepoint(tp)
             log.info("process changes not followed (%s): discovery reads /proc", exc)
             return None
         on[on.Key(0)] = on.Leaf(1)
@@ -308,6 +317,7 @@ class DeviceProbes:
             now = bpf_counters.read_counter(counters, "process_changes_full")
             kept_all, full[0] = now == full[0], now
             return changes if kept_all else None
+        self._changes_taken = take
         return take
 
     def symbol_names(self) -> dict[int, str]:
