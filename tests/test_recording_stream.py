@@ -116,7 +116,7 @@ def test_runs_stay_few_whatever_order_the_pieces_come_in(order):
     # A crafted file: one record per piece, in reverse or random order.
     # Every piece would begin a run of its own; merged as timsort keeps its
     # stack, they stay O(log n), and the whole comes out sorted.
-    from mmtrace.agent.recording.time_order import _Lane
+    from mmtrace.agent.recording.time_order import MAX_RUNS, _Lane
     n = 20_000
     dtype = np.dtype([("ts_ns", "<u8"), ("seq", "<u4")])
     stamps = np.arange(n, dtype=np.uint64)[::-1] if order == "reversed" else \
@@ -128,7 +128,7 @@ def test_runs_stay_few_whatever_order_the_pieces_come_in(order):
     for _ in range(n):
         lane.pull(10**12)
         most = max(most, len(lane.runs))
-    assert most <= 2 * int(np.log2(n)) + 2, most
+    assert most <= MAX_RUNS + 1, most
     out = lane.release(None)
     assert out["ts_ns"].tolist() == list(range(n))
 

@@ -20,6 +20,7 @@ import numpy as np
 from mmtrace.agent.ingest.record_arrays import concat, take
 
 _DONE = None
+MAX_RUNS = 32       # sorted runs a lane holds before it merges two
 
 
 class _Run:
@@ -29,21 +30,30 @@ class _Run:
     def __init__(self, piece: np.ndarray):
         self.pieces = [piece]
         self.lasts = [int(piece["ts_ns"][-1])]     # each piece's newest stamp
-        self.count = len(piece)
+        self.ends = [len(piece)]    # records up to each piece's end, since the first
+        self.start = 0              # of those, handed out (pieces[0] begins there)
 
     @property
     def last(self) -> int:
         return self.lasts[-1]
 
+    @property
+    def count(self) -> int:
+        return self.ends[-1] - self.start if self.ends else 0
+
     def append(self, piece: np.ndarray):
         self.pieces.append(piece)
         self.lasts.append(int(piece["ts_ns"][-1]))
-        self.count += len(piece)
+        self.ends.append((self.ends[-1] if self.ends else self.start) + len(piece))
+
+    def _before(self, whole: int) -> int:
+        """Records in pieces[:whole]."""
+        return (self.ends[whole - 1] if whole else self.start) - self.start
 
     def count_until(self, limit: int) -> int:
         """How many records are stamped at or before `limit`."""
         whole = bisect.bisect_right(self.lasts, limit)
-        n = sum(len(p) for p in self.pieces[:whole])
+        n = self._before(whole)
         if whole < len(self.pieces):
             n += int(np.searchsorted(self.pieces[whole]["ts_ns"], np.uint64(limit),
                                      side="right"))
@@ -53,18 +63,20 @@ class _Run:
         """Take out the pieces (and the part of a piece) stamped at or
         before `limit` (None: all); what is left stays."""
         if limit is None:
-            out, self.pieces, self.lasts, self.count = self.pieces, [], [], 0
+            out = self.pieces
+            self.pieces, self.lasts, self.ends, self.start = [], [], [], 0
             return out
         whole = bisect.bisect_right(self.lasts, limit)
         out = self.pieces[:whole]
-        del self.pieces[:whole], self.lasts[:whole]
+        self.start += self._before(whole)
+        del self.pieces[:whole], self.lasts[:whole], self.ends[:whole]
         if self.pieces:
             first = self.pieces[0]
             k = int(np.searchsorted(first["ts_ns"], np.uint64(limit), side="right"))
             if k:
                 out.append(first[:k])
                 self.pieces[0] = first[k:]
-        self.count -= sum(len(p) for p in out)
+                self.start += k
         return out
 
 
@@ -109,12 +121,15 @@ class _Lane:
             max(fits, key=lambda run: run.last).append(piece)
             return
         self.runs.append(_Run(piece))
-        # Runs stay few whatever the input (a file of one-record pieces in
-        # reverse order, say): a run no bigger than twice the one after it
-        # is merged with it, as timsort keeps its stack: O(n log n) in all.
-        while len(self.runs) > 1 and self.runs[-2].count <= 2 * self.runs[-1].count:
-            newer = self.runs.pop()
-            self.runs.append(_merged(self.runs.pop(), newer))
+        # Runs stay few whatever the input (a crafted file of tiny pieces out
+        # of order): past MAX_RUNS the two smallest are merged, as Huffman
+        # pairs them, so that a record is merged O(log n) times at most.
+        # Real recordings hold a dozen runs at most and never get here.
+        if len(self.runs) > MAX_RUNS:
+            a, b = sorted(range(len(self.runs)), key=lambda i: self.runs[i].count)[:2]
+            older, newer = min(a, b), max(a, b)
+            self.runs[older] = _merged(self.runs[older], self.runs[newer])
+            del self.runs[newer]
 
     @property
     def newest(self) -> int | None:
