@@ -111,26 +111,37 @@ def test_disorder_within_pieces_is_sorted_once_not_with_all_that_is_held(monkeyp
     assert sum(sorted_items) <= 2 * 200_000, sum(sorted_items)
 
 
-@pytest.mark.parametrize("order", ["reversed", "shuffled"])
+@pytest.mark.parametrize("order", ["reversed", "shuffled", "alternating"])
 def test_runs_stay_few_whatever_order_the_pieces_come_in(order):
-    # A crafted file: one record per piece, in reverse or random order.
-    # Every piece would begin a run of its own; merged as timsort keeps its
-    # stack, they stay O(log n), and the whole comes out sorted.
+    # A crafted file: one record per piece, in reverse or random order; or
+    # pieces [t] and [t, far later] with t falling, each of which joins the
+    # run the one before began. Every piece would hold a run of its own;
+    # past MAX_RUNS the smallest are merged, and the whole comes out sorted.
     from mmtrace.agent.recording.time_order import MAX_RUNS, _Lane
     n = 20_000
     dtype = np.dtype([("ts_ns", "<u8"), ("seq", "<u4")])
-    stamps = np.arange(n, dtype=np.uint64)[::-1] if order == "reversed" else \
-        np.random.default_rng(9).permutation(n).astype(np.uint64)
+    if order == "alternating":
+        t = 10**9 - np.arange(n // 2, dtype=np.uint64)
+        stamps = np.stack([t, t, 2 * 10**9 + np.arange(n // 2, dtype=np.uint64)], 1)
+        cuts = np.cumsum(np.tile([1, 2], n // 2))[:-1]
+        n = len(stamps.ravel())
+        stamps = stamps.ravel()
+    else:
+        stamps = np.arange(n, dtype=np.uint64)[::-1] if order == "reversed" else \
+            np.random.default_rng(9).permutation(n).astype(np.uint64)
+        cuts = np.arange(1, n)
     records = np.zeros(n, dtype)
     records["ts_ns"], records["seq"] = stamps, np.arange(n)
-    lane = _Lane(iter(np.split(records, n)), dtype)
+    pieces = np.split(records, cuts)
+    lane = _Lane(iter(pieces), dtype)
     most = 0
-    for _ in range(n):
+    for _ in pieces:
         lane.pull(10**12)
         most = max(most, len(lane.runs))
     assert most <= MAX_RUNS + 1, most
     out = lane.release(None)
-    assert out["ts_ns"].tolist() == list(range(n))
+    assert out["ts_ns"].tolist() == sorted(stamps.tolist())
+    assert sorted(out["seq"].tolist()) == list(range(n))
 
 
 def test_memory_bounds_what_a_stream_of_late_records_holds_back():
