@@ -493,3 +493,23 @@ def test_packet_order_sorts_each_packet_once_and_holds_a_bounded_amount(monkeypa
     assert len(main) > 0.9 * total
     assert sum(sorted_items) <= 2 * total, sum(sorted_items)
     assert max(held) <= 60_000 + 200 * len(blobs[0]), max(held)
+
+
+def test_late_packets_come_back_sorted_and_whole_from_their_file():
+    # One packet written far ahead; everything after it is earlier: late,
+    # kept in a temporary file, written sorted on the late sequence.
+    from mmtrace.exporters.files.perfetto_order import PacketOrder
+    out = io.BytesIO()
+    order = PacketOrder(out, max_bytes=1 << 12)
+    order.add_packets([10**15], [_stamped_packet(10**15)])
+    order.passed(10**15 + 10**10)
+    late = [10**12 + (20 - add) * 100 + k for add in range(20) for k in range(100)]
+    for add in range(20):
+        chunk = late[add * 100:(add + 1) * 100]
+        order.add_packets(chunk, [_stamped_packet(t) for t in chunk])
+    assert len(order.late) == 2000
+    order.finish()
+    written = packets(out.getvalue())
+    on_late = [p[proto.TP_TIMESTAMP][0] for p in written
+               if p[proto.TP_SEQUENCE_ID][0] == proto.LATE_SEQUENCE and proto.TP_TIMESTAMP in p]
+    assert on_late == sorted(late)

@@ -15,6 +15,10 @@ window holding more than `max_bytes` could not wait for: the memory held
 stays bounded whatever the rate.
 """
 
+import os
+import tempfile
+from array import array
+
 import numpy as np
 
 from mmtrace.exporters.files.perfetto_fields import (
@@ -22,6 +26,7 @@ from mmtrace.exporters.files.perfetto_fields import (
 from mmtrace.exporters.files.protowire import varint
 
 REORDER_NS = 500_000_000
+MAX_BATCHES = 64
 MAX_HELD_BYTES = 8 << 20       # past this, the oldest are written before their window ends
 GATHER_PACKETS = 1 << 13        # packets gathered at once
 _SEQ_TAG = varint(TP_SEQUENCE_ID << 3)[0]
@@ -75,12 +80,15 @@ class _Batch:
     """The packets of one add, their bytes as they came, and the order of
     their stamps; those before `at` (in that order) are written."""
 
-    def __init__(self, ts: np.ndarray, lengths: np.ndarray, data: np.ndarray):
-        order = np.argsort(ts, kind="stable")
-        self.ts = ts[order]
+    def __init__(self, ts: np.ndarray, lengths: np.ndarray, data: np.ndarray,
+                 in_order: bool = False):
         lengths = lengths.astype(np.int32)      # an add is far below 2 GiB
-        self.starts = (np.cumsum(lengths, dtype=np.int64) - lengths)[order]
-        self.lengths = lengths[order]
+        starts = np.cumsum(lengths, dtype=np.int64) - lengths
+        if in_order:                            # already by stamp: no sort
+            self.ts, self.starts, self.lengths = ts, starts, lengths
+        else:
+            order = np.argsort(ts, kind="stable")
+            self.ts, self.starts, self.lengths = ts[order], starts[order], lengths[order]
         self.bytes_before = np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)])
         self.data = data
         self.at = 0
@@ -92,16 +100,73 @@ class _Batch:
         return int(self.bytes_before[end] - self.bytes_before[self.at])
 
     def until(self, before_ns: int | None) -> int:
-        """The index past the last packet stamped before `before_ns` (None: all)."""
-        if before_ns is None:
+        """The index past the last packet stamped before `before_ns` (None,
+        or past every stamp a packet can have: all)."""
+        if before_ns is None or before_ns >= 1 << 64:
             return len(self.ts)
         return int(np.searchsorted(self.ts, np.uint64(before_ns), side="left"))
+
+    def compacted(self) -> "_Batch":
+        """The packets not yet written, their bytes copied out of the rest
+        (a packet stamped far ahead must not hold its whole add)."""
+        rest = slice(self.at, None)
+        data = np.frombuffer(b"".join(_gather(self.data, self.starts[rest], self.lengths[rest],
+                                              np.arange(len(self.ts) - self.at))), np.uint8)
+        return _Batch(self.ts[rest], self.lengths[rest], data, in_order=True)
 
     def take(self, end: int):
         """Packets at..end: stamps, starts in `data`, lengths (in order)."""
         pick = slice(self.at, end)
         self.at = end
         return self.ts[pick], self.starts[pick], self.lengths[pick]
+
+
+def _in_order(batch: "_Batch") -> np.ndarray:
+    """A batch's bytes laid out in its stamps' order (as its ts and lengths)."""
+    if (batch.starts[1:] == batch.starts[:-1] + batch.lengths[:-1]).all() and \
+            (not len(batch.starts) or batch.starts[0] == 0) and \
+            len(batch.data) == int(batch.lengths.sum()):
+        return batch.data
+    return np.frombuffer(b"".join(_gather(batch.data, batch.starts, batch.lengths,
+                                          np.arange(len(batch.ts)))), np.uint8)
+
+
+class _LatePackets:
+    """Packets that came after later ones were written: their bytes in a
+    temporary file (a crafted recording can make them many), their stamps
+    and places in memory (20 bytes each); handed back sorted by stamp."""
+
+    def __init__(self):
+        self._file = None
+        self._ts, self._at, self._lengths = array("Q"), array("Q"), array("I")
+        self._size = 0
+
+    def __len__(self) -> int:
+        return len(self._ts)
+
+    def add(self, ts: int, packet: bytes):
+        if self._file is None:
+            self._file = tempfile.TemporaryFile(prefix="mmtrace-late-")
+        self._file.write(packet)
+        self._ts.append(ts)
+        self._at.append(self._size)
+        self._lengths.append(len(packet))
+        self._size += len(packet)
+
+    def in_order(self):
+        if not len(self):
+            return
+        self._file.flush()
+        fd, at, lengths = self._file.fileno(), self._at, self._lengths
+        order = np.argsort(np.frombuffer(self._ts, np.uint64), kind="stable")
+        for lo in range(0, len(order), GATHER_PACKETS):
+            for i in order[lo:lo + GATHER_PACKETS].tolist():
+                yield os.pread(fd, lengths[i], at[i])   # not mapped: memory stays flat
+
+    def close(self):
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 class PacketOrder:
@@ -115,7 +180,7 @@ class PacketOrder:
         self.max_bytes = max_bytes
         self._batches: list[_Batch] = []
         self.written_to = 0                 # the latest timestamp written
-        self.late: list[tuple[int, bytes]] = []
+        self.late = _LatePackets()
 
     def add(self, ts, lengths, blob: bytes):
         """Packets of `blob` (packet i is lengths[i] bytes, stamped ts[i])."""
@@ -129,7 +194,7 @@ class PacketOrder:
             starts = np.cumsum(lengths) - lengths
             for i in np.flatnonzero(late).tolist():
                 raw = bytes(data[starts[i]:starts[i] + lengths[i]])
-                self.late.append((int(ts[i]), on_sequence(raw, LATE_SEQUENCE)))
+                self.late.add(int(ts[i]), on_sequence(raw, LATE_SEQUENCE))
             keep = np.flatnonzero(~late)
             data = np.frombuffer(b"".join(_gather(data, starts, lengths, keep)), np.uint8)
             ts, lengths = ts[keep], lengths[keep]
@@ -152,8 +217,11 @@ class PacketOrder:
         (a write copies what it draws from, so it should draw much)."""
         if not self._batches or sum(len(b.data) for b in self._batches) <= self.max_bytes:
             return
+        self._compact()
         unwritten = sum(b.unwritten_until(None) for b in self._batches)
         want = unwritten - self.max_bytes // 2
+        if want <= 0:
+            return
         lo = min(int(b.ts[b.at]) for b in self._batches)
         hi = max(int(b.ts[-1]) for b in self._batches) + 1
         while lo < hi:          # the lowest stamp before which `want` bytes wait
@@ -162,16 +230,28 @@ class PacketOrder:
                 hi = mid
             else:
                 lo = mid + 1
-        self._release(lo)
+        self._release(lo)       # lo may be 2**64: everything (until() takes it)
 
     def finish(self):
         """Everything held, then the late packets on their own sequence."""
         self._release(None)
-        if self.late:
+        if len(self.late):
             self.out.write(sequence_start(LATE_SEQUENCE))
-            for _, packet in sorted(self.late, key=lambda item: item[0]):
+            for packet in self.late.in_order():
                 self.out.write(packet)
-            self.late = []
+        self.late.close()
+
+    def _compact(self):
+        """Adds mostly written keep only what is left of them; past
+        MAX_BATCHES adds held, they become one (a packet stamped far ahead
+        in each add would hold them all, and every write looks at each)."""
+        self._batches = [b if not b.at or b.unwritten_until(None) * 2 > len(b.data)
+                         else b.compacted() for b in self._batches]
+        if len(self._batches) > MAX_BATCHES:
+            parts = [b.compacted() if b.at else b for b in self._batches]
+            self._batches = [_Batch(np.concatenate([b.ts for b in parts]),
+                                    np.concatenate([b.lengths for b in parts]),
+                                    np.concatenate([_in_order(b) for b in parts]))]
 
     def _release(self, before_ns: int | None):
         heads = [(batch, end) for batch in self._batches
@@ -188,6 +268,7 @@ class PacketOrder:
         data = heads[0][0].data if len(heads) == 1 else np.concatenate(
             [batch.data for batch, _ in heads])     # a copy, but no gather
         self._batches = [b for b in self._batches if b.at < len(b.ts)]
+        self._compact()
         ts, starts, lengths = (np.concatenate(x) for x in (ts, starts, lengths))
         order = np.argsort(ts, kind="stable") if len(heads) > 1 else np.arange(len(ts))
         starts, lengths = starts[order], lengths[order]
