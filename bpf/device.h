@@ -174,12 +174,13 @@ BPF_ARRAY(unread_exits_on, u32, 1);
 
 /* The processes whose mapped files may have changed since discovery last
  * looked: an exec, a new process, a file mapped executable (a dlopen), an
- * exit. One entry per process (the reasons or-ed, CHANGE_*) until the agent
- * takes them all; discovery then reads /proc for those processes alone,
+ * exit. One entry per process and reason (CHANGE_*) until the agent takes
+ * them all; discovery then reads /proc for those processes alone,
  * whatever the number running. Kept only while discovery follows them
- * (process_changes_on). Full: counted, and the agent reads every process. */
+ * (process_changes_on). Full: counted, and the agent goes back to reading
+ * /proc in rounds. */
 #ifndef MMTRACE_MAX_PROCESS_CHANGES
-#define MMTRACE_MAX_PROCESS_CHANGES 8192
+#define MMTRACE_MAX_PROCESS_CHANGES 16384
 #endif
 enum process_change {
     CHANGE_EXEC = 1,
@@ -188,21 +189,21 @@ enum process_change {
     CHANGE_EXIT = 8,            /* the process's last thread */
     CHANGE_LEADER_EXIT = 16,    /* its first thread (kernels without group_dead) */
 };
-BPF_HASH(process_changes, u32, u64, MMTRACE_MAX_PROCESS_CHANGES);
+/* Keyed by (process << 8 | reason): a note is inserted whole, never
+ * or-ed into an entry the agent may be taking at that moment. */
+BPF_HASH(process_changes, u64, u8, MMTRACE_MAX_PROCESS_CHANGES);
 BPF_ARRAY(process_changes_on, u32, 1);
 
-static __always_inline void note_change(u32 tgid, u64 change)
+static __always_inline void note_change(u32 tgid, u32 change)
 {
     u32 zero = 0;
     u32 *on = process_changes_on.lookup(&zero);
     if (!on || !*on || !tgid_in_scope(tgid))
         return;
-    u64 *seen = process_changes.lookup(&tgid);     /* 64 bits: the atomic or needs them */
-    if (seen) {
-        __sync_fetch_and_or(seen, change);
-        return;
-    }
-    if (process_changes.update(&tgid, &change) != 0)
+    u64 key = ((u64)tgid << 8) | change;
+    u8 one = 1;
+    int err = process_changes.insert(&key, &one);
+    if (err != 0 && err != -17 /* EEXIST: noted already */)
         count(CNT_PROCESS_CHANGES_FULL);
 }
 

@@ -193,6 +193,27 @@ def test_a_discoverer_that_follows_changes_reads_only_the_processes_named(
     assert discoverer.counters["maps_read"] == 5
 
 
+@NEEDS_GCC
+def test_a_followed_discoverer_reads_at_its_sweep_what_no_note_named(
+        tmp_path, stand_in, children, monkeypatch):
+    from mmtrace.agent.discovery import process_scan
+    from mmtrace.bpf.device import CHANGE_EXIT
+    monkeypatch.setattr(process_scan, "SWEEP_EVERY", 4)
+    lib = library_elsewhere(tmp_path, stand_in)
+    child = children([sys.executable, "-c", LOAD_ON_LINE])
+    feed: list = [{}, {child.pid: CHANGE_EXIT}]     # a wrong note: it lives on
+    discoverer = Discoverer(wanted, pids=[child.pid], search_paths=[], rescan_every=1)
+    discoverer.follow(lambda: feed.pop(0) if feed else {})
+    child.proc.stdin.write(f"{lib}\n")
+    child.proc.stdin.flush()
+    assert child.proc.stdout.readline().strip() == "loaded"
+    assert by_inode(discoverer.poll(), lib) != []   # the whole scan after following
+    discoverer.poll()
+    discoverer.poll()                               # forgotten by the wrong note
+    assert str(lib) in [t.path for t in discoverer.take_released()]
+    assert by_inode(discoverer.poll(), lib) != []   # poll 4: the sweep reads it again
+
+
 def test_the_processes_read_are_handed_over_once_and_the_gone_are_not(children):
     alive = children([sys.executable, "-c",
                       "import sys; print('ready', flush=True); sys.stdin.read()"])

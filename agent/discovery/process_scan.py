@@ -98,11 +98,12 @@ class ProcessScan:
         changes = None
         if self._changes is not None and not self._read_all_next:
             changes = self._changes()
-        self._read_all_next = False
+        read_all, self._read_all_next = self._read_all_next and self._changes is not None, False
         if changes is not None:
             self._scan_changed(changes, found, site_dirs)
             return site_dirs
-        read_all = self._changes is not None    # following, but what changed is unknown
+        # Not following, or the kernel lost some notes (a flood of new
+        # processes): the rounds of before, not every process every poll.
         for pid in self._process_ids():
             known = self._settled.get(pid)
             if not read_all and known is not None and (pid + self._polls) % self.rescan_every \
@@ -117,7 +118,11 @@ class ProcessScan:
         """The processes that changed read again, those that exited
         forgotten; the others as they were."""
         if self._polls % SWEEP_EVERY == 0:
-            self._process_ids()         # forgets the processes gone unseen
+            # What the notes missed: the processes gone unseen forgotten,
+            # those never read read now.
+            for pid in self._process_ids():
+                if pid not in self._held_by_pid and pid not in changes:
+                    self._scan_process(pid, found, site_dirs)
         for pid, change in changes.items():
             if self.pids is not None and pid not in self.pids:
                 continue

@@ -312,8 +312,10 @@ class DeviceProbes:
         full = [bpf_counters.read_counter(counters, "process_changes_full")]
 
         def take() -> dict[int, int] | None:
-            changes = {int(getattr(k, "value", k)): int(getattr(v, "value", v))
-                       for k, v in table.items_lookup_and_delete_batch()}
+            changes: dict[int, int] = {}
+            for key, _ in table.items_lookup_and_delete_batch():
+                key = int(getattr(key, "value", key))       # process << 8 | reason
+                changes[key >> 8] = changes.get(key >> 8, 0) | (key & 0xFF)
             now = bpf_counters.read_counter(counters, "process_changes_full")
             kept_all, full[0] = now == full[0], now
             return changes if kept_all else None
