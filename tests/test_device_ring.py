@@ -99,6 +99,18 @@ def test_a_rename_applies_from_its_record_on():
     assert batch["comm"].tolist() == [b"pt_main_thread"] * 2
 
 
+def test_calls_read_with_a_rename_keep_the_comm_they_were_made_under():
+    # One drain holds a thread's calls before and after two renames (an
+    # exec, a prctl): each call has the comm in force at its time.
+    events = FakeRing(device.DEV_RECORD, [calls([10, 20]), calls([30, 40, 50, 60])])
+    names = FakeRing(device.DEV_NAMED, [named([5], "thread", comm=b"python"),
+                                        named([35, 55], "thread", comm=b"x")])
+    names.batches[1]["comm"] = [b"trainer", b"pt_main"]
+    ring = DeviceRing(events, names, ThreadComms(proc_root="/nonexistent"))
+    assert ring.read()["comm"].tolist() == [b"python"] * 2
+    assert ring.read()["comm"].tolist() == [b"python", b"trainer", b"trainer", b"pt_main"]
+
+
 def test_a_thread_whose_comm_never_came_is_read_from_proc_once(tmp_path):
     (tmp_path / "42").mkdir()
     (tmp_path / "42" / "comm").write_bytes(b"a-very-long-thread-name\n")

@@ -100,6 +100,24 @@ class ThreadComms:
             self._comm[tid] = comm
         return comm
 
+    def _fill_around(self, events: np.ndarray, threads: np.ndarray):
+        threads = threads[np.argsort(threads["ts_ns"], kind="stable")]
+        named = np.isin(events["tid"], threads["tid"])
+        if (~named).any():
+            rest = events[~named]
+            self.fill(rest)
+            events["comm"][~named] = rest["comm"]
+        for tid in np.unique(threads["tid"]).tolist():
+            mine = np.flatnonzero(events["tid"] == tid)
+            own = threads[threads["tid"] == tid]        # oldest first
+            # Before its first record here: the comm it had (a thread new
+            # here has none: its record came with its first event).
+            events["comm"][mine] = self._comm.get(tid, own["comm"][0])
+            for record in own:          # then each comm from its record's time on
+                later = mine[events["ts_ns"][mine] >= record["ts_ns"]]
+                events["comm"][later] = record["comm"]
+        self.learn(threads)
+
     def _from_proc(self, tid: int) -> bytes:
         try:
             text = (self.proc_root / str(tid) / "comm").read_bytes().rstrip(b"\n")
@@ -109,8 +127,14 @@ class ThreadComms:
         self.counters["comm_from_proc"] += 1
         return text[:15]
 
-    def fill(self, events: np.ndarray):
-        """Each event's comm, from its thread id (in place)."""
+    def fill(self, events: np.ndarray, threads: np.ndarray | None = None):
+        """Each event's comm, from its thread id (in place); `threads`: the
+        DEV_THREAD records read with them. A thread renamed (an exec, a
+        prctl) among these events keeps its old comm on the events before
+        the rename and takes the new one from there on."""
+        if threads is not None and len(threads):
+            self._fill_around(events, threads)
+            return
         if not len(events):
             return
         tids = events["tid"]
@@ -163,13 +187,13 @@ class DeviceRing:
     def read(self, max_records: int | None = None) -> np.ndarray:
         """Every record committed now, names first; DEV_EVENT records."""
         named = self.names.read(max_records)
+        threads = named[:0]
         if len(named):
             thread = named["kind"] == THREAD
             if thread.any():
-                self.comms.learn(named[thread])
-                named = named[~thread]
+                threads, named = named[thread], named[~thread]
         events = widen(self.events.read(max_records))
-        self.comms.fill(events)
+        self.comms.fill(events, threads)
         batch = merge(events, from_named(named)) if len(named) else events
         if len(batch):
             self.records_read += len(batch)
