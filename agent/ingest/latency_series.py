@@ -58,21 +58,49 @@ def _named(series_id, key_of, keys: np.ndarray) -> np.ndarray:
 
 class Submitters:
     """Threads seen doing device work (submitting or syncing: with per-launch
-    probes off, a launching thread still shows by its syncs), bounded."""
+    probes off, a launching thread still shows by its syncs), bounded.
+
+    A run-queue batch is asked about twice (the metrics' counts, the P99
+    series): `select` keeps its answer for the batch it was last given, until
+    the threads known change. On a host without GPU/NPU work no thread is
+    known, and a batch costs nothing."""
 
     def __init__(self, limit: int = 1 << 16):
         self.limit = limit
-        self._tids = np.zeros(0, np.uint32)
+        self._tids = np.zeros(0, np.uint32)       # sorted, unique
+        self._asked: tuple[np.ndarray, np.ndarray] | None = None    # (batch, its submitters' events)
 
     def learn(self, device_events: np.ndarray):
         if not len(device_events):
             return
         sub = device_events[np.isin(device_events["kind"], DEVICE_WORK)]
         if len(sub):
-            self._tids = np.union1d(self._tids, sub["tid"])[-self.limit:]
+            tids = np.union1d(self._tids, sub["tid"])[-self.limit:]
+            if len(tids) != len(self._tids) or (tids != self._tids).any():
+                self._tids = tids
+                self._asked = None
 
     def mask(self, tids: np.ndarray) -> np.ndarray:
-        return np.isin(tids, self._tids)
+        """Which of `tids` are known (a binary search each in the sorted known
+        ones: no sort of the batch, as np.isin does)."""
+        known = self._tids
+        if not len(known) or not len(tids):
+            return np.zeros(len(tids), bool)
+        at = np.searchsorted(known, tids)
+        np.minimum(at, len(known) - 1, out=at)
+        return known[at] == tids
+
+    def select(self, runq: np.ndarray) -> np.ndarray:
+        """The events of `runq` whose thread is known."""
+        asked = self._asked
+        if asked is not None and asked[0] is runq:
+            return asked[1]
+        if not len(self._tids) or not len(runq):
+            mine = runq[:0]
+        else:
+            mine = runq[self.mask(runq["tid"])]
+        self._asked = (runq, mine)
+        return mine
 
     @property
     def tids(self) -> np.ndarray:
@@ -80,7 +108,7 @@ class Submitters:
 
 
 def runq_series(series_id, runq: np.ndarray, submitters: Submitters) -> Series:
-    mine = runq[submitters.mask(runq["tid"])] if len(runq) else runq
+    mine = submitters.select(runq)
     if not len(mine):
         return Series.empty()
     ids = _named(series_id, lambda pid: SeriesKey(series_keys.RUNQ, pid=pid), mine["pid"])

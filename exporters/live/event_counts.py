@@ -104,7 +104,7 @@ class EventCounts:
 
     def on_runq(self, batch: np.ndarray, submitters):
         """Run-queue events; those of threads that do device work count per process."""
-        mine = batch[submitters.mask(batch["tid"])] if len(batch) else batch
+        mine = submitters.select(batch)
         if not len(mine):
             return
         pids, first, inverse = np.unique(mine["pid"], return_index=True, return_inverse=True)
