@@ -43,12 +43,18 @@ class Packed:
         return len(self.first) + self.varying.nbytes + self.raw.nbytes + len(self.data)
 
 
-def _zigzag_steps(ts: np.ndarray) -> np.ndarray:
-    """Steps from the first of uint64 times, each from the one before, as
-    zigzagged signed numbers (a step back of 3 ns is 5, not 2^64 - 3)."""
-    times = ts.view(np.int64)
-    steps = np.diff(times, prepend=times[:1])
-    return ((steps << 1) ^ (steps >> 63)).view(np.uint64)
+def _zigzag_steps(times: np.ndarray):
+    """In place: uint64 times (a field of the records, strided) become steps
+    from the one before (the first: 0), as zigzagged signed numbers (a step
+    back of 3 ns is 5, not 2^64 - 3). Few passes, no temporary but one."""
+    field = times.view(np.int64)
+    steps = np.empty(len(field), np.int64)
+    steps[0] = 0
+    np.subtract(field[1:], field[:-1], out=steps[1:])
+    sign = steps >> 63
+    steps <<= 1
+    steps ^= sign
+    field[:] = steps
 
 
 def _times_from_steps(zz: np.ndarray, first: int) -> np.ndarray:
@@ -57,58 +63,61 @@ def _times_from_steps(zz: np.ndarray, first: int) -> np.ndarray:
     return np.cumsum(steps, dtype=np.int64).view(np.uint64)
 
 
-def _entropy_bits(planes: np.ndarray, every: int = 8) -> np.ndarray:
-    """Order-0 entropy, in bits a byte, of each row of `planes` (k, n),
-    estimated from every `every`-th byte (enough to tell near-random bytes)."""
-    sample = planes[:, ::every]
-    n = sample.shape[1]
-    out = np.empty(len(planes))
-    for i, plane in enumerate(sample):
-        p = np.bincount(plane, minlength=256)
-        p = p[p > 0] / n
-        out[i] = -(p * np.log2(p)).sum()
-    return out
+def _entropy_bits(sample: np.ndarray) -> np.ndarray:
+    """Order-0 entropy, in bits a byte, of each column of `sample` (n, k)
+    (a column at a time: one count of every column at once needs a block
+    of n x k words, which malloc maps afresh each time)."""
+    n, k = sample.shape
+    if not n:
+        return np.zeros(k)
+    counts = np.empty((k, 256), np.int64)
+    for i in range(k):
+        counts[i] = np.bincount(sample[:, i], minlength=256)
+    p = counts / n
+    with np.errstate(divide="ignore", invalid="ignore"):
+        terms = np.where(counts > 0, p * np.log2(p), 0.0)
+    return -terms.sum(axis=1)
 
 
-def _varying(words: np.ndarray) -> np.ndarray:
-    """Which bytes of the rows of `words` (n, w) differ anywhere: where the
-    rows' OR and AND differ. Halving, so every step is one contiguous pass."""
-    low = high = words
-    while len(high) > 1:
-        half = len(high) // 2
-        odd_high, odd_low = (high[-1], low[-1]) if len(high) % 2 else (None, None)
-        high = high[:half] | high[half:2 * half]
-        low = low[:half] & low[half:2 * half]
-        if odd_high is not None:
-            high[0] |= odd_high
-            low[0] &= odd_low
-    return (high[0] ^ low[0]).view(np.uint8) != 0
+def _varying(columns: np.ndarray) -> np.ndarray:
+    """Which bytes of the rows of `columns` (n, w) differ anywhere: where a
+    column's OR and AND over the rows differ. Column by column: a strided
+    reduction of one column is a few times cheaper than one over the
+    whole array, and allocates nothing the size of the block."""
+    high = np.empty(columns.shape[1], columns.dtype)
+    low = np.empty(columns.shape[1], columns.dtype)
+    for j in range(columns.shape[1]):
+        column = columns[:, j]
+        high[j] = np.bitwise_or.reduce(column)
+        low[j] = np.bitwise_and.reduce(column)
+    return (high ^ low).view(np.uint8) != 0
 
 
 def pack(records: np.ndarray, time_field: str | None = "ts_ns", level: int = 1, *,
-         in_place: bool = False) -> Packed:
+         in_place: bool = False, sample_every: int = 8) -> Packed:
     """`records` (one dtype, any order) packed; `time_field` (uint64) is
     kept as steps. The records are not changed, unless `in_place` (and they
-    are contiguous): then their time field is left as the steps."""
+    are contiguous): then their time field is left as the steps. Which
+    positions are near random is judged from every `sample_every`-th record."""
     n = len(records)
-    work = records if in_place and records.flags.c_contiguous else np.ascontiguousarray(records).copy()
+    work = records if in_place and records.flags.c_contiguous else \
+        np.ascontiguousarray(records).copy()
     first_time = 0
     if time_field is not None and n:
         first_time = int(work[time_field][0])
-        work[time_field] = _zigzag_steps(work[time_field])
+        _zigzag_steps(work[time_field])
     rows = work.view(np.uint8).reshape(n, records.dtype.itemsize)
     first = rows[0].tobytes() if n else b""
-    if n:
-        # Eight byte positions a word where the record size allows.
-        words = rows.view(np.uint64) if records.dtype.itemsize % 8 == 0 else rows
-        varying = np.flatnonzero(_varying(words)).astype(np.uint16)
-    else:
-        varying = np.zeros(0, np.uint16)
-    planes = np.ascontiguousarray(rows[:, varying].T) if len(varying) else \
-        np.zeros((0, n), np.uint8)
-    raw = _entropy_bits(planes) > RAW_BITS if len(varying) else np.zeros(0, bool)
-    zipped = zlib.compress(planes[~raw], level) if (~raw).any() else b""
-    data = zipped + planes[raw].tobytes() if raw.any() else zipped
+    if not n:
+        return Packed(0, 0, first, np.zeros(0, np.uint16), np.zeros(0, bool), 0, b"")
+    # Eight byte positions a word where the record size allows.
+    columns = rows.view(np.uint64) if records.dtype.itemsize % 8 == 0 else rows
+    varying = np.flatnonzero(_varying(columns)).astype(np.uint16)
+    raw = _entropy_bits(rows[::sample_every][:, varying]) > RAW_BITS
+    zipped = zlib.compress(np.ascontiguousarray(rows[:, varying[~raw]].T), level) \
+        if (~raw).any() else b""
+    data = zipped + np.ascontiguousarray(rows[:, varying[raw]].T).tobytes() if raw.any() \
+        else zipped
     return Packed(n, first_time, first, varying, raw, len(zipped), data)
 
 
@@ -118,15 +127,13 @@ def unpack(packed: Packed, dtype: np.dtype, time_field: str | None = "ts_ns") ->
     n = packed.count
     rows = np.empty((n, dtype.itemsize), np.uint8)
     rows[:] = np.frombuffer(packed.first, np.uint8) if n else 0
-    if len(packed.varying):
-        planes = np.empty((len(packed.varying), n), np.uint8)
-        data = memoryview(packed.data)
-        if packed.zipped:
-            planes[~packed.raw] = np.frombuffer(zlib.decompress(data[:packed.zipped]),
-                                                np.uint8).reshape(-1, n)
-        if packed.raw.any():
-            planes[packed.raw] = np.frombuffer(data[packed.zipped:], np.uint8).reshape(-1, n)
-        rows[:, packed.varying] = planes.T
+    data = memoryview(packed.data)
+    raw, varying = packed.raw, packed.varying
+    if (~raw).any():
+        planes = np.frombuffer(zlib.decompress(data[:packed.zipped]), np.uint8)
+        rows[:, varying[~raw]] = planes.reshape(-1, n).T
+    if raw.any():
+        rows[:, varying[raw]] = np.frombuffer(data[packed.zipped:], np.uint8).reshape(-1, n).T
     records = rows.view(dtype).reshape(-1)
     if time_field is not None and n:
         records[time_field] = _times_from_steps(records[time_field], packed.first_time)
