@@ -22,8 +22,8 @@ After a warm-up at the rate (--warmup, default 35 s: the daemon's rings
 fill their 30 s reach), --rounds rounds of a quiet window and a paced
 one, --window seconds each, interleaved. Per consumer: ns per event
 (CPU in the paced window / events), the marginal ns per event (less the
-quiet window's CPU over the same time) and the ratios to the drain,
-medians over the rounds.
+quiet window's CPU over the same time), the ratios to the drain and the
+anonymous RSS at the end of the paced windows, medians over the rounds.
 
 Needs root. Usage: .venv/bin/python bench/bench_pipeline.py [--rate 20000]
 [--window 10] [--rounds 3] [--warmup 35] [--json] [--out FILE]
@@ -82,6 +82,23 @@ def cpu_ns(pid: int) -> int:
         except (OSError, ValueError, IndexError):
             pass        # a thread that just ended
     return total
+
+
+def thread_cpu_ns(pid: int) -> dict[str, int]:
+    """CPU time of each live thread of `pid` by its name, ns."""
+    out: dict[str, int] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = f"{(task / 'comm').read_text().strip()}:{task.name}"
+            out[name] = out.get(name, 0) + int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+def anon_mb(pid: int) -> float:
+    m = re.search(r"^RssAnon:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text(), re.M)
+    return int(m.group(1)) / 1024 if m else float("nan")
 
 
 def stat_ticks(pid: int) -> int:
@@ -156,13 +173,18 @@ def window(consumers, drain: Consumer, action) -> dict:
     time.sleep(0.2)             # the last batch of the window before drained
     e0 = drained()
     c0 = {c.name: cpu_ns(c.proc.pid) for c in consumers}
+    t0_threads = {c.name: thread_cpu_ns(c.proc.pid) for c in consumers}
     t0 = time.monotonic()
     trips = action()
     time.sleep(0.3)             # what the window made is drained within it
     elapsed = time.monotonic() - t0
     c1 = {c.name: cpu_ns(c.proc.pid) for c in consumers}
+    t1_threads = {c.name: thread_cpu_ns(c.proc.pid) for c in consumers}
     return {"seconds": elapsed, "events": drained() - e0, "trips": trips,
-            "cpu_ns": {name: c1[name] - c0[name] for name in c0}}
+            "cpu_ns": {name: c1[name] - c0[name] for name in c0},
+            "anon_mb": {c.name: anon_mb(c.proc.pid) for c in consumers},
+            "thread_cpu_ns": {name: {t: v - t0_threads[name].get(t, 0) for t, v in
+                                     t1_threads[name].items()} for name in t1_threads}}
 
 
 def scrape_runq_events(address: str) -> int:
@@ -225,7 +247,7 @@ def bench(rate: int, window_s: float, rounds: int, warmup_s: float) -> dict:
 
 def summarise(rate, window_s, quiet, paced, ticks, totals) -> dict:
     per = {name: {"ns_per_event": [], "marginal_ns_per_event": [], "quiet_cpu_percent": [],
-                  "paced_cpu_percent": []} for name in CONSUMERS}
+                  "paced_cpu_percent": [], "anon_mb": []} for name in CONSUMERS}
     for q, p in zip(quiet, paced):
         for name in CONSUMERS:
             idle_ns = q["cpu_ns"][name] / q["seconds"] * p["seconds"]
@@ -234,6 +256,7 @@ def summarise(rate, window_s, quiet, paced, ticks, totals) -> dict:
                 (p["cpu_ns"][name] - idle_ns) / max(p["events"], 1))
             per[name]["quiet_cpu_percent"].append(q["cpu_ns"][name] / q["seconds"] / 1e7)
             per[name]["paced_cpu_percent"].append(p["cpu_ns"][name] / p["seconds"] / 1e7)
+            per[name]["anon_mb"].append(p["anon_mb"][name])
     med = {name: {k: statistics.median(v) for k, v in figures.items()}
            for name, figures in per.items()}
     events = sum(p["events"] for p in paced)
@@ -256,12 +279,13 @@ def show(out: dict):
     print(f"run-queue events: {out['rate_runq_events_per_s']:,.0f}/s in the paced windows "
           f"({out['rounds']} rounds of {out['window_s']:g} s quiet + {out['window_s']:g} s paced)")
     print(f"{'consumer':<12}{'ns/event':>10}{'marginal':>10}{'x drain':>9}{'quiet %':>9}"
-          f"{'paced %':>9}{'stat ns/ev':>12}")
+          f"{'paced %':>9}{'stat ns/ev':>12}{'anon MB':>9}")
     for name in CONSUMERS:
         m = out["median"][name]
         print(f"{name:<12}{m['ns_per_event']:>10.1f}{m['marginal_ns_per_event']:>10.1f}"
               f"{out['ratio_to_drain'][name]:>9.2f}{m['quiet_cpu_percent']:>9.3f}"
-              f"{m['paced_cpu_percent']:>9.3f}{out['stat_ticks_ns_per_event'][name]:>12.1f}")
+              f"{m['paced_cpu_percent']:>9.3f}{out['stat_ticks_ns_per_event'][name]:>12.1f}"
+              f"{m['anon_mb']:>9.1f}")
     print("events seen in all (drain, run's runq_events counter, record's file):",
           out["events_total"])
 
