@@ -130,7 +130,7 @@ class PackedRing:
         while done < len(batch):
             n = min(len(batch) - done, self.block_records - self._hot_count)
             hot[self._hot_count:self._hot_count + n] = rows[done:done + n]
-            ts = batch["ts_ns"][done:done + n].astype(np.int64)
+            ts = batch["ts_ns"][done:done + n].view(np.int64)     # read in place, as int64
             low, high = int(ts.min()), int(ts.max())
             self._newest_ns = high if self._newest_ns is None else max(self._newest_ns, high)
             self._hot_first_ns = low if self._hot_first_ns is None else min(
