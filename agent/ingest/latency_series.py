@@ -148,11 +148,17 @@ def retire_series(series_id, aligned: np.ndarray) -> Series:
 
 def failure_calls(device_events: np.ndarray, infos: dict):
     """What detectors/call_failures.py takes of device events: (pid, ts_ns,
-    failed, api name, error text) per call, the texts only where it failed."""
+    failed, api name, error text) per call, the names and texts only where
+    it failed (the detector reads them nowhere else; naming every call was
+    a Python step per event)."""
     failed = device_stream.failed(device_events)
-    api_ids = device_events["api"].tolist()
-    names = [infos[a].api if a in infos else str(a) for a in api_ids]
-    errors = [None] * len(names)
-    for i in np.flatnonzero(failed).tolist():
-        errors[i] = device_stream.error_text(infos.get(api_ids[i]), int(device_events["ret"][i]))
+    names = [None] * len(device_events)
+    errors = [None] * len(device_events)
+    at = np.flatnonzero(failed)
+    if len(at):
+        api_ids = device_events["api"][at].tolist()
+        codes = device_events["ret"][at].tolist()
+        for i, a, code in zip(at.tolist(), api_ids, codes):
+            names[i] = infos[a].api if a in infos else str(a)
+            errors[i] = device_stream.error_text(infos.get(a), int(code))
     return device_events["pid"], device_events["ts_ns"], failed, names, errors
