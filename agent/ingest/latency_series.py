@@ -56,6 +56,21 @@ def _named(series_id, key_of, keys: np.ndarray) -> np.ndarray:
     return ids[inverse]
 
 
+def _named_pairs(series_id, key_of, first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """_named for keys of two columns, in the same order (by the first, then
+    the second): one lexsort, where np.unique of records sorts structured
+    values, several times slower."""
+    order = np.lexsort((second, first))
+    a, b = first[order], second[order]
+    starts = np.ones(len(order), bool)
+    starts[1:] = (a[1:] != a[:-1]) | (b[1:] != b[:-1])
+    ids = np.array([series_id(key_of(x, y)) for x, y in zip(a[starts].tolist(),
+                                                             b[starts].tolist())], np.int64)
+    out = np.empty(len(order), np.int64)
+    out[order] = ids[np.cumsum(starts) - 1]
+    return out
+
+
 class Submitters:
     """Threads seen doing device work (submitting or syncing: with per-launch
     probes off, a launching thread still shows by its syncs), bounded.
@@ -73,12 +88,11 @@ class Submitters:
     def learn(self, device_events: np.ndarray):
         if not len(device_events):
             return
-        sub = device_events[np.isin(device_events["kind"], DEVICE_WORK)]
-        if len(sub):
-            tids = np.union1d(self._tids, sub["tid"])[-self.limit:]
-            if len(tids) != len(self._tids) or (tids != self._tids).any():
-                self._tids = tids
-                self._asked = None
+        tids = np.unique(device_events["tid"][np.isin(device_events["kind"], DEVICE_WORK)])
+        new = tids[~self.mask(tids)]
+        if len(new):        # most batches bring none: the known ones are left as they are
+            self._tids = np.union1d(self._tids, new)[-self.limit:]
+            self._asked = None
 
     def mask(self, tids: np.ndarray) -> np.ndarray:
         """Which of `tids` are known (a binary search each in the sorted known
@@ -126,8 +140,9 @@ def sync_series(series_id, device_events: np.ndarray) -> Series:
     syncs = device_events[done]
     if not len(syncs):
         return Series.empty()
-    keys = np.rec.fromarrays([syncs["pid"], syncs["stream_handle"]], names="pid,stream")
-    ids = _named(series_id, lambda k: SeriesKey(series_keys.SYNC, pid=k[0], stream=k[1]), keys)
+    ids = _named_pairs(series_id, lambda pid, stream: SeriesKey(series_keys.SYNC, pid=pid,
+                                                                 stream=stream),
+                       syncs["pid"], syncs["stream_handle"])
     return Series(ids, syncs["ts_ns"].astype(np.int64), syncs["duration_ns"] / 1e9,
                   syncs["tid"].astype(np.int64))
 
@@ -146,19 +161,32 @@ def retire_series(series_id, aligned: np.ndarray) -> Series:
     return Series(ids, ts, latency, subs["tid"].astype(np.int64))
 
 
+def _api_code_keys(events: np.ndarray) -> np.ndarray:
+    """One int64 a call for its (API id, return code): the id above the
+    code's 32 bits, so that np.unique of one column groups both."""
+    return (events["api"].astype(np.int64) << 32) | (events["ret"].astype(np.int64)
+                                                     & 0xFFFFFFFF)
+
+
 def failure_calls(device_events: np.ndarray, infos: dict):
     """What detectors/call_failures.py takes of device events: (pid, ts_ns,
     failed, api name, error text) per call, the names and texts only where
-    it failed (the detector reads them nowhere else; naming every call was
-    a Python step per event)."""
+    it failed (the detector reads them nowhere else), each made once per
+    (API, code) of the batch: a process whose calls all fail costs a few
+    lookups a batch, not a Python step per call."""
     failed = device_stream.failed(device_events)
-    names = [None] * len(device_events)
-    errors = [None] * len(device_events)
+    names = np.empty(len(device_events), object)      # None where the call did not fail
+    errors = np.empty(len(device_events), object)
     at = np.flatnonzero(failed)
     if len(at):
-        api_ids = device_events["api"][at].tolist()
-        codes = device_events["ret"][at].tolist()
-        for i, a, code in zip(at.tolist(), api_ids, codes):
-            names[i] = infos[a].api if a in infos else str(a)
-            errors[i] = device_stream.error_text(infos.get(a), int(code))
+        bad = device_events[at]
+        _, first, inverse = np.unique(_api_code_keys(bad), return_index=True,
+                                      return_inverse=True)
+        pair_names, pair_errors = np.empty(len(first), object), np.empty(len(first), object)
+        for j, (a, code) in enumerate(zip(bad["api"][first].tolist(),
+                                          bad["ret"][first].tolist())):
+            pair_names[j] = infos[a].api if a in infos else str(a)
+            pair_errors[j] = device_stream.error_text(infos.get(a), int(code))
+        names[at] = pair_names[inverse]
+        errors[at] = pair_errors[inverse]
     return device_events["pid"], device_events["ts_ns"], failed, names, errors
