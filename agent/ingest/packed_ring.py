@@ -12,10 +12,11 @@ delays) as they are, and only the rest go through zlib (level 1): about
 3-5 bytes a run-queue record, for a third to a half of the CPU of zlib on
 every shuffled byte (BENCHMARKS.md). Records arrive in batches into a hot
 block; a block is sealed (packed) once it holds `block_records` or spans
-`block_ns` (a second: the hot block is the only part held raw, about
-1 MB at the rated rate, and a block's fixed cost is spread over a
-second's records). What is read back is unpacked then: a flight
-recording or a `top` reads rarely.
+`block_ns` (a quarter second by default: the hot block is the only part
+held raw; the run-queue ring's blocks span a second, about 1 MB raw at
+the rated rate, so that a block's fixed cost is spread over a second's
+records). What is read back is unpacked then: a flight recording or a
+`top` reads rarely.
 
 Records are numbered from 0 as they arrive, as in EventRing, so a caller
 can still set a field of a record it pushed (update: a GPU submission
@@ -78,7 +79,7 @@ class _Block:
 
 class PackedRing:
     def __init__(self, dtype: np.dtype, capacity: int, max_age_ns: int, *,
-                 block_records: int = 1 << 15, block_ns: int = 1_000_000_000,
+                 block_records: int = 1 << 15, block_ns: int = 250_000_000,
                  level: int = 1):
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
