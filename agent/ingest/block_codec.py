@@ -7,14 +7,15 @@ scoped trace), and a few low bytes (of the timestamp's step and of the
 delay) are close to random, where zlib spends the most and saves little.
 So a block is cut by byte position, as a byte shuffle would:
 - positions whose byte is the same in every record are kept once;
-- positions whose bytes vary a lot (order-0 entropy over RAW_BITS bits a
-  byte) are kept as they are;
+- positions whose bytes vary a lot (order-0 entropy over `raw_bits` bits
+  a byte) are kept as they are;
 - the rest, near-constant, go through one zlib call.
 A timestamp field is kept as zigzagged differences first, so that records
 out of order (two CPUs sharing a ring) still give small numbers. Decoding
-gives back every byte exactly. On a ping-pong's run-queue records this
-takes a third of the CPU of zlib on the whole shuffled block, for 4.3
-against 3.2 bytes a record (BENCHMARKS.md).
+gives back every byte exactly. On a ping-pong's run-queue records (at
+RUNQ_RAW_BITS) this takes a third of the CPU of zlib on the whole
+shuffled block, for 4.3 against 3.2 bytes a record; on the soak's aligned
+GPU/NPU records three quarters, for the same 5.4 bytes.
 """
 
 import zlib
@@ -23,9 +24,13 @@ from dataclasses import dataclass
 import numpy as np
 
 # Order-0 entropy (bits a byte) above which a position is kept as it is: zlib
-# is slowest on such bytes (~15 ns a record for one of 2.6 bits, against
-# ~1-2 for a near-constant one) and leaves most of them.
-RAW_BITS = 2.5
+# is slowest on such bytes and leaves most of them. At 4 bits the aligned
+# GPU/NPU records of the soak pack as small as zlib on every byte made them
+# (5.4 B), in three quarters of its CPU; the run-queue ring asks for 2.5
+# (RUNQ_RAW_BITS): a ping-pong's delay byte of 2.6 bits cost zlib ~15 ns a
+# record, for 0.7 B saved.
+RAW_BITS = 4.0
+RUNQ_RAW_BITS = 2.5
 ENTROPY_SAMPLE = 1024   # records looked at to judge a position's entropy
 
 
@@ -98,12 +103,12 @@ def _varying(columns: np.ndarray) -> np.ndarray:
 
 
 def pack(records: np.ndarray, time_field: str | None = "ts_ns", level: int = 1, *,
-         in_place: bool = False) -> Packed:
+         in_place: bool = False, raw_bits: float = RAW_BITS) -> Packed:
     """`records` (one dtype, any order) packed; `time_field` (uint64) is
     kept as steps. The records are not changed, unless `in_place` (and they
     are contiguous): then their time field is left as the steps. Which
-    positions are near random is judged from about ENTROPY_SAMPLE records
-    spread over the block."""
+    positions are kept raw (over `raw_bits` bits a byte) is judged from
+    about ENTROPY_SAMPLE records spread over the block."""
     n = len(records)
     work = records if in_place and records.flags.c_contiguous else \
         np.ascontiguousarray(records).copy()
@@ -119,7 +124,7 @@ def pack(records: np.ndarray, time_field: str | None = "ts_ns", level: int = 1, 
     columns = rows.view(np.uint64) if records.dtype.itemsize % 8 == 0 else rows
     varying = np.flatnonzero(_varying(columns)).astype(np.uint16)
     every = max(1, n // ENTROPY_SAMPLE)
-    raw = _entropy_bits(rows[::every][:, varying]) > RAW_BITS
+    raw = _entropy_bits(rows[::every][:, varying]) > raw_bits
     zipped = zlib.compress(np.ascontiguousarray(rows[:, varying[~raw]].T), level) \
         if (~raw).any() else b""
     data = zipped + np.ascontiguousarray(rows[:, varying[raw]].T).tobytes() if raw.any() \

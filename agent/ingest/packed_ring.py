@@ -80,7 +80,7 @@ class _Block:
 class PackedRing:
     def __init__(self, dtype: np.dtype, capacity: int, max_age_ns: int, *,
                  block_records: int = 1 << 15, block_ns: int = 250_000_000,
-                 level: int = 1):
+                 level: int = 1, raw_bits: float = block_codec.RAW_BITS):
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.dtype = np.dtype(dtype)
@@ -89,6 +89,7 @@ class PackedRing:
         self.block_records = max(1, min(block_records, capacity))
         self.block_ns = block_ns
         self.level = level
+        self.raw_bits = raw_bits        # block_codec.pack's
         self._blocks: list[_Block] = []
         # The hot block fills one buffer, allocated once: batches copied in
         # and out of the heap left it fragmented, 8 MB more resident at 20k
@@ -164,7 +165,8 @@ class PackedRing:
         if len(part):
             last_ns = int(part["ts_ns"].max())
             # The hot block is written over next: packed where it is.
-            packed = block_codec.pack(part, "ts_ns", self.level, in_place=True)
+            packed = block_codec.pack(part, "ts_ns", self.level, in_place=True,
+                                      raw_bits=self.raw_bits)
             packed.data = _kept(packed.data)
             self._blocks.append(_Block(packed, self._hot_first_seq + skip, last_ns))
         self._hot_count, self._hot_first_ns = 0, None
