@@ -2,10 +2,14 @@
  * at a fixed rate of round trips, for a while. Every round trip wakes two
  * sleeping threads, so the scheduler program sees about 2 x RATE run-queue
  * events a second from it. Usage: paced_wakeups SECONDS ROUND_TRIPS_PER_S.
- * Prints the round trips made. */
+ * Prints the round trips made. With a third argument "stdin" it paces on
+ * request instead: each line "S" on stdin paces for S seconds and prints
+ * the round trips made then; it ends at end of input. A tracer scoped to
+ * its pid then sees load and quiet in turn from one process. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -28,14 +32,9 @@ static void *pong(void *arg)
     return NULL;
 }
 
-int main(int argc, char **argv)
+/* Round trips at `rate` a second for `seconds`; the number made, or -1. */
+static long pace(double seconds, double rate)
 {
-    double seconds = argc > 1 ? atof(argv[1]) : 1.0;
-    double rate = argc > 2 ? atof(argv[2]) : 1000.0;
-    if (pipe(ab) || pipe(ba))
-        return 1;
-    pthread_t t;
-    pthread_create(&t, NULL, pong, NULL);
     double start = now(), end = start + seconds;
     long trips = 0;
     char c = 0;
@@ -45,12 +44,39 @@ int main(int argc, char **argv)
         long due = (long)((now() - start) * rate);
         for (; trips < due; trips++)
             if (write(ab[1], &c, 1) != 1 || read(ba[0], &c, 1) != 1)
-                return 1;
+                return -1;
         struct timespec ms = {0, 1000000};
         nanosleep(&ms, NULL);
     }
+    return trips;
+}
+
+int main(int argc, char **argv)
+{
+    double seconds = argc > 1 ? atof(argv[1]) : 1.0;
+    double rate = argc > 2 ? atof(argv[2]) : 1000.0;
+    int on_request = argc > 3 && strcmp(argv[3], "stdin") == 0;
+    if (pipe(ab) || pipe(ba))
+        return 1;
+    pthread_t t;
+    pthread_create(&t, NULL, pong, NULL);
+    long trips = 0;
+    if (on_request) {
+        char line[64];
+        setvbuf(stdout, NULL, _IOLBF, 0);
+        printf("ready\n");
+        while (fgets(line, sizeof(line), stdin)) {
+            long made = pace(atof(line), rate);
+            if (made < 0)
+                return 1;
+            printf("%ld\n", made);
+        }
+    } else if ((trips = pace(seconds, rate)) < 0) {
+        return 1;
+    }
     close(ab[1]);
     pthread_join(t, NULL);
-    printf("%ld\n", trips);
+    if (!on_request)
+        printf("%ld\n", trips);
     return 0;
 }

@@ -4,4 +4,4 @@ side (client_messages), what a detector's word sets off (alarms), the hint
 policy and its deliveries (steering, policy_inputs, cpu_load), NVML and
 npu-smi (device_monitors), what the metrics and `top` are handed (views);
 and around it preflight (`run --check`), reload (SIGHUP), signals, systemd
-notification, wake-ups and logging."""
+notification and logging."""

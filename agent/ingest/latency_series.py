@@ -56,23 +56,65 @@ def _named(series_id, key_of, keys: np.ndarray) -> np.ndarray:
     return ids[inverse]
 
 
+def _named_pairs(series_id, key_of, first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """_named for keys of two columns, in the same order (by the first, then
+    the second): one lexsort, where np.unique of records sorts structured
+    values, several times slower."""
+    order = np.lexsort((second, first))
+    a, b = first[order], second[order]
+    starts = np.ones(len(order), bool)
+    starts[1:] = (a[1:] != a[:-1]) | (b[1:] != b[:-1])
+    ids = np.array([series_id(key_of(x, y)) for x, y in zip(a[starts].tolist(),
+                                                             b[starts].tolist())], np.int64)
+    out = np.empty(len(order), np.int64)
+    out[order] = ids[np.cumsum(starts) - 1]
+    return out
+
+
 class Submitters:
     """Threads seen doing device work (submitting or syncing: with per-launch
-    probes off, a launching thread still shows by its syncs), bounded."""
+    probes off, a launching thread still shows by its syncs), bounded.
+
+    A run-queue batch is asked about twice (the metrics' counts, the P99
+    series): `select` keeps its answer for the batch it was last given, until
+    the threads known change. On a host without GPU/NPU work no thread is
+    known, and a batch costs nothing."""
 
     def __init__(self, limit: int = 1 << 16):
         self.limit = limit
-        self._tids = np.zeros(0, np.uint32)
+        self._tids = np.zeros(0, np.uint32)       # sorted, unique
+        self._asked: tuple[np.ndarray, np.ndarray] | None = None    # (batch, its submitters' events)
 
     def learn(self, device_events: np.ndarray):
         if not len(device_events):
             return
-        sub = device_events[np.isin(device_events["kind"], DEVICE_WORK)]
-        if len(sub):
-            self._tids = np.union1d(self._tids, sub["tid"])[-self.limit:]
+        tids = np.unique(device_events["tid"][np.isin(device_events["kind"], DEVICE_WORK)])
+        new = tids[~self.mask(tids)]
+        if len(new):        # most batches bring none: the known ones are left as they are
+            self._tids = np.union1d(self._tids, new)[-self.limit:]
+            self._asked = None
 
     def mask(self, tids: np.ndarray) -> np.ndarray:
-        return np.isin(tids, self._tids)
+        """Which of `tids` are known (a binary search each in the sorted known
+        ones: no sort of the batch, as np.isin does)."""
+        known = self._tids
+        if not len(known) or not len(tids):
+            return np.zeros(len(tids), bool)
+        at = np.searchsorted(known, tids)
+        np.minimum(at, len(known) - 1, out=at)
+        return known[at] == tids
+
+    def select(self, runq: np.ndarray) -> np.ndarray:
+        """The events of `runq` whose thread is known."""
+        asked = self._asked
+        if asked is not None and asked[0] is runq:
+            return asked[1]
+        if not len(self._tids) or not len(runq):
+            mine = runq[:0]
+        else:
+            mine = runq[self.mask(runq["tid"])]
+        self._asked = (runq, mine)
+        return mine
 
     @property
     def tids(self) -> np.ndarray:
@@ -80,7 +122,7 @@ class Submitters:
 
 
 def runq_series(series_id, runq: np.ndarray, submitters: Submitters) -> Series:
-    mine = runq[submitters.mask(runq["tid"])] if len(runq) else runq
+    mine = submitters.select(runq)
     if not len(mine):
         return Series.empty()
     ids = _named(series_id, lambda pid: SeriesKey(series_keys.RUNQ, pid=pid), mine["pid"])
@@ -98,8 +140,9 @@ def sync_series(series_id, device_events: np.ndarray) -> Series:
     syncs = device_events[done]
     if not len(syncs):
         return Series.empty()
-    keys = np.rec.fromarrays([syncs["pid"], syncs["stream_handle"]], names="pid,stream")
-    ids = _named(series_id, lambda k: SeriesKey(series_keys.SYNC, pid=k[0], stream=k[1]), keys)
+    ids = _named_pairs(series_id, lambda pid, stream: SeriesKey(series_keys.SYNC, pid=pid,
+                                                                 stream=stream),
+                       syncs["pid"], syncs["stream_handle"])
     return Series(ids, syncs["ts_ns"].astype(np.int64), syncs["duration_ns"] / 1e9,
                   syncs["tid"].astype(np.int64))
 
@@ -118,13 +161,32 @@ def retire_series(series_id, aligned: np.ndarray) -> Series:
     return Series(ids, ts, latency, subs["tid"].astype(np.int64))
 
 
+def _api_code_keys(events: np.ndarray) -> np.ndarray:
+    """One int64 a call for its (API id, return code): the id above the
+    code's 32 bits, so that np.unique of one column groups both."""
+    return (events["api"].astype(np.int64) << 32) | (events["ret"].astype(np.int64)
+                                                     & 0xFFFFFFFF)
+
+
 def failure_calls(device_events: np.ndarray, infos: dict):
     """What detectors/call_failures.py takes of device events: (pid, ts_ns,
-    failed, api name, error text) per call, the texts only where it failed."""
+    failed, api name, error text) per call, the names and texts only where
+    it failed (the detector reads them nowhere else), each made once per
+    (API, code) of the batch: a process whose calls all fail costs a few
+    lookups a batch, not a Python step per call."""
     failed = device_stream.failed(device_events)
-    api_ids = device_events["api"].tolist()
-    names = [infos[a].api if a in infos else str(a) for a in api_ids]
-    errors = [None] * len(names)
-    for i in np.flatnonzero(failed).tolist():
-        errors[i] = device_stream.error_text(infos.get(api_ids[i]), int(device_events["ret"][i]))
+    names = np.empty(len(device_events), object)      # None where the call did not fail
+    errors = np.empty(len(device_events), object)
+    at = np.flatnonzero(failed)
+    if len(at):
+        bad = device_events[at]
+        _, first, inverse = np.unique(_api_code_keys(bad), return_index=True,
+                                      return_inverse=True)
+        pair_names, pair_errors = np.empty(len(first), object), np.empty(len(first), object)
+        for j, (a, code) in enumerate(zip(bad["api"][first].tolist(),
+                                          bad["ret"][first].tolist())):
+            pair_names[j] = infos[a].api if a in infos else str(a)
+            pair_errors[j] = device_stream.error_text(infos.get(a), int(code))
+        names[at] = pair_names[inverse]
+        errors[at] = pair_errors[inverse]
     return device_events["pid"], device_events["ts_ns"], failed, names, errors

@@ -5,13 +5,18 @@ at 20 000 events a second is 29 MB of 48-byte records, half again the
 rest of the daemon; the aligned GPU/NPU records are 232 bytes each. The
 records compress well once their bytes are regrouped by position and
 timestamps kept as differences (the same threads, commands, streams and
-APIs recur): byte-shuffled, zlib at level 1 takes run-queue records to
-about 3-7 bytes each, for about 0.1 µs of CPU per record (BENCHMARKS.md).
-Records arrive in batches into a hot block; a block is sealed (shuffled
-and compressed) once it holds `block_records` or spans `block_ns` (a
-quarter second: the hot block is the only part held raw, and smaller
-blocks compress as well, zlib's window being 32 KiB). What is
-read back is decompressed then: a flight recording or a `top` reads rarely.
+APIs recur). zlib costs about the same for every byte it is given, so a
+block is packed by block_codec: byte positions that never change in the
+block are kept once, near-random ones (the low bytes of time steps and
+delays) as they are, and only the rest go through zlib (level 1): about
+3-5 bytes a run-queue record, for a third to a half of the CPU of zlib on
+every shuffled byte (BENCHMARKS.md). Records arrive in batches into a hot
+block; a block is sealed (packed) once it holds `block_records` or spans
+`block_ns` (a quarter second by default: the hot block is the only part
+held raw; the run-queue ring's blocks span a second, about 1 MB raw at
+the rated rate, so that a block's fixed cost is spread over a second's
+records). What is read back is unpacked then: a flight recording or a
+`top` reads rarely.
 
 Records are numbered from 0 as they arrive, as in EventRing, so a caller
 can still set a field of a record it pushed (update: a GPU submission
@@ -26,11 +31,11 @@ while up to one block more may be held. Evicted records are counted.
 
 import itertools
 import mmap
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
 
+from mmtrace.agent.ingest import block_codec
 from mmtrace.agent.ingest.record_arrays import concat, rows_of
 
 
@@ -55,10 +60,17 @@ def _kept(data: bytes):
 
 @dataclass
 class _Block:
-    data: bytes | mmap.mmap     # zlib of the records' bytes, byte position by byte position
+    packed: block_codec.Packed      # its bytes in `data`: bytes, or an mmap of their own
     first_seq: int      # number of its first record
-    count: int
     last_ns: int        # the latest ts_ns inside: the block's age
+
+    @property
+    def data(self) -> bytes | mmap.mmap:
+        return self.packed.data
+
+    @property
+    def count(self) -> int:
+        return self.packed.count
 
     @property
     def end_seq(self) -> int:
@@ -68,7 +80,7 @@ class _Block:
 class PackedRing:
     def __init__(self, dtype: np.dtype, capacity: int, max_age_ns: int, *,
                  block_records: int = 1 << 15, block_ns: int = 250_000_000,
-                 level: int = 1):
+                 level: int = 1, raw_bits: float = block_codec.RAW_BITS):
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.dtype = np.dtype(dtype)
@@ -77,6 +89,7 @@ class PackedRing:
         self.block_records = max(1, min(block_records, capacity))
         self.block_ns = block_ns
         self.level = level
+        self.raw_bits = raw_bits        # block_codec.pack's
         self._blocks: list[_Block] = []
         # The hot block fills one buffer, allocated once: batches copied in
         # and out of the heap left it fragmented, 8 MB more resident at 20k
@@ -100,7 +113,7 @@ class PackedRing:
     @property
     def nbytes(self) -> int:
         """Memory the records take now: the compressed blocks and the hot one."""
-        return sum(len(b.data) for b in self._blocks) + self._hot_count * self.dtype.itemsize
+        return sum(b.packed.nbytes for b in self._blocks) + self._hot_count * self.dtype.itemsize
 
     @property
     def _hot_first_seq(self) -> int:
@@ -119,7 +132,7 @@ class PackedRing:
         while done < len(batch):
             n = min(len(batch) - done, self.block_records - self._hot_count)
             hot[self._hot_count:self._hot_count + n] = rows[done:done + n]
-            ts = batch["ts_ns"][done:done + n].astype(np.int64)
+            ts = batch["ts_ns"][done:done + n].view(np.int64)     # read in place, as int64
             low, high = int(ts.min()), int(ts.max())
             self._newest_ns = high if self._newest_ns is None else max(self._newest_ns, high)
             self._hot_first_ns = low if self._hot_first_ns is None else min(
@@ -150,13 +163,12 @@ class PackedRing:
         skip = max(0, self.start - self._hot_first_seq)
         part = self._hot[skip:self._hot_count]
         if len(part):
-            ts = part["ts_ns"].astype(np.int64)
-            # Timestamps as differences (uint64 arithmetic wraps, so the
-            # cumulative sum gives them back exactly, in any order).
-            part["ts_ns"] = np.diff(part["ts_ns"], prepend=np.uint64(0))
-            shuffled = np.ascontiguousarray(rows_of(part).T)
-            self._blocks.append(_Block(_kept(zlib.compress(shuffled, self.level)),
-                                       self._hot_first_seq + skip, len(part), int(ts.max())))
+            last_ns = int(part["ts_ns"].max())
+            # The hot block is written over next: packed where it is.
+            packed = block_codec.pack(part, "ts_ns", self.level, in_place=True,
+                                      raw_bits=self.raw_bits)
+            packed.data = _kept(packed.data)
+            self._blocks.append(_Block(packed, self._hot_first_seq + skip, last_ns))
         self._hot_count, self._hot_first_ns = 0, None
 
     def _evict(self):
@@ -181,10 +193,7 @@ class PackedRing:
                     self._patches[field] = {s: v for s, v in patches.items() if s >= start}
 
     def _unpack(self, block: _Block) -> np.ndarray:
-        raw = np.frombuffer(zlib.decompress(block.data), np.uint8)
-        rows = raw.reshape(self.dtype.itemsize, block.count).T
-        records = rows.copy().view(self.dtype).reshape(-1)     # writable, row-major
-        records["ts_ns"] = np.cumsum(records["ts_ns"], dtype=np.uint64)
+        records = block_codec.unpack(block.packed, self.dtype, "ts_ns")     # writable
         for field, patches in self._patches.items():
             if not patches:
                 continue

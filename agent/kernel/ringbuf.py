@@ -87,24 +87,36 @@ class RingReader:
         raw = self._bytes(cons & self.mask, available * self.stride)
         records = raw.view(self._record)
         lengths = records["len"]
-        busy = np.flatnonzero(lengths & BUSY_BIT)
-        ready = int(busy[0]) if busy.size else available
-        if ready == 0:
-            return np.empty(0, self.dtype)
-        lengths = lengths[:ready]
-        sizes = lengths & ~np.uint32(BUSY_BIT | DISCARD_BIT)
-        wrong = np.flatnonzero(sizes != self.dtype.itemsize)
-        if wrong.size:
-            raise RingLayoutError(
-                f"ring record {int(wrong[0])} of this batch is {int(sizes[wrong[0]])} "
-                f"bytes, expected {self.dtype.itemsize} ({self.dtype.names})")
+        itemsize = self.dtype.itemsize
+        # Most batches hold only committed records of the expected size: one
+        # pass tells, and only the others (busy, discarded, or of a wrong
+        # size) are looked at one by one.
+        odd = np.flatnonzero(lengths != itemsize)
+        ready, discarded = available, None
+        if odd.size:
+            busy = odd[(lengths[odd] & BUSY_BIT) != 0]
+            if busy.size:
+                ready = int(busy[0])
+                if ready == 0:
+                    return np.empty(0, self.dtype)
+                odd = odd[odd < ready]
+            flags = lengths[odd]
+            sizes = flags & ~np.uint32(BUSY_BIT | DISCARD_BIT)
+            wrong = odd[sizes != itemsize]
+            if wrong.size:
+                raise RingLayoutError(
+                    f"ring record {int(wrong[0])} of this batch is "
+                    f"{int(lengths[wrong[0]] & ~np.uint32(BUSY_BIT | DISCARD_BIT))} "
+                    f"bytes, expected {itemsize} ({self.dtype.names})")
+            discarded = odd             # committed, of the right size: discarded ones
         # One strided byte copy of the payloads (field-wise copies are slow).
         raw = raw[:ready * self.stride]
         batch = raw.reshape(ready, self.stride)[:, HEADER_SIZE:].copy().view(self.dtype)
         batch = batch.reshape(-1)
-        discarded = (lengths & DISCARD_BIT) != 0
-        if discarded.any():
-            batch = batch[~discarded]
+        if discarded is not None and discarded.size:
+            keep = np.ones(ready, bool)
+            keep[discarded] = False
+            batch = batch[keep]
         # Release the space only after the copy: the kernel may reuse it.
         self._consumer_pos_word[0] = cons + ready * self.stride
         self.records_read += len(batch)

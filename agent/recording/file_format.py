@@ -116,14 +116,23 @@ class RecordingWriter:
                     return
                 synced = written
 
-    def _write(self, data: bytes):
-        """Append `data` whole, or not at all: when the disk refuses it (full,
-        over quota, failing) the file is cut back to the last complete chunk,
-        so that it reads back up to there, and the error is raised."""
-        view = memoryview(data)
+    def _write(self, *parts):
+        """Append `parts` (bytes or buffers) whole, or not at all: when the
+        disk refuses them (full, over quota, failing) the file is cut back
+        to the last complete chunk, so that it reads back up to there, and
+        the error is raised. One writev for all of them: a chunk's header
+        and its records go out without being joined first."""
+        views = [memoryview(p).cast("B") for p in parts]
+        size = sum(v.nbytes for v in views)
         try:
-            while view:
-                view = view[self._file.write(view):]
+            fd = self._file.fileno()
+            while views:
+                done = os.writev(fd, views)
+                while views and done >= views[0].nbytes:
+                    done -= views[0].nbytes
+                    views.pop(0)
+                if views and done:
+                    views[0] = views[0][done:]
         except OSError as exc:
             self.failed = exc
             try:
@@ -132,12 +141,13 @@ class RecordingWriter:
             except OSError:
                 pass        # a reader stops at the partial chunk all the same
             raise
-        self.bytes_written += len(data)
+        self.bytes_written += size
 
-    def _chunk(self, kind: int, schema: int, count: int, payload: bytes):
-        fields = (CHUNK_MAGIC, kind, 0, schema, count, len(payload))
+    def _chunk(self, kind: int, schema: int, count: int, payload):
+        payload = memoryview(payload).cast("B")
+        fields = (CHUNK_MAGIC, kind, 0, schema, count, payload.nbytes)
         crc = zlib.crc32(payload, zlib.crc32(_CHUNK.pack(*fields, 0)))
-        self._write(_CHUNK.pack(*fields, crc) + payload)
+        self._write(_CHUNK.pack(*fields, crc), payload)
 
     def write_events(self, schema: str, records: np.ndarray):
         if schema not in self._schema_ids:
@@ -146,10 +156,11 @@ class RecordingWriter:
             raise TypeError(f"{schema}: expected records of {self.schemas[schema]}, "
                             f"got {records.dtype}")
         per_chunk = max(1, EVENT_CHUNK_BYTES // records.dtype.itemsize)
+        records = np.ascontiguousarray(records)     # written from where they are, not copied
         for start in range(0, len(records), per_chunk):
             part = records[start:start + per_chunk]
             self._chunk(KIND_EVENTS, self._schema_ids[schema], len(part),
-                        np.ascontiguousarray(part).tobytes())
+                        part.view(np.uint8).reshape(-1))
             self.events_written += len(part)
 
     def still_at_path(self) -> bool:

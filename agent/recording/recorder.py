@@ -23,10 +23,18 @@ from mmtrace.agent.recording.meta_budget import MetaBudget, summarised_probe_sta
 from mmtrace.agent.safe_files import UnsafePathError, refuse_unsafe_output
 from mmtrace.agent.stop_flag import StopFlag
 from mmtrace.agent.ingest.threads import ThreadProcesses
+from mmtrace.agent.ingest.wakeups import Waiter
 
 # GPU and NPU events share one layout; each event's API says its stream.
 SCHEMAS = {"cpu.runq": sched_stream.RUNQ_EVENT, "dev.event": device_stream.DEV_EVENT}
 STREAM_SCHEMA = {"cpu": "cpu.runq", "dev": "dev.event"}
+# The longest sleep without a wake-up from a ring. The programs wake the
+# reader when a ring is an eighth to a quarter full (bpf/common.h), so the
+# rings never wait for this; it bounds how late a quiet stream's events, a
+# stop and the progress line come. Drains a quarter second apart at the
+# rated run-queue rate instead of 25 ms: a drain's fixed cost (both rings
+# read, discovery asked, progress checked) over ten times the events.
+IDLE_WAIT_S = 0.25
 
 
 @dataclass
@@ -181,9 +189,10 @@ class _Recording:
         (the GPU/NPU streams join once compiled, about a second later): the
         file spans the duration asked for, and at least until every stream
         is live. A write the disk refused ends the drain (finish says so).
-        A tick comes every `drain_interval_s`, and sooner when a ring wakes
-        its reader (its programs do when it is an eighth to a quarter
-        full: bpf/common.h), so that a burst is drained as it comes."""
+        A tick comes when a ring wakes its reader (its programs do when it
+        is an eighth to a quarter full: bpf/common.h), so that a burst is
+        drained as it comes, and IDLE_WAIT_S after the last at the latest
+        (`drain_interval_s` while the GPU/NPU programs compile)."""
         self.started = time.monotonic()
         deadline = self.started + duration_s if duration_s else None
         waiter = Waiter()
@@ -199,15 +208,28 @@ class _Recording:
                 self._show_progress(finishing)
                 if finishing:
                     break
-                for ring in self.loaded.rings:
-                    for fd in ring.filenos():
-                        waiter.watch(fd, edge=True)
-                waiter.wait(drain_interval_s)
+                self._wait(waiter, drain_interval_s, deadline)
         except OSError:
             if self.writer.failed is None:
                 raise
         finally:
             waiter.close()
+
+    def _wait(self, waiter: Waiter, compiling_s: float, deadline: float | None):
+        """Until a ring wakes its reader (its programs do when it is an
+        eighth to a quarter full: bpf/common.h; a burst is drained as it
+        comes), a dispatcher writes, the duration ends, or IDLE_WAIT_S has
+        passed. While the GPU/NPU programs compile, `compiling_s` at most:
+        their stream goes live as soon as they are done."""
+        for ring in self.loaded.rings:
+            for fd in ring.filenos():
+                waiter.watch(fd, edge=True)
+        if self.telemetry is not None:
+            waiter.watch(self.telemetry.server.fileno())
+        timeout = compiling_s if self.compiling is not None else IDLE_WAIT_S
+        if deadline is not None:
+            timeout = min(timeout, max(0.0, deadline - time.monotonic()))
+        waiter.wait(timeout)
 
     def _wire_once_compiled(self):
         """The recording's device side once compiled (and the first scan is
