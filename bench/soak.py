@@ -19,8 +19,10 @@ Every --sample-s seconds the daemon's RSS, anonymous and file-backed RSS
 - RSS flat after --warmup-s: the median of the last third of the samples
   against the first third's, and a least-squares slope;
 - every GPU/NPU call either delivered (mmtrace_device_submissions_total and
-  the syncs' histogram count) or counted lost (mmtrace_events_lost_total of
-  the dev stream): delivered + lost must equal the calls made;
+  the syncs' histogram count), failed (mmtrace_device_call_failures_total:
+  the stand-ins and the driverless libcudart return errors, and a failed
+  call is no work) or counted lost (mmtrace_events_lost_total of the dev
+  stream): the three must add up to the calls made;
 - each flight recording written and read back, and the largest anonymous
   RSS while one was written (sampled every 10 ms);
 then each fuzz target of tests/fuzz runs for FUZZ_MINUTES.
@@ -294,6 +296,7 @@ def soak(args) -> dict:
     calls = 3 * (gpu.iterations + npu.iterations)
     delivered = (total(final, "mmtrace_device_submissions_total")
                  + total(final, "mmtrace_device_sync_wait_seconds_count"))
+    failed = total(final, "mmtrace_device_call_failures_total")
     lost_dev = total(final, "mmtrace_events_lost_total", stream="dev")
     runq = total(final, "mmtrace_runq_delay_seconds_count")
     first_runq = total(scrapes[0][1], "mmtrace_runq_delay_seconds_count")
@@ -307,8 +310,9 @@ def soak(args) -> dict:
         "cpu_percent_of_a_core": round(100 * (samples[-1]["cpu_s"] - samples[0]["cpu_s"])
                                        / span_s, 2),
         "rss": rss_trend(samples, args.warmup_s),
-        "device_calls": {"made": calls, "delivered": delivered, "lost_counted": lost_dev,
-                         "uncounted": calls - delivered - lost_dev},
+        "device_calls": {"made": calls, "delivered": delivered, "failed": failed,
+                         "lost_counted": lost_dev,
+                         "uncounted": calls - delivered - failed - lost_dev},
         "losses_by_reason": {dict(lab)["reason"]: v for (n, lab), v in final.items()
                              if n == "mmtrace_events_lost_total" and v},
         "dispatcher": dispatched,
