@@ -349,32 +349,30 @@ def cflags(options: ProbeOptions) -> list[str]:
 
 
 @functools.cache
+def tracepoint_format(system: str, event: str) -> str | None:
+    """A tracepoint's format as tracefs gives it; None where it has none."""
+    for events in TRACEFS_EVENTS:
+        try:
+            return (events / system / event / "format").read_text()
+        except OSError:
+            continue
+    return None
+
+
 def exit_has_group_dead() -> bool:
     """sched_process_exit says whether the thread was its process's last
     (group_dead, Linux 6.x); without it, the leader's exit stands for it."""
-    for events in TRACEFS_EVENTS:
-        try:
-            return "group_dead" in (events / "sched" / "sched_process_exit" / "format").read_text()
-        except OSError:
-            continue
-    return False
+    return "group_dead" in (tracepoint_format("sched", "sched_process_exit") or "")
 
 
-@functools.cache
 def task_rename_flags() -> list[str]:
     """The task_rename tracepoint, where tracefs has it: a renamed thread's
     comm is sent again (bpf/device.h comm_changed). Its format has the
     renamed task's pid on most kernels; without it, the current task."""
-    for events in TRACEFS_EVENTS:
-        try:
-            text = (events / "task" / "task_rename" / "format").read_text()
-        except OSError:
-            continue
-        flags = ["-DMMTRACE_TASK_RENAME"]
-        if " pid;" in text:
-            flags.append("-DMMTRACE_TASK_RENAME_PID")
-        return flags
-    return []
+    text = tracepoint_format("task", "task_rename")
+    if text is None:
+        return []
+    return ["-DMMTRACE_TASK_RENAME"] + (["-DMMTRACE_TASK_RENAME_PID"] if " pid;" in text else [])
 
 
 def wakeup_period(pages: int, record_size: int, cpus: int | None = None) -> int:
