@@ -45,16 +45,18 @@ def on_sequence(packet: bytes, sequence: int) -> bytes:
     return packet[:at + 1] + bytes([sequence]) + packet[at + 2:]
 
 
-def _gather(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray, at: np.ndarray):
-    """The bytes of packets `at` (in that order), a chunk at a time: each
-    chunk's packets as the rows of a window view over `data` as wide as
-    its longest, copied row by row and trimmed to their lengths (a third
-    of the work of an index of every byte, where the lengths are even)."""
-    for lo in range(0, len(at), GATHER_PACKETS):
-        pick = at[lo:lo + GATHER_PACKETS]
-        if not len(pick):
-            continue
+def _gather(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+            at: np.ndarray | None = None):
+    """The bytes of packets `at` (in that order; None: all, as given), a
+    chunk at a time: each chunk's packets as the rows of a window view over
+    `data` as wide as its longest, copied row by row and trimmed to their
+    lengths (a third of the work of an index of every byte, where the
+    lengths are even)."""
+    for lo in range(0, len(starts) if at is None else len(at), GATHER_PACKETS):
+        pick = slice(lo, lo + GATHER_PACKETS) if at is None else at[lo:lo + GATHER_PACKETS]
         ln, st = lengths[pick], starts[pick]
+        if not len(ln):
+            continue
         width = int(ln.max())
         windows = len(data) - width + 1
         if windows <= 0 or int(st.max()) >= windows or width * len(ln) > 2 * int(ln.sum()):
@@ -107,28 +109,22 @@ class _Batch:
         return int(np.searchsorted(self.ts, np.uint64(before_ns), side="left"))
 
     def compacted(self) -> "_Batch":
-        """The packets not yet written, their bytes copied out of the rest
-        (a packet stamped far ahead must not hold its whole add)."""
+        """The packets not yet written, their bytes laid out in their
+        stamps' order and copied out of the rest (a packet stamped far
+        ahead must not hold its whole add); itself where they are so."""
         rest = slice(self.at, None)
-        data = np.frombuffer(b"".join(_gather(self.data, self.starts[rest], self.lengths[rest],
-                                              np.arange(len(self.ts) - self.at))), np.uint8)
-        return _Batch(self.ts[rest], self.lengths[rest], data, in_order=True)
+        st, ln = self.starts[rest], self.lengths[rest]
+        if not self.at and len(self.data) == int(ln.sum()) and (
+                not len(st) or st[0] == 0) and (st[1:] == st[:-1] + ln[:-1]).all():
+            return self
+        data = np.frombuffer(b"".join(_gather(self.data, st, ln)), np.uint8)
+        return _Batch(self.ts[rest], ln, data, in_order=True)
 
     def take(self, end: int):
         """Packets at..end: stamps, starts in `data`, lengths (in order)."""
         pick = slice(self.at, end)
         self.at = end
         return self.ts[pick], self.starts[pick], self.lengths[pick]
-
-
-def _in_order(batch: "_Batch") -> np.ndarray:
-    """A batch's bytes laid out in its stamps' order (as its ts and lengths)."""
-    if (batch.starts[1:] == batch.starts[:-1] + batch.lengths[:-1]).all() and \
-            (not len(batch.starts) or batch.starts[0] == 0) and \
-            len(batch.data) == int(batch.lengths.sum()):
-        return batch.data
-    return np.frombuffer(b"".join(_gather(batch.data, batch.starts, batch.lengths,
-                                          np.arange(len(batch.ts)))), np.uint8)
 
 
 class _LatePackets:
@@ -248,10 +244,10 @@ class PacketOrder:
         self._batches = [b if not b.at or b.unwritten_until(None) * 2 > len(b.data)
                          else b.compacted() for b in self._batches]
         if len(self._batches) > MAX_BATCHES:
-            parts = [b.compacted() if b.at else b for b in self._batches]
+            parts = [b.compacted() for b in self._batches]
             self._batches = [_Batch(np.concatenate([b.ts for b in parts]),
                                     np.concatenate([b.lengths for b in parts]),
-                                    np.concatenate([_in_order(b) for b in parts]))]
+                                    np.concatenate([b.data for b in parts]))]
 
     def _release(self, before_ns: int | None):
         heads = [(batch, end) for batch in self._batches
@@ -275,6 +271,6 @@ class PacketOrder:
         if (starts[1:] == starts[:-1] + lengths[:-1]).all():
             self.out.write(data[starts[0]:starts[-1] + lengths[-1]].tobytes())
         else:
-            for chunk in _gather(data, starts, lengths, np.arange(len(starts))):
+            for chunk in _gather(data, starts, lengths):
                 self.out.write(chunk)
         self.written_to = max(self.written_to, int(ts[order[-1]]))
