@@ -58,7 +58,7 @@ class ProcessScan:
         self.on_read: Callable[[int], None] | None = None
         self._read: Recent = Recent(MAX_REMEMBERED_FILES)
         # What the kernel says changed since the last call: pid -> CHANGE_*
-        # bits, or None when it could not keep them all (read everything).
+        # bits, or None when it could not keep them all (the rounds of before).
         self._changes: Callable[[], dict[int, int] | None] | None = None
         self._read_all_next = True
         self.maps_read = 0
@@ -95,10 +95,10 @@ class ProcessScan:
         of their Python processes (host path -> as the process sees it)."""
         site_dirs: dict[str, str] = {}
         self._polls += 1
-        changes = None
-        if self._changes is not None and not self._read_all_next:
-            changes = self._changes()
-        read_all, self._read_all_next = self._read_all_next and self._changes is not None, False
+        # The first scan after follow() reads every process; then the notes.
+        read_all = self._read_all_next and self._changes is not None
+        changes = self._changes() if self._changes is not None and not read_all else None
+        self._read_all_next = False
         if changes is not None:
             self._scan_changed(changes, found, site_dirs)
             return site_dirs

@@ -287,9 +287,9 @@ class DeviceProbes:
         """Turn on the kernel's list of the processes whose mapped files may
         have changed (bpf/device.h: exec, fork, a file mapped executable,
         exit); what takes it (pid -> CHANGE_* bits, or None when the kernel
-        could not keep them all: read every process). None where the
-        program or the kernel cannot (no syscall tracepoints): discovery
-        then reads /proc as before."""
+        could not keep them all: discovery reads /proc in rounds as before,
+        that poll). None where the program or the kernel cannot (no syscall
+        tracepoints): discovery then reads /proc as before."""
         try:
             table, on = self.bpf["process_changes"], self.bpf["process_changes_on"]
         except KeyError:            # a program built without it (tests' stand-ins)
