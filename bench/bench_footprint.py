@@ -90,12 +90,12 @@ def scrape(metrics_url: str) -> tuple[float, float]:
 class Daemon:
     """`mmtrace run` with its defaults, its log read in the background."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, env: dict | None = None):
         self.launched = time.monotonic()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mmtrace.agent", "run", "--state-dir", str(tmp / "state"),
              "--socket", str(tmp / "hint.sock"), "--metrics-address", "127.0.0.1:0"],
-            stderr=subprocess.PIPE, text=True)
+            stderr=subprocess.PIPE, text=True, env=env)
         self.lines: list[str] = []
         self.cpu_live_s = self.tracing_s = None
         self.metrics_url = None

@@ -35,20 +35,12 @@ def processes_running() -> int:
 
 
 def idle(env: dict, warmup_s: float, seconds: float) -> dict:
-    saved = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(env)
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            daemon = Daemon(Path(tmp))
-            try:
-                return {"tracing_s": round(daemon.tracing_s, 2),
-                        **daemon.measure(warmup_s, seconds)}
-            finally:
-                daemon.stop()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    with tempfile.TemporaryDirectory() as tmp:
+        daemon = Daemon(Path(tmp), env)
+        try:
+            return {"tracing_s": round(daemon.tracing_s, 2), **daemon.measure(warmup_s, seconds)}
+        finally:
+            daemon.stop()
 
 
 def main():
