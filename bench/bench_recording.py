@@ -17,9 +17,10 @@ record` for that long of a pipe ping-pong (tests/workloads/ctxswitch.c,
 --pairs pairs: the scheduler stream at the rate this host switches, with
 the cross-CPU disorder of a shared ring) and a launch loop on NVIDIA's
 real libcudart (tests/native/launch_loop.c: launches, copies and syncs
-that fail without a driver). The synthetic ones carry the same disorder. With --baseline-rev, the same commands of that git revision run
-side by side on the sizes up to --baseline-max-mib (the old reader holds
-the whole file and more). Figures go to bench/out/recording.json.
+that fail without a driver). The synthetic ones carry the same disorder.
+With --baseline-rev, the same commands of that git revision run side by
+side on the sizes up to --baseline-max-mib (the old reader holds the whole
+file and more). Figures go to bench/out/recording.json.
 """
 
 import argparse
