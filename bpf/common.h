@@ -106,9 +106,14 @@ struct thread_state {
     u64 last_delay_ns;  /* its latest run-queue delay (in scope only) */
     u64 last_ts_ns;     /* when it got the CPU after that delay */
     u32 tgid;           /* its process; 0 until learnt */
-    u32 dev_flags;      /* THREAD_COMM_SENT: its comm is on the device names ring */
+    u32 dev_flags;      /* THREAD_COMM_SENT: its comm is on the device names ring;
+                         * THREAD_DEVICE_SET: `device` holds what it set */
+    s32 device;         /* set by cudaSetDevice / aclrtSetDevice: here, not in a
+                         * map of its own, so that a launch looks its thread up once */
+    u32 reserved;
 };
 #define THREAD_COMM_SENT 1
+#define THREAD_DEVICE_SET 2
 MMTRACE_SHARED_TABLE("hash", u32, struct thread_state, threads, MMTRACE_MAX_THREADS);
 
 static __always_inline int tgid_in_scope(u32 tgid)

@@ -115,8 +115,6 @@ BPF_PERCPU_ARRAY(call_scratch, struct dev_named_event, 1);
 
 /* process -> last op_id handed out */
 BPF_HASH(op_seq, u32, u64, MMTRACE_MAX_PROCESSES);
-/* thread -> device set by cudaSetDevice / aclrtSetDevice */
-BPF_HASH(thread_device, u32, s32, MMTRACE_MAX_THREADS);
 
 /* Where a process's files are loaded, taken at its first submission: the
  * user stack twice, as addresses and as (build id, file offset) pairs. A
@@ -397,15 +395,14 @@ static __always_inline void dev_begin(struct pt_regs *ctx, struct dev_event *ev,
     struct thread_state *t = threads.lookup(&tid);
     if (t) {
         ev->sched_delay_ns = t->last_delay_ns;
+        if (t->dev_flags & THREAD_DEVICE_SET)
+            ev->device = t->device;
         if (!(t->dev_flags & THREAD_COMM_SENT) && send_thread(tgid, tid, ev->ts_ns))
             t->dev_flags |= THREAD_COMM_SENT;
     } else if (send_thread(tgid, tid, ev->ts_ns)) {
         struct thread_state fresh = { .tgid = tgid, .dev_flags = THREAD_COMM_SENT };
         threads.insert(&tid, &fresh);
     }
-    s32 *dev = thread_device.lookup(&tid);
-    if (dev)
-        ev->device = *dev;
     if (kind == DEV_LAUNCH || kind == DEV_GRAPH_LAUNCH || kind == DEV_MEMCPY ||
         kind == DEV_MODEL_EXEC)
         ev->op_id = next_op_id(ctx, tgid);
@@ -747,9 +744,17 @@ static __always_inline int set_device_return(struct pt_regs *ctx, u16 api, u32 s
         return 0;
     if (PT_REGS_RC(ctx) == 0) {
         u32 tid = entry->tid;
-        s32 device = entry->device;
-        if (thread_device.update(&tid, &device) != 0)
-            count(CNT_THREAD_MAP_FULL);
+        struct thread_state *t = threads.lookup(&tid);
+        if (t) {
+            t->device = entry->device;
+            t->dev_flags |= THREAD_DEVICE_SET;
+        } else {
+            /* Its comm is not sent yet: its first call sends it. */
+            struct thread_state fresh = { .tgid = entry->pid, .dev_flags = THREAD_DEVICE_SET,
+                                          .device = entry->device };
+            if (threads.insert(&tid, &fresh) != 0)
+                count(CNT_THREAD_MAP_FULL);
+        }
     }
     calls_in_flight.delete(&key);
     return 0;
@@ -758,7 +763,6 @@ static __always_inline int set_device_return(struct pt_regs *ctx, u16 api, u32 s
 /* sched_process_free: a freed thread never returns from its calls. */
 static __always_inline void device_forget_thread(u32 tid)
 {
-    thread_device.delete(&tid);
     mapping_executable.delete(&tid);    /* freed inside an mmap */
     op_seq.delete(&tid);    /* the process, when tid is its leader */
 #pragma unroll

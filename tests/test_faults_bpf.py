@@ -50,7 +50,7 @@ pytestmark = pytest.mark.bpf
 CUDART_CALLS_APIS = ["cudaLaunchKernel", "cudaLaunchKernel_ptsz", "cudaLaunchKernelExC",
                      "cudaGraphLaunch", *["cudaMemcpyAsync"] * 5, "cudaMemcpy",
                      "cudaStreamSynchronize"]
-PER_THREAD_MAPS = ("threads", "thread_device", "op_seq", "calls_in_flight")
+PER_THREAD_MAPS = ("threads", "op_seq", "calls_in_flight")
 # Kept past a process's exit on purpose, to name its kernels afterwards;
 # least-recently-used maps, bounded by their size.
 PER_PROCESS_LRU_MAPS = ("load_frames", "exe_paths")

@@ -398,7 +398,7 @@ def test_maps_stay_bounded_when_threads_come_and_go():
     try:
         def count(name):
             return sum(1 for _ in loaded.bpf[name.encode()].keys())
-        before = {m: count(m) for m in ("threads", "thread_device", "op_seq")}
+        before = {m: count(m) for m in ("threads", "op_seq")}
         for _ in range(20):
             ts = [threading.Thread(target=time.sleep, args=(0.001,)) for _ in range(100)]
             for t in ts:
