@@ -1,0 +1,162 @@
+"""The launch decoder's cost one piece at a time (bench_gpu_probes.py
+--only pieces).
+
+A ladder of bcc uprobes on cudaLaunchKernel, each the one before plus one
+piece of what bpf/device.h's launch path does, in its order: the 144-byte
+ring record zeroed and stamped with the registers' arguments; the scope
+check; the return sampler (a per-CPU count, the process's failing time);
+the thread's entry (run-queue delay, comm sent, device); the process's op
+id (an atomic add); the stack read (caller, shared memory, stream); the
+outer caller ([rbp + 8]). The maps are the decoder's kinds and sizes. The
+step between two rungs is what that piece costs a launch; together they
+show where the decoder's time goes, against the empty program and the
+bpftrace-like floor in the same rounds.
+"""
+
+LADDER = ["ring record (144 B, zeroed, arguments)", "+ scope (settings, scope map)",
+          "+ return sampler (per-CPU count, failing time)",
+          "+ thread entry (delay, comm sent, device)", "+ op id (per-process atomic add)",
+          "+ stack read (caller, shared mem, stream)", "+ outer caller ([rbp + 8])"]
+
+PROGRAM = r"""
+#include <uapi/linux/ptrace.h>
+BPF_RINGBUF_OUTPUT(ring, 8192);             /* 32 MiB: a whole run of records */
+struct settings { u64 configured; u64 filter_pids; };
+BPF_ARRAY(settings, struct settings, 1);
+BPF_HASH(scope, u32, u8, 32768);
+BPF_PERCPU_ARRAY(sampler, u64, 1);
+BPF_TABLE("lru_hash", u32, u64, failing, 32768);
+struct thread_state { u64 enqueued_ns, last_delay_ns, last_ts_ns; u32 tgid, flags;
+                      s32 device; u32 reserved; };
+BPF_HASH(threads, u32, struct thread_state, 65536);
+BPF_HASH(seq, u32, u64, 32768);
+
+static __always_inline int rung(struct pt_regs *ctx, int level)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32, tid = id, zero = 0;
+    if (level >= 1) {
+        struct settings *s = settings.lookup(&zero);
+        if (!s)
+            return 0;
+        /* the settings never filter here: the lookup is what is paid */
+        if (s->filter_pids && !scope.lookup(&tgid))
+            return 0;
+        if (!scope.lookup(&tgid) && s->configured == 12345)
+            return 0;
+    }
+    int timed = 0;
+    if (level >= 2) {
+        u64 *n = sampler.lookup(&zero);
+        if (n && (*n)++ % 64 == 12345)
+            timed = 1;
+        u64 *until = failing.lookup(&tgid);
+        if (!until) {
+            u64 none = 0;
+            failing.update(&tgid, &none);
+        } else if (*until > 12345)
+            timed = 1;
+    }
+    u64 *p = ring.ringbuf_reserve(144);
+    if (!p)
+        return 0;
+    __builtin_memset(p, 0, 144);
+    p[0] = bpf_ktime_get_ns();
+    p[1] = id;
+    p[2] = PT_REGS_PARM1(ctx);
+    p[3] = PT_REGS_PARM2(ctx);
+    p[4] = PT_REGS_PARM3(ctx) | (u64)timed << 63;
+    p[5] = PT_REGS_PARM4(ctx);
+    p[6] = PT_REGS_PARM5(ctx);
+    if (level >= 3) {
+        struct thread_state *t = threads.lookup(&tid);
+        if (t) {
+            p[7] = t->last_delay_ns;
+            if (t->flags & 2)
+                p[8] = t->device;
+        } else {
+            struct thread_state fresh = { .tgid = tgid, .flags = 1 };
+            threads.insert(&tid, &fresh);
+        }
+    }
+    if (level >= 4) {
+        u64 *q = seq.lookup(&tgid);
+        if (q)
+            p[9] = __sync_fetch_and_add(q, 1) + 1;
+        else {
+            u64 none = 0;
+            seq.insert(&tgid, &none);
+        }
+    }
+    if (level >= 5)
+        bpf_probe_read_user(&p[10], 24, (void *)PT_REGS_SP(ctx));
+    if (level >= 6)
+        bpf_probe_read_user(&p[13], 8, (void *)(PT_REGS_FP(ctx) + 8));
+    ring.ringbuf_submit(p, BPF_RB_NO_WAKEUP);
+    return 0;
+}
+int empty(struct pt_regs *ctx) { return 0; }
+int rung0(struct pt_regs *ctx) { return rung(ctx, 0); }
+int rung1(struct pt_regs *ctx) { return rung(ctx, 1); }
+int rung2(struct pt_regs *ctx) { return rung(ctx, 2); }
+int rung3(struct pt_regs *ctx) { return rung(ctx, 3); }
+int rung4(struct pt_regs *ctx) { return rung(ctx, 4); }
+int rung5(struct pt_regs *ctx) { return rung(ctx, 5); }
+int rung6(struct pt_regs *ctx) { return rung(ctx, 6); }
+"""
+
+
+def pieces(loop, runtime, calls: int, repeat: int, traced=None) -> dict:
+    """ns per call of each rung, the empty program and (`traced`: a
+    function that attaches mmtrace, runs `calls` and detaches) mmtrace's
+    decoder, all in the same rounds; the fastest round of each counts."""
+    import bcc
+    program = bcc.BPF(text=PROGRAM)
+    program["settings"][0] = program["settings"].Leaf(1, 0)
+    program["ring"].open_ring_buffer(lambda *_: None)
+    fns = ["empty"] + [f"rung{i}" for i in range(len(LADDER))]
+
+    def run_fn(fn):
+        program.attach_uprobe(name=str(runtime), sym="cudaLaunchKernel", fn_name=fn)
+        try:
+            return loop.run(calls)
+        finally:
+            program.detach_uprobe(name=str(runtime), sym="cudaLaunchKernel")
+            program.ring_buffer_consume()       # room for the next run
+
+    runs = {fn: (lambda fn=fn: run_fn(fn)) for fn in fns}
+    if traced is not None:
+        runs["mmtrace"] = traced
+    best = {name: float("inf") for name in runs}
+    try:
+        loop.run(calls // 10)       # warm up
+        for _ in range(repeat):
+            for name, run in runs.items():
+                best[name] = min(best[name], run())
+    finally:
+        program.cleanup()
+    ns = {name: t / calls * 1e9 for name, t in best.items()}
+    empty = ns["empty"]
+    rows, before = [], empty
+    for i, what in enumerate(LADDER):
+        here = ns[f"rung{i}"]
+        rows.append({"piece": what, "ns": here, "step_ns": here - before,
+                     "vs_empty": here / empty})
+        before = here
+    out = {"empty_ns": empty, "rungs": rows}
+    if "mmtrace" in ns:
+        out["mmtrace_ns"] = ns["mmtrace"]
+        out["mmtrace_vs_empty"] = ns["mmtrace"] / empty
+    return out
+
+
+def rows_of(p: dict) -> list[tuple]:
+    rows = [("launch decoder piece by piece: empty bcc uprobe", f"{p['empty_ns']:.0f} ns/call",
+             "")]
+    for r in p["rungs"]:
+        rows.append((f"  {r['piece']}", f"{r['ns']:.0f} ns/call",
+                     f"{r['step_ns']:+.0f} ns; {r['vs_empty']:.3f}x empty"))
+    if "mmtrace_ns" in p:
+        rows.append(("  mmtrace's decoder (bcc uprobe, no return probed)",
+                     f"{p['mmtrace_ns']:.0f} ns/call", f"{p['mmtrace_vs_empty']:.3f}x empty"))
+    return rows
