@@ -217,12 +217,8 @@ def per_call(loop_binary: Path, runtime: Path, calls: int, repeat: int) -> dict:
                "floor_ring_single": run_floor("ring_record"),
                "floor_small_ring_single": run_floor("ring_record_small"),
                "floor_args_map_single": run_floor("args_map")}
-    best = {name: float("inf") for name in configs}
     try:
-        loop.run(calls // 10)       # warm up
-        for _ in range(repeat):
-            for name, run in configs.items():
-                best[name] = min(best[name], run())
+        best = launch_pieces_module.interleaved_best(loop, calls, repeat, configs)
     finally:
         loop.close()
         for loaded in traced.values():

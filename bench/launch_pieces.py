@@ -106,6 +106,17 @@ int rung6(struct pt_regs *ctx) { return rung(ctx, 6); }
 """
 
 
+def interleaved_best(loop, calls: int, repeat: int, runs: dict) -> dict:
+    """Seconds of the fastest of `repeat` rounds of each run, the runs
+    interleaved so that all see the same host load, after a warm-up."""
+    best = {name: float("inf") for name in runs}
+    loop.run(calls // 10)
+    for _ in range(repeat):
+        for name, run in runs.items():
+            best[name] = min(best[name], run())
+    return best
+
+
 def pieces(loop, runtime, calls: int, repeat: int, traced=None) -> dict:
     """ns per call of each rung, the empty program and (`traced`: a
     function that attaches mmtrace, runs `calls` and detaches) mmtrace's
@@ -127,12 +138,8 @@ def pieces(loop, runtime, calls: int, repeat: int, traced=None) -> dict:
     runs = {fn: (lambda fn=fn: run_fn(fn)) for fn in fns}
     if traced is not None:
         runs["mmtrace"] = traced
-    best = {name: float("inf") for name in runs}
     try:
-        loop.run(calls // 10)       # warm up
-        for _ in range(repeat):
-            for name, run in runs.items():
-                best[name] = min(best[name], run())
+        best = interleaved_best(loop, calls, repeat, runs)
     finally:
         program.cleanup()
     ns = {name: t / calls * 1e9 for name, t in best.items()}
