@@ -174,21 +174,11 @@ def per_call(loop_binary: Path, runtime: Path, calls: int, repeat: int) -> dict:
         return loop.run(calls)
 
     def run_empty_single():
-        empty_bcc.attach_uprobe(name=str(runtime), sym="cudaLaunchKernel", fn_name="empty")
-        try:
-            return loop.run(calls)
-        finally:
-            empty_bcc.detach_uprobe(name=str(runtime), sym="cudaLaunchKernel")
+        return launch_pieces_module.uprobe_run(empty_bcc, "empty", runtime, loop, calls,
+                                               drain=False)
 
     def run_floor(fn_name):
-        def run():
-            floors.attach_uprobe(name=str(runtime), sym="cudaLaunchKernel", fn_name=fn_name)
-            try:
-                return loop.run(calls)
-            finally:
-                floors.detach_uprobe(name=str(runtime), sym="cudaLaunchKernel")
-                floors.ring_buffer_consume()        # room for the next run
-        return run
+        return lambda: launch_pieces_module.uprobe_run(floors, fn_name, runtime, loop, calls)
 
     def run_empty_multi():
         _, link = empty_multi_link(runtime, program=empty_multi)

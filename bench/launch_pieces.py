@@ -13,7 +13,7 @@ show where the decoder's time goes, against the empty program and the
 bpftrace-like floor in the same rounds.
 """
 
-LADDER = ["ring record (144 B, zeroed, arguments)", "+ scope (settings, scope map)",
+LADDER = ["ring record (144 B, zeroed, arguments)", "+ scope (settings; no pid filter)",
           "+ return sampler (per-CPU count, failing time)",
           "+ thread entry (delay, comm sent, device)", "+ op id (per-process atomic add)",
           "+ stack read (caller, shared mem, stream)", "+ outer caller ([rbp + 8])"]
@@ -39,10 +39,11 @@ static __always_inline int rung(struct pt_regs *ctx, int level)
         struct settings *s = settings.lookup(&zero);
         if (!s)
             return 0;
-        /* the settings never filter here: the lookup is what is paid */
-        if (s->filter_pids && !scope.lookup(&tgid))
+        /* as tgid_in_scope: the scope map only when filtering by pid
+         * (not here, nor in the bench's mmtrace) */
+        if (!s->configured)
             return 0;
-        if (!scope.lookup(&tgid) && s->configured == 12345)
+        if (s->filter_pids && !scope.lookup(&tgid))
             return 0;
     }
     int timed = 0;
@@ -106,6 +107,19 @@ int rung6(struct pt_regs *ctx) { return rung(ctx, 6); }
 """
 
 
+def uprobe_run(program, fn_name: str, runtime, loop, calls: int, drain: bool = True) -> float:
+    """Seconds of `calls` launches with bcc `program`'s `fn_name` on the
+    runtime's cudaLaunchKernel; its rings drained after (`drain`), so
+    that the next run has room."""
+    program.attach_uprobe(name=str(runtime), sym="cudaLaunchKernel", fn_name=fn_name)
+    try:
+        return loop.run(calls)
+    finally:
+        program.detach_uprobe(name=str(runtime), sym="cudaLaunchKernel")
+        if drain:
+            program.ring_buffer_consume()
+
+
 def interleaved_best(loop, calls: int, repeat: int, runs: dict) -> dict:
     """Seconds of the fastest of `repeat` rounds of each run, the runs
     interleaved so that all see the same host load, after a warm-up."""
@@ -127,15 +141,7 @@ def pieces(loop, runtime, calls: int, repeat: int, traced=None) -> dict:
     program["ring"].open_ring_buffer(lambda *_: None)
     fns = ["empty"] + [f"rung{i}" for i in range(len(LADDER))]
 
-    def run_fn(fn):
-        program.attach_uprobe(name=str(runtime), sym="cudaLaunchKernel", fn_name=fn)
-        try:
-            return loop.run(calls)
-        finally:
-            program.detach_uprobe(name=str(runtime), sym="cudaLaunchKernel")
-            program.ring_buffer_consume()       # room for the next run
-
-    runs = {fn: (lambda fn=fn: run_fn(fn)) for fn in fns}
+    runs = {fn: (lambda fn=fn: uprobe_run(program, fn, runtime, loop, calls)) for fn in fns}
     if traced is not None:
         runs["mmtrace"] = traced
     try:
