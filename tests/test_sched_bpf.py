@@ -380,13 +380,15 @@ def test_pid_scope_keeps_only_that_process_and_its_new_threads(tmp_path, workloa
     target = subprocess.Popen(["sh", "-c", f"read go; exec {workloads.path('ctxswitch')} 1 2"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     path = tmp_path / "scoped.mmtr"
-    recorder = start_recorder(path, "--pid", target.pid, "--duration", "4")
+    # Recorded until both workloads are done (not for a fixed time, which a
+    # loaded host's slow start-up could end before the target ran).
+    recorder = start_recorder(path, "--pid", target.pid)
     other = subprocess.Popen([workloads.path("ctxswitch"), "2", "2"], stdout=subprocess.PIPE)
     target.stdin.write("go\n")
     target.stdin.close()
     target.wait(timeout=30)
     other.wait(timeout=30)
-    recorder.communicate(timeout=60)
+    stop(recorder)
     runq = recording.read_recording(path).events["cpu.runq"]
     assert len(runq) > 1000
     assert set(runq["pid"].tolist()) == {target.pid}
