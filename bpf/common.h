@@ -105,6 +105,7 @@ struct thread_state {
     u64 enqueued_ns;    /* when it became runnable; 0: not waiting */
     u64 last_delay_ns;  /* its latest run-queue delay (in scope only) */
     u64 last_ts_ns;     /* when it got the CPU after that delay */
+    u64 slept_ns;       /* when it went off the CPU to sleep; 0: it did not */
     u32 tgid;           /* its process; 0 until learnt */
     u32 dev_flags;      /* THREAD_COMM_SENT: its comm is on the device names ring;
                          * THREAD_DEVICE_SET: `device` holds what it set */

@@ -13,6 +13,8 @@
 struct runq_event {
     u64 ts_ns;          /* switch-in, CLOCK_MONOTONIC */
     u64 delay_ns;       /* wake-up (or preemption) to switch-in */
+    u64 blocked_ns;     /* switch-out asleep to the wake-up that ended it (0:
+                         * preempted, or asleep since before tracing began) */
     u32 pid;            /* process; 0 when the kernel has not learnt it */
     u32 tid;
     u32 cpu;
@@ -78,8 +80,16 @@ TRACEPOINT_PROBE(sched, sched_switch)
             if (p->enqueued_ns)
                 count(CNT_SWITCH_IN_UNSEEN);
             p->enqueued_ns = runnable ? now : 0;
+            /* Asleep from now until a wake-up: the blocked part of its
+             * time, carried by the record of its next switch-in. */
+            p->slept_ns = runnable ? 0 : now;
         } else {
             runq_enqueue(prev, runnable ? now : 0, tgid, CNT_THREAD_MAP_FULL);
+            if (!runnable) {
+                struct thread_state *fresh = threads.lookup(&prev);
+                if (fresh)
+                    fresh->slept_ns = now;
+            }
         }
     }
 
@@ -94,7 +104,9 @@ TRACEPOINT_PROBE(sched, sched_switch)
     if (!n || !n->enqueued_ns)
         return 0;       /* woken before tracing began */
     u64 start = n->enqueued_ns;
+    u64 slept = n->slept_ns;
     n->enqueued_ns = 0;
+    n->slept_ns = 0;
     /* The waker stamps the wake-up after the task is already runnable, so
      * another CPU can switch it in a moment before that stamp: it waited
      * no time at all. */
@@ -130,6 +142,7 @@ TRACEPOINT_PROBE(sched, sched_switch)
     }
     ev->ts_ns = now;
     ev->delay_ns = delay;
+    ev->blocked_ns = slept && start > slept ? start - slept : 0;
     ev->pid = tgid;
     ev->tid = next;
     ev->cpu = cpu;

@@ -12,6 +12,7 @@ SUM_MAP = "runq_delay_sum_ns"
 RUNQ_EVENT = np.dtype([
     ("ts_ns", "<u8"),
     ("delay_ns", "<u8"),
+    ("blocked_ns", "<u8"),     # asleep before the wake-up that began this wait
     ("pid", "<u4"),
     ("tid", "<u4"),
     ("cpu", "<u4"),

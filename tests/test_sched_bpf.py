@@ -506,3 +506,30 @@ def test_doctor_reports_ready_here(mmtrace_cli):
     assert doc["ready"] is True
     names = {c["name"]: c for c in doc["checks"]}
     assert names["kernel_headers"]["ok"] and names["ring_buffer"]["ok"]
+
+
+def test_blocked_time_is_the_sleep_before_each_wake_up(tmp_path):
+    """A thread that sleeps 20 ms twenty times: the record of each switch-in
+    after a sleep carries that sleep (switch-out asleep to the wake-up) as
+    blocked_ns, and a switch-in after preemption carries none."""
+    sleep_ms, rounds = 20, 20
+    path = tmp_path / "sleeper.mmtr"
+    recorder = start_recorder(path)
+    code = ("import threading, time\n"
+            "print(threading.get_native_id(), flush=True)\n"
+            f"for _ in range({rounds}): time.sleep({sleep_ms / 1e3})\n")
+    run = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True)
+    stop(recorder)
+    tid = int(run.stdout.split()[0])
+    runq = recording.read_recording(path).events["cpu.runq"]
+    mine = runq[runq["tid"] == tid]
+    slept = mine["blocked_ns"][mine["blocked_ns"] > 0.9 * sleep_ms * 1e6]
+    assert rounds - 2 <= len(slept) <= rounds, mine[["ts_ns", "delay_ns", "blocked_ns"]]
+    # A sleep lasts what was asked and the timer's slack, never much more.
+    assert np.median(slept) == pytest.approx(sleep_ms * 1e6, rel=0.1)
+    # Each wait's parts: asleep, then runnable; the gap between two
+    # switch-ins holds both and the time on the CPU.
+    gaps = np.diff(mine["ts_ns"].astype(np.int64))
+    parts = (mine["blocked_ns"] + mine["delay_ns"]).astype(np.int64)[1:]
+    assert (parts <= gaps).all()

@@ -18,7 +18,8 @@ RECORD_KINDS = "biufSV"     # never object or datetime fields: the bytes are rea
 # Per known schema, the fields its readers take (name -> numpy type string).
 READER_FIELDS = {
     "cpu.runq": {name: sched_stream.RUNQ_EVENT.fields[name][0].str
-                 for name in sched_stream.RUNQ_EVENT.names if name != "prev_tid"},
+                 for name in sched_stream.RUNQ_EVENT.names
+                 if name not in ("prev_tid", "blocked_ns")},   # later than format 1.0
     "model.entropy": {"ts_ns": "<u8", "value": "<f8", "head": "<u4", "layer": "<u4",
                       "modality": "<u4"},
     "request.latency": {"ts_ns": "<u8", "value_s": "<f8", "series": "<u4"},
