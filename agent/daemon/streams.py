@@ -52,7 +52,7 @@ class Streams:
         age = int(config.ring_seconds * 1e9)
         infos = self.infos = infos or device_stream.default_infos()
         # The highest-rate stream: its reach is held compressed, in blocks of
-        # a second (48-byte records: ~1 MB raw in the hot block at the rated
+        # a second (56-byte records: ~1.1 MB raw in the hot block at the rated
         # rate; a block's fixed cost over four times the records of the
         # default quarter second).
         self.runq_ring = PackedRing(sched_stream.RUNQ_EVENT, config.ring_capacity, age,

@@ -1,7 +1,7 @@
 """A block of fixed-size records packed small, cheaply (PackedRing's seal).
 
 zlib is given bytes one by one and is slowest where they vary most; most
-of a run-queue record's 48 bytes are the same in every record of a block
+of a run-queue record's 56 bytes are the same in every record of a block
 (the high bytes of every id, the tail of the command, the process of a
 scoped trace), and a few low bytes (of the timestamp's step and of the
 delay) are close to random, where zlib spends the most and saves little.

@@ -1,7 +1,7 @@
 """The flight recorder's reach of a high-rate stream, held compressed.
 
 The run-queue stream is most of what an agent on a busy host holds: 30 s
-at 20 000 events a second is 29 MB of 48-byte records, half again the
+at 20 000 events a second is 34 MB of 56-byte records, half again the
 rest of the daemon; the aligned GPU/NPU records are 232 bytes each. The
 records compress well once their bytes are regrouped by position and
 timestamps kept as differences (the same threads, commands, streams and
