@@ -303,7 +303,8 @@ def run(config_path, pids, libs, state_dir, socket_path, trace_launches, metrics
     Settings, each layer over the one before:
       built-in defaults < --config FILE < MMTRACE_* variables < flags
     MMTRACE_<KEY> sets a top-level key of the file, MMTRACE_<SECTION>_<KEY>
-    a key of [p99], [entropy], [otlp] or [policy] (names upper-cased).
+    a key of [p99], [entropy], [failures], [diagnosis], [otlp] or [policy]
+  (names upper-cased).
     Values are read by the key's type: numbers, true/false (1/0, yes/no,
     on/off), strings and paths as they are, lists comma-separated. A bad
     value names its variable; a MMTRACE_* variable that names no key is
@@ -501,6 +502,71 @@ def top(socket_path, interval, once, as_json):
         top_view.run(path, interval)
     except (top_view.NoDaemon, ValueError) as exc:
         raise MmtraceError(str(exc)) from None
+
+
+@cli.command()
+@click.argument("file", type=click.Path(dir_okay=False), required=False)
+@click.option("--pid", "pids", type=click.IntRange(1, 4_194_304), multiple=True,
+              help="Only this process (repeat for more). Without FILE: ask the running "
+                   "daemon about it, live.")
+@click.option("--window", metavar="START:END",
+              help="CLOCK_MONOTONIC seconds as report prints them (1234.5:1250), or "
+                   "nanoseconds. Default: the whole recording; live, the last --last seconds.")
+@click.option("--last", "last_s", type=click.FloatRange(1, 3600), default=10.0,
+              show_default=True, help="Live: the seconds before now to explain.")
+@click.option("--json", "as_json", is_flag=True, help="The spec's JSON (processes ranked by impact).")
+@_daemon_socket
+def explain(file, pids, window, last_s, as_json, socket_path):
+    """Say why a process is slow: where its launching threads' time went, the
+    verdict, who took the CPU, the chain from symptom to cause, and the fix.
+
+    Each process that made GPU/NPU calls gets its launching threads' wall
+    time split into on_cpu, runnable (waiting on a run queue), sync (in a
+    device sync), copy (in a synchronous copy) and blocked (asleep for
+    anything else), and a verdict: cpu_starved (runnable; the culprits are
+    the threads that held those CPUs), host_bound (on the CPU between
+    launches), bus_bound (synchronous copies, or copies near the link's
+    capacity), device_bound (device syncs), npu_queue (syncs on an NPU
+    whose queue is long), blocked (asleep off the device, more than
+    before), input_shift (attention entropy moved), or healthy. A window is
+    read against the stretch before it (or after it): a share that rose
+    well past it is a cause, as is one past its own level ([diagnosis] in
+    the config lists the levels). The timeline shows the verdict every 5 s.
+
+    \b
+    Examples:
+      mmtrace explain incident.mmtr
+      mmtrace explain incident.mmtr --window 1234.5:1250 --pid 4242
+      mmtrace explain incident.mmtr --json | jq '.processes[0].verdict'
+      sudo mmtrace explain --pid 4242           # live, the last 10 s
+    """
+    from mmtrace.agent.recording import explain as explaining
+    span = explaining.parse_window(window)
+    if file is None:
+        if not pids:
+            raise MmtraceError("explain: expected a recording FILE, or --pid PID to ask the "
+                               "running daemon")
+        answer = _ask_explain(socket_path, list(pids), span, last_s)
+    else:
+        answer = _streamed(_open(file), lambda rec: explaining.explain_recording(
+            rec, span, list(pids) or None))
+    click.echo(json.dumps(answer, indent=2) if as_json else explaining.format_text(answer))
+
+
+def _ask_explain(socket_path, pids, span, last_s) -> dict:
+    from pathlib import Path
+    from mmtrace.exporters.terminal.daemon_client import NoDaemon, ask
+    request = {"pids": pids, "last_s": last_s}
+    if span:
+        request["window"] = list(span)
+    try:
+        reply = ask(Path(socket_path), "explain", 10.0, **request)
+    except (NoDaemon, ValueError) as exc:
+        raise MmtraceError(str(exc)) from None
+    if not isinstance(reply.get("processes"), list):
+        raise MmtraceError(f"expected processes in the daemon's explain reply, got "
+                           f"{str(reply)[:80]}")
+    return reply
 
 
 def main():

@@ -105,6 +105,15 @@ class P99Drift:
     baseline. Not thread-safe: one thread feeds and advances it.
     """
 
+    @classmethod
+    def of(cls, p) -> "P99Drift":
+        """From the daemon's [p99] settings (agent/config/settings.P99Settings)."""
+        return cls(window_s=p.window_s, baseline_windows=p.baseline_windows,
+                   min_baseline_windows=p.min_baseline_windows, factor=p.factor,
+                   floor=p.floor_s, consecutive=p.consecutive, min_samples=p.min_samples,
+                   clear_factor=p.clear_factor, clear_windows=p.clear_windows,
+                   noise_sigmas=p.noise_sigmas)
+
     def __init__(
         self,
         window_s: float = 1.0,
@@ -188,6 +197,20 @@ class P99Drift:
         value = self._baselines.base[self._resolve(series)]
         return None if math.isnan(value) else float(value)
 
+    def threshold(self, series: str | int) -> float | None:
+        """The p99 a window must pass to count as bad now: the baseline times
+        max(factor, exp(noise_sigmas x its spread)), and at least the floor
+        above it; None before the baseline is ready."""
+        sid = self._resolve(series)
+        base = self.baseline(sid)
+        if base is None:
+            return None
+        rule = self._alarms.rule
+        sigma = float(self._baselines.sigma[sid])
+        ratio = max(rule.factor, math.exp(rule.noise_sigmas * sigma)) if math.isfinite(sigma) \
+            else rule.factor
+        return max(base * ratio, base + rule.floor)
+
     def snapshot(self, series: str | int) -> dict:
         """What exporters need about one series, as plain Python values."""
         sid = self._resolve(series)
@@ -195,6 +218,7 @@ class P99Drift:
             "series": self._names[sid],
             "state": STATE_NAMES[self._alarms.state[sid]],
             "baseline": self.baseline(sid),
+            "threshold": self.threshold(sid),
             **self._intake.snapshot(sid),
         }
 

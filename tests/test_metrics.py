@@ -44,7 +44,8 @@ def dev_events(rows) -> np.ndarray:
 def runq_events(rows) -> np.ndarray:
     out = np.zeros(len(rows), sched_stream.RUNQ_EVENT)
     for i, (pid, tid, delay_ns, *comm) in enumerate(rows):
-        out[i] = (1_000_000 + i, delay_ns, pid, tid, 0, 0, comm[0] if comm else b"t")
+        out[i]["ts_ns"], out[i]["delay_ns"] = 1_000_000 + i, delay_ns
+        out[i]["pid"], out[i]["tid"], out[i]["comm"] = pid, tid, comm[0] if comm else b"t"
     return out
 
 

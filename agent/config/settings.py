@@ -151,6 +151,10 @@ class P99Settings:
     min_samples: int = _count(20, 1_000_000)
     clear_factor: float = _setting(1.1, Number(1.0, 100.0))
     clear_windows: int = _count(3, 1000)
+    # The fire ratio is max(factor, exp(noise_sigmas x the baseline's spread
+    # in log units)): a series whose p99 swings window to window needs a
+    # larger jump. 0: factor alone.
+    noise_sigmas: float = _setting(4.0, Number(0.0, 100.0))
 
 
 @dataclass
@@ -168,6 +172,28 @@ class FailureSettings:
     min_share: float = _setting(0.5, Number(0.0, 1.0, low_open=True))  # ...and this share of them
     consecutive: int = _count(3, 1000)              # such windows in a row fire
     clear_windows: int = _count(5, 1000)            # windows without resolve
+
+
+@dataclass
+class DiagnosisSettings:
+    """What makes a verdict (detectors/diagnosis.py) and when the live
+    daemon calls a launcher starved (detectors/starvation.py): shares of a
+    launching thread's wall time."""
+    starved_share: float = _setting(0.1, Number(0.0, 1.0, low_open=True))   # runnable, on its own
+    sync_share: float = _setting(0.5, Number(0.0, 1.0, low_open=True))      # in device syncs
+    copy_share: float = _setting(0.3, Number(0.0, 1.0, low_open=True))      # in synchronous copies
+    on_cpu_share: float = _setting(0.8, Number(0.0, 1.0, low_open=True))    # on the CPU: host-bound
+    min_share: float = _setting(0.05, Number(0.0, 1.0))     # a cause is at least this share
+    rise_factor: float = _setting(1.5, Number(1.0, 100.0))  # a rise: this times the reference...
+    rise_share: float = _setting(0.1, Number(0.0, 1.0))     # ...and this much above it
+    link_gbps: float = _setting(16.0, Number(0.0, 1e4, low_open=True))  # bus capacity, GB/s
+    bus_utilisation: float = _setting(0.7, Number(0.0, 1.0, low_open=True))
+    min_reference_s: float = _seconds(3.0, 3600.0, low=0.1)  # shorter: no reference
+    window_s: float = _seconds(1.0, 60.0, low=0.1)          # the live detector's window
+    consecutive: int = _count(2, 1000)                      # starved windows in a row fire
+    clear_windows: int = _count(3, 1000)                    # windows without resolve
+    baseline_windows: int = _count(60, 3600)                # the baseline: their median...
+    baseline_cap: float = _setting(0.1, Number(0.0, 1.0))   # ...never above this share
 
 
 @dataclass
@@ -226,12 +252,13 @@ class DaemonConfig:
     p99: P99Settings = field(default_factory=P99Settings)
     entropy: EntropySettings = field(default_factory=EntropySettings)
     failures: FailureSettings = field(default_factory=FailureSettings)
+    diagnosis: DiagnosisSettings = field(default_factory=DiagnosisSettings)
     otlp: OtlpSettings = field(default_factory=OtlpSettings)
     policy: PolicySettings = field(default_factory=PolicySettings)
 
 
 SECTIONS = {"p99": P99Settings, "entropy": EntropySettings, "failures": FailureSettings,
-            "otlp": OtlpSettings,
+            "diagnosis": DiagnosisSettings, "otlp": OtlpSettings,
             "policy": PolicySettings}
 
 

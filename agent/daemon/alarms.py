@@ -48,6 +48,9 @@ class Alarms:
             key = self.streams.series_keys.get(anomaly.get("series"))
             if key is not None:             # what the series is about, for the policy
                 anomaly["key"] = key.as_dict()
+            if anomaly.get("state") == "firing" and "verdict" not in \
+                    (anomaly.get("evidence") or {}):
+                self.streams.launchers.add_verdict(anomaly)
             self.steering.inputs.on_anomaly(anomaly)
             self.anomalies.append(anomaly)
             del self.anomalies[:-MAX_ANOMALIES]

@@ -57,10 +57,7 @@ MAX_IDLE_WAIT_S = 0.25      # the longest sleep without data (see Daemon.idle_wa
 
 
 def p99_detector(p: P99Settings) -> P99Drift:
-    return P99Drift(window_s=p.window_s, baseline_windows=p.baseline_windows,
-                    min_baseline_windows=p.min_baseline_windows, factor=p.factor,
-                    floor=p.floor_s, consecutive=p.consecutive, min_samples=p.min_samples,
-                    clear_factor=p.clear_factor, clear_windows=p.clear_windows)
+    return P99Drift.of(p)
 
 
 def entropy_detector(e: EntropySettings) -> EntropyDriftDetector:
@@ -252,6 +249,7 @@ class Daemon:
             self._trim_heap()
         self.alarms.act(self.p99.advance(now_ns - int(self.config.p99.window_s * 1e9 / 4)))
         self.alarms.act(self.streams.failures.tick(now_ns))
+        self.alarms.act(self.streams.launchers.tick(now_ns))
         self.sample_devices(now_ns)
         self.steering.inputs.device_weights = self.monitors.gpu_weights()
         self.steering.deliver(now_ns, self.server, self.messages.hint_scope)
@@ -302,9 +300,14 @@ class Daemon:
     # ------------------------------------------------------------ requests
 
     def _answer(self, client, msg: dict):
-        """A status or dump request from the socket."""
+        """A status, explain or dump request from the socket."""
         if msg["type"] == "status":
             self.server.reply(client, self.status())
+        elif msg["type"] == "explain":
+            window = msg.get("window")
+            answer = self.streams.launchers.explain(
+                msg["pids"], tuple(window) if window else None, msg.get("last_s", 10.0))
+            self.server.reply(client, {"v": 1, "type": "explain", **answer})
         else:
             self._dump_reply(client)
 

@@ -18,6 +18,7 @@ from mmtrace.exporters.devices.device_state import GPU_STATE, state_records
 from mmtrace.exporters.live.event_counts import EventCounts
 
 from mmtrace.agent.config.settings import DaemonConfig, FailureSettings
+from mmtrace.agent.daemon.launcher_time import LauncherTime
 from mmtrace.agent.ingest import block_codec
 from mmtrace.agent.ingest import latency_series as ls
 from mmtrace.agent.ingest.align import Aligner, ApiRoles
@@ -70,6 +71,7 @@ class Streams:
         self.counts = EventCounts(infos)
         self.forgotten_series = 0
         self.otlp = otlp                # live.otlp.OtlpTraces, when configured
+        self.launchers = LauncherTime(config.diagnosis, infos, config.ring_seconds)
 
     # ---------------------------------------------------------- the sink
 
@@ -79,6 +81,7 @@ class Streams:
             self.runq_ring.push(events)
             self.counts.on_runq(events, self.submitters)
             self.observe(ls.runq_series(self.series_id, events, self.submitters))
+            self.launchers.on_runq(self.submitters.select(events))
         else:
             self._on_device(events, op_names)
 
@@ -91,6 +94,7 @@ class Streams:
         self.submitters.learn(batch)
         aligned = self.aligner.push(batch)
         self.counts.on_device(aligned, self.aligner.last_retired)
+        self.launchers.on_device(aligned)
         self.act(self.failures.feed(*ls.failure_calls(aligned, self.infos)))
         self.observe(ls.sync_series(self.series_id, aligned))
         self.observe(ls.retire_series(self.series_id, self.aligner.last_retired))
@@ -140,6 +144,8 @@ class Streams:
         for name in gone:
             del self.series_keys[name]
         self.forgotten_series += self.p99.drop(gone)
+        self.launchers.forget([pid for pid in self.launchers.starvation.states
+                               if not (proc_root / str(pid)).exists()])
         self.counts.forget_exited()
         self.forget_names_of_exited(proc_root, now_ns)
         return gone

@@ -10,7 +10,7 @@ from mmtrace.detectors.entropy_drift import EntropyDriftDetector
 from mmtrace.detectors.p99_drift import P99Drift
 
 from mmtrace.agent.ingest import latency_series as ls
-from mmtrace.agent.config.settings import (DaemonConfig, EntropySettings, FailureSettings,
+from mmtrace.agent.config.settings import (DaemonConfig, DiagnosisSettings, EntropySettings, FailureSettings,
                                           P99Settings)
 from mmtrace.agent.recording.replay import Step, replay
 from mmtrace.agent.recording.report_telemetry import latest_list, latest_table, name_at
@@ -33,6 +33,7 @@ def settings_of(rec) -> DaemonConfig:
                 cfg.p99 = P99Settings(**conf.get("p99", {}))
                 cfg.entropy = EntropySettings(**conf.get("entropy", {}))
                 cfg.failures = FailureSettings(**conf.get("failures", {}))
+                cfg.diagnosis = DiagnosisSettings(**conf.get("diagnosis", {}))
             except TypeError:
                 pass     # written by another version: defaults
     return cfg
@@ -53,11 +54,7 @@ class P99Replay:
 
     def __init__(self, rec, settings: P99Settings):
         p = settings
-        self.detector = P99Drift(
-            window_s=p.window_s, baseline_windows=p.baseline_windows,
-            min_baseline_windows=p.min_baseline_windows, factor=p.factor, floor=p.floor_s,
-            consecutive=p.consecutive, min_samples=p.min_samples,
-            clear_factor=p.clear_factor, clear_windows=p.clear_windows)
+        self.detector = P99Drift.of(p)
         self.window_ns = max(1, int(p.window_s * 1e9))
         self.consecutive = p.consecutive
         self.request_names = latest_table(rec, "request_series")

@@ -6,7 +6,10 @@ import numpy as np
 
 from mmtrace.bpf import device as device_stream
 
-from mmtrace.agent.recording.offline_detectors import Detectors
+from mmtrace.detectors.diagnosis import STATES, DiagnosisRules
+
+from mmtrace.agent.recording.explain import DiagnosisReplay, anomaly_verdict, explain_split
+from mmtrace.agent.recording.offline_detectors import Detectors, settings_of
 from mmtrace.agent.ingest.percentiles import Percentiles
 from mmtrace.agent.recording.file_checks import lost_total
 from mmtrace.agent.recording.replay import DEVICE, replay
@@ -208,7 +211,7 @@ def summarize(rec) -> dict:
     """The report of a recording (a Recording, or a RecordingReader streamed
     from disk): one replay feeds every aggregate and the detectors."""
     runq, device, telemetry = RunqSummary(), DeviceSummary(), Telemetry()
-    detectors = Detectors(rec)
+    detectors, diagnosis = Detectors(rec), DiagnosisReplay(rec)
     for step in replay(rec):
         telemetry.add(step.records)
         if "cpu.runq" in step.records:
@@ -216,12 +219,16 @@ def summarize(rec) -> dict:
         if step.device is not None and len(step.device):
             device.add(step.device)
         detectors.feed(step)
+        diagnosis.feed(step)
     counts = {name: n for name, n in rec.counts.items() if name != DEVICE and n}
     counts.update(device.events)
     clock = WallClock.of(rec)
     anomalies = detectors.finish()
+    rules = DiagnosisRules.of(settings_of(rec).diagnosis)
     for anomaly in anomalies:
         anomaly["wall_time"] = clock.stamp(anomaly.get("ts_ns", 0))
+        anomaly_verdict(diagnosis.split, anomaly, rules)
+    verdicts = explain_split(diagnosis.split, None, None, anomalies, rules, clock)
     return {
         "file": str(rec.path),
         "format_version": "%d.%d" % rec.version,
@@ -241,6 +248,7 @@ def summarize(rec) -> dict:
         "launch_return_codes": device.launch_return_codes(),
         "device_probes": device_probes(rec),
         "anomalies": anomalies,
+        "diagnosis": verdicts,
         "telemetry": telemetry.summary(rec),
     }
 
@@ -273,12 +281,30 @@ def format_text(summary: dict) -> str:
             lines.append(f"{t['pid']:>8} {t['tid']:>8} {t['comm']:<16} {t['count']:>9} "
                          f"{t['total_ms']:>10.3f}")
     lines.extend(device_lines(summary))
+    lines.extend(verdict_lines(summary.get("diagnosis") or {}))
     lines.append("")
     lines.append(f"anomalies: {len(summary['anomalies'])}")
     for anomaly in summary["anomalies"]:
         lines.append("  " + anomaly_line(anomaly))
     lines.extend(telemetry_lines(summary["telemetry"]))
     return "\n".join(lines)
+
+
+def verdict_lines(diagnosis: dict) -> list[str]:
+    """The verdict table: per process, its verdict and its launching
+    threads' time split over the whole recording (`mmtrace explain` says why)."""
+    processes = diagnosis.get("processes") or []
+    if not processes:
+        return []
+    lines = ["", f"{'verdict':<13} {'pid':>8} {'comm':<16} " + " ".join(
+        f"{s:>8}" for s in STATES) + "  (share of the launching threads' time)"]
+    for p in processes:
+        lines.append(f"{p['verdict']:<13} {p['pid']:>8} {p['comm']:<16} " + " ".join(
+            f"{100 * p['shares'][s]:>7.0f}%" for s in STATES))
+    if diagnosis.get("note"):
+        lines.append(f"  ({diagnosis['note']})")
+    lines.append("  why, and what to change: mmtrace explain FILE [--pid PID]")
+    return lines
 
 
 def _wall(stamp: dict) -> str:
@@ -297,6 +323,11 @@ def anomaly_line(a: dict) -> str:
     if ev.get("p99") is not None and ev.get("baseline"):
         line += (f": p99 {ev['p99'] * 1e6:.1f} µs vs baseline {ev['baseline'] * 1e6:.1f} µs "
                  f"({ev['p99'] / ev['baseline']:.1f}x)")
+    if ev.get("share") is not None and ev.get("threshold") is not None:
+        line += (f": {100 * ev['share']:.0f} % of the time runnable, threshold "
+                 f"{100 * ev['threshold']:.0f} %")
+    if ev.get("verdict"):
+        line += f" [{ev['verdict']}]"
     if ev.get("top_contributors"):
         line += "; top threads " + ", ".join(str(c[0]) for c in ev["top_contributors"][:3])
     if ev.get("errors"):

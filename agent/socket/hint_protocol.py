@@ -14,7 +14,11 @@ as the agent enforces it, so that a client can follow it line by line:
   list of 1..MAX_VALUES objects with `layer`, `head`, `value` and an
   optional `modality` of their own; optional `ts_ns`;
 - `subscribe`, `status`, `dump`: nothing more (`dump` writes the flight
-  recorder's ring now and is answered with the file's path).
+  recorder's ring now and is answered with the file's path);
+- `explain`: `pids`, a list of 1..MAX_EXPLAIN_PIDS pids; optional
+  `window`, [start_ns, end_ns] with end after start and at most
+  MAX_EXPLAIN_NS apart, or `last_s`, a number in 1..3600 (the seconds
+  before now); answered with the diagnosis (`mmtrace explain --pid`).
 Names are non-empty strings of at most MAX_NAME printable characters (no
 control or format character, no lone surrogate: every output can encode
 them); `head` is an int in 0..MAX_HEAD; entropy values are finite
@@ -44,7 +48,9 @@ MAX_VALUE_MS = 3_600_000.0  # one hour: the P99 detector's largest value
 PID_MAX = 4_194_304         # the kernel's PID_MAX_LIMIT
 TS_LIMIT = 2 ** 63
 VALUE_NOISE = 1e-6          # an entropy this far outside 0..1 is float noise
-CLIENT_TYPES = ("hello", "sample", "entropy", "subscribe", "status", "dump")
+CLIENT_TYPES = ("hello", "sample", "entropy", "subscribe", "status", "dump", "explain")
+MAX_EXPLAIN_PIDS = 16
+MAX_EXPLAIN_NS = 3600 * 10**9
 
 
 class ProtocolError(ValueError):
@@ -135,6 +141,23 @@ def validate(msg) -> dict:
             out["values"] = [_entropy_sample(msg, modality, "entropy")]
         if "ts_ns" in msg:
             out["ts_ns"] = _int(msg, "ts_ns", kind, 0, TS_LIMIT - 1)
+    elif kind == "explain":
+        pids = msg.get("pids")
+        if not isinstance(pids, list) or not 1 <= len(pids) <= MAX_EXPLAIN_PIDS:
+            raise ProtocolError(f"explain: expected pids as a list of 1..{MAX_EXPLAIN_PIDS} "
+                                f"pids, got {_show(pids)}")
+        out["pids"] = [_int({"pid": p}, "pid", "explain pids", 1, PID_MAX) for p in pids]
+        if "window" in msg:
+            window = msg["window"]
+            if not isinstance(window, list) or len(window) != 2:
+                raise ProtocolError(f"explain: expected window as [start_ns, end_ns], got "
+                                    f"{_show(window)}")
+            start = _int({"start": window[0]}, "start", "explain window", 0, TS_LIMIT - 1)
+            end = _int({"end": window[1]}, "end", "explain window", start + 1,
+                       min(TS_LIMIT - 1, start + MAX_EXPLAIN_NS))
+            out["window"] = [start, end]
+        if "last_s" in msg:
+            out["last_s"] = _number(msg, "last_s", kind, 1.0, 3600.0)
     return out
 
 

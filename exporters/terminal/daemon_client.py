@@ -18,15 +18,15 @@ class NoDaemon(Exception):
         self.nobody_listens = nobody_listens    # no socket there, or nobody accepts
 
 
-def ask(path: Path, kind: str, timeout_s: float = 2.0) -> dict:
-    """The daemon's `kind` reply to a `kind` request; NoDaemon when nobody
+def ask(path: Path, kind: str, timeout_s: float = 2.0, **fields) -> dict:
+    """The daemon's `kind` reply to a `kind` request (with `fields`); NoDaemon when nobody
     listens or the socket is out of reach, ValueError when what answers
     does not speak the protocol or refuses."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout_s)
             sock.connect(str(path))
-            sock.sendall(json.dumps({"v": 1, "type": kind}).encode() + b"\n")
+            sock.sendall(json.dumps({"v": 1, "type": kind, **fields}).encode() + b"\n")
             buf = bytearray()
             while not buf.endswith(b"\n"):
                 chunk = sock.recv(65536)

@@ -1,0 +1,200 @@
+"""`mmtrace explain`: the diagnosis (detectors/diagnosis.py) of a recording,
+or of what the live daemon holds, as the spec's JSON and as one screen of
+text. A recording is replayed once; the time split is fed beside the
+report's aggregates, so `report` carries the verdict table for little more."""
+
+import re
+
+from mmtrace.detectors.diagnosis import DiagnosisRules, diagnose
+from mmtrace.detectors.time_split import TimeSplit
+
+from mmtrace.agent.errors import MmtraceError
+from mmtrace.agent.recording.device_view import DeviceContext
+from mmtrace.agent.recording.wall_clock import WallClock
+
+MAX_WINDOW_NS = 10 * 86400 * 10**9
+VERDICT_WINDOW_NS = 5_000_000_000      # what an anomaly's verdict is read over
+TIMELINE_MAX_SLICES = 60
+
+
+class DiagnosisReplay:
+    """The time split of a recording, fed step by step from its replay."""
+
+    def __init__(self, rec):
+        self.split = TimeSplit(DeviceContext.from_meta(rec.meta).infos)
+
+    def feed(self, step):
+        runq = step.part("cpu.runq")
+        if runq is not None:
+            self.split.add_runq(runq)
+        rows = step.device_rows()
+        if rows is not None:
+            self.split.add_device(rows.events)
+
+
+def parse_window(text: str | None) -> tuple[int, int] | None:
+    """`START:END` in CLOCK_MONOTONIC seconds (decimals, as the report prints
+    them) or nanoseconds (integers of 13 digits or more)."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*:\s*(\d+(?:\.\d*)?)\s*", text)
+    if not m:
+        raise MmtraceError(f"--window: expected START:END in seconds (12.5:20) or "
+                           f"nanoseconds, got {text[:60]!r}")
+    ends = []
+    for part in m.groups():
+        ns = int(part) if "." not in part and len(part) >= 13 else int(float(part) * 1e9)
+        ends.append(ns)
+    start, end = ends
+    if end <= start:
+        raise MmtraceError(f"--window: expected END after START, got {text[:60]!r}")
+    if end - start > MAX_WINDOW_NS:
+        raise MmtraceError(f"--window: expected at most {MAX_WINDOW_NS // 10**9} s, got "
+                           f"{(end - start) / 1e9:g} s")
+    return start, end
+
+
+def entropy_windows(anomalies: list[dict], end_ns: int) -> list[tuple[int, int]]:
+    """The stretches an attention-entropy alarm was firing (to its
+    resolution, or to the end)."""
+    open_at, out = {}, []
+    for a in sorted(anomalies, key=lambda a: a.get("ts_ns", 0)):
+        if a.get("detector") != "attention_entropy":
+            continue
+        key = (a.get("kind"), a.get("modality"))
+        if a.get("state") == "firing":
+            open_at.setdefault(key, int(a.get("ts_ns", 0)))
+        elif key in open_at:
+            out.append((open_at.pop(key), int(a.get("ts_ns", 0))))
+    out += [(start, end_ns) for start in open_at.values()]
+    return out
+
+
+def symptoms(anomalies: list[dict]) -> dict[int, str]:
+    """pid -> the first P99 alarm on one of its series, as a chain's first link."""
+    out = {}
+    for a in anomalies:
+        pid = (a.get("key") or {}).get("pid") if isinstance(a.get("key"), dict) else None
+        if a.get("state") == "firing" and isinstance(pid, int) and pid not in out:
+            ev = a.get("evidence") or {}
+            if ev.get("p99") is not None and ev.get("baseline"):
+                out[pid] = (f"{a.get('series')}: p99 {ev['p99'] * 1e3:.2f} ms against a baseline "
+                            f"of {ev['baseline'] * 1e3:.2f} ms ({ev['p99'] / ev['baseline']:.1f}x)")
+    return out
+
+
+def anomaly_verdict(split: TimeSplit, anomaly: dict, rules: DiagnosisRules,
+                    now_ns: int | None = None):
+    """A firing anomaly about a process: its evidence names the process's
+    verdict over the seconds before it (and the culprits, if starved)."""
+    pid = (anomaly.get("key") or {}).get("pid")
+    if anomaly.get("state") != "firing" or not isinstance(pid, int) or split.first_ns is None:
+        return
+    end = now_ns if now_ns is not None else int(anomaly.get("ts_ns") or split.last_ns)
+    answer = diagnose(split, end - VERDICT_WINDOW_NS, end, rules, [pid])
+    for p in answer["processes"]:
+        if p["pid"] == pid:
+            evidence = anomaly.setdefault("evidence", {})
+            evidence.update(verdict=p["verdict"], shares=p["shares"])
+            if p["culprits"]:
+                evidence["culprits"] = p["culprits"]
+
+
+def explain_split(split: TimeSplit, window=None, pids=None, anomalies=(),
+                  rules: DiagnosisRules | None = None, clock: WallClock | None = None,
+                  timeline_s: float | None = None) -> dict:
+    """The diagnosis of `split` over `window` (default: all it holds), with
+    wall-clock stamps and, per process, a timeline of verdicts."""
+    rules = rules or DiagnosisRules()
+    clock = clock or WallClock(None)
+    if split.first_ns is None:
+        answer = {"processes": [], "window": None, "reference": None,
+                  "note": "no run-queue or GPU/NPU events to explain"}
+        return answer
+    start, end = window or (split.first_ns, split.last_ns + 1)
+    anomalies = list(anomalies)
+    answer = diagnose(split, start, end, rules, pids,
+                      entropy_windows(anomalies, split.last_ns), symptoms(anomalies))
+    answer["window"].update(started=clock.stamp(start), ended=clock.stamp(end))
+    if answer["reference"]:
+        ref = answer["reference"]
+        ref.update(started=clock.stamp(ref["start_ns"]), ended=clock.stamp(ref["end_ns"]))
+    if timeline_s and answer["processes"]:
+        step = max(int(timeline_s * 1e9), split.slice_ns)
+        lo, hi = max(start, split.first_ns), min(end, split.last_ns + 1)
+        step = max(step, -(-(hi - lo) // TIMELINE_MAX_SLICES))
+        pids_here = [p["pid"] for p in answer["processes"]]
+        by_pid = {pid: [] for pid in pids_here}
+        for s in range(lo, hi, step):
+            part = diagnose(split, s, min(hi, s + step), rules, pids_here,
+                            entropy_windows(anomalies, split.last_ns))
+            for p in part["processes"]:
+                by_pid[p["pid"]].append({"start_ns": s, "end_ns": min(hi, s + step),
+                                         "wall_time": clock.stamp(s),
+                                         "verdict": p["verdict"], "shares": p["shares"]})
+        for p in answer["processes"]:
+            p["timeline"] = by_pid[p["pid"]]
+    return answer
+
+
+def explain_recording(rec, window=None, pids=None, rules=None, timeline_s: float = 5.0) -> dict:
+    """One replay of `rec`: its time split and its detectors' anomalies."""
+    from mmtrace.agent.recording.offline_detectors import Detectors, settings_of
+    from mmtrace.agent.recording.replay import replay
+    rules = rules or DiagnosisRules.of(settings_of(rec).diagnosis)
+    diagnosis, detectors = DiagnosisReplay(rec), Detectors(rec)
+    for step in replay(rec):
+        diagnosis.feed(step)
+        detectors.feed(step)
+    answer = explain_split(diagnosis.split, window, pids, detectors.finish(), rules,
+                           WallClock.of(rec), timeline_s)
+    answer["file"] = str(rec.path)
+    return answer
+
+
+def _pct(x) -> str:
+    return f"{100 * x:4.0f} %"
+
+
+def format_text(answer: dict) -> str:
+    """One screen: per process its verdict, time split, chain and fixes."""
+    lines = []
+    window = answer.get("window")
+    if window:
+        started, ended = window.get("started"), window.get("ended")
+        span = (window["end_ns"] - window["start_ns"]) / 1e9
+        lines.append(f"window      {started['local'] or '?'} .. {ended['local'] or '?'}  "
+                     f"[{window['start_ns'] / 1e9:.3f} .. {window['end_ns'] / 1e9:.3f} s, "
+                     f"{span:.1f} s]" if started else
+                     f"window      {window['start_ns'] / 1e9:.3f} .. {window['end_ns'] / 1e9:.3f} s")
+    ref = answer.get("reference")
+    if ref:
+        lines.append(f"reference   {ref['start_ns'] / 1e9:.3f} .. {ref['end_ns'] / 1e9:.3f} s "
+                     "(what the window is read against)")
+    if answer.get("note"):
+        lines.append(f"note        {answer['note']}")
+    if not answer["processes"]:
+        lines.append("no process made GPU/NPU calls in the window")
+    for p in answer["processes"]:
+        lines.append("")
+        lines.append(f"{p['comm']} (pid {p['pid']}): {p['verdict'].upper()}"
+                     + (f"  [{p['failed_calls']:,} failed calls]" if p["failed_calls"] else ""))
+        lines.append("  time     " + "  ".join(f"{s} {_pct(v).strip()}"
+                                              for s, v in p["shares"].items()))
+        if p.get("reference"):
+            lines.append("  before   " + "  ".join(f"{s} {_pct(v).strip()}"
+                                                  for s, v in p["reference"]["shares"].items()))
+        for c in p["causes"]:
+            lines.append(f"  cause    {c['verdict']:<13} {_pct(c['share'])}")
+        for c in p["culprits"]:
+            lines.append(f"  culprit  pid {c['pid']} {c['comm'] or '?'} (tid {c['tid']}) held "
+                         f"the CPU for {_pct(c['share']).strip()} of the wait")
+        for i, link in enumerate(p["chain"]):
+            lines.append(f"  {'why' if i == 0 else '   '}   {'-> ' if i else ''}{link}")
+        for fix in p["fixes"]:
+            lines.append(f"  fix      {fix}")
+        if p.get("timeline") and len({t['verdict'] for t in p["timeline"]}) > 1:
+            marks = " ".join(f"{t['start_ns'] / 1e9:.0f}s:{t['verdict']}"
+                             for t in p["timeline"])
+            lines.append(f"  timeline {marks}")
+    return "\n".join(lines)

@@ -1,0 +1,119 @@
+"""Starved launchers, live: per process, the share of its launching threads'
+wall time spent runnable but waiting for a CPU, one window at a time.
+
+P99 of run-queue delay misses starvation: the scheduler caps each wait near
+a time slice, so p99 hardly moves while the time spent waiting triples. The
+share of time does not saturate. A window is starved when its share is at
+least the threshold:
+
+    threshold = min(starved_share, max(baseline * rise_factor, baseline + rise_share))
+
+where the baseline is the median share of the process's last
+`baseline_windows` windows that were not starved, capped at `baseline_cap`.
+So a quiet launcher fires on a small rise, and a noisy host (whose baseline
+would creep up with the noise) can never raise the threshold past
+`starved_share`: it cannot blind the detector. `consecutive` starved
+windows in a row fire; `clear_windows` windows that are not resolve.
+A window in which the threads lived less than half the time is neutral.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class _State:
+    comm: str = ""
+    shares: deque = field(default_factory=deque)     # normal windows' shares
+    run: int = 0            # starved windows in a row
+    calm: int = 0           # windows in a row that were not, while firing
+    firing: bool = False
+    last: dict = field(default_factory=dict)          # the latest window's figures
+
+
+class Starvation:
+    def __init__(self, window_s: float = 1.0, starved_share: float = 0.15,
+                 rise_factor: float = 1.5, rise_share: float = 0.1, consecutive: int = 2,
+                 clear_windows: int = 3, baseline_windows: int = 60,
+                 baseline_cap: float = 0.1, max_processes: int = 4096):
+        self.window_ns = int(window_s * 1e9)
+        self.starved_share = starved_share
+        self.rise_factor, self.rise_share = rise_factor, rise_share
+        self.consecutive, self.clear_windows = consecutive, clear_windows
+        self.baseline_windows, self.baseline_cap = baseline_windows, baseline_cap
+        self.max_processes = max_processes
+        self.states: dict[int, _State] = {}
+
+    @classmethod
+    def of(cls, d) -> "Starvation":
+        """From the daemon's [diagnosis] settings."""
+        return cls(window_s=d.window_s, starved_share=d.starved_share,
+                   rise_factor=d.rise_factor, rise_share=d.rise_share,
+                   consecutive=d.consecutive, clear_windows=d.clear_windows,
+                   baseline_windows=d.baseline_windows, baseline_cap=d.baseline_cap)
+
+    def baseline(self, pid: int) -> float | None:
+        state = self.states.get(pid)
+        if state is None or not state.shares:
+            return None
+        return min(float(np.median(state.shares)), self.baseline_cap)
+
+    def threshold(self, pid: int) -> float:
+        base = self.baseline(pid)
+        if base is None:
+            return self.starved_share
+        return min(self.starved_share, max(base * self.rise_factor, base + self.rise_share))
+
+    def observe(self, end_ns: int, windows: dict) -> list[dict]:
+        """One closed window ending at end_ns: pid -> (runnable share, the
+        share of the window its threads lived, comm). Returns anomalies."""
+        out = []
+        for pid, (share, lived, comm) in windows.items():
+            state = self.states.get(pid)
+            if state is None:
+                if len(self.states) >= self.max_processes:
+                    continue
+                state = self.states[pid] = _State()
+            state.comm = comm
+            if lived < 0.5:
+                continue
+            threshold, base = self.threshold(pid), self.baseline(pid)
+            starved = share >= threshold
+            state.last = {"share": round(share, 4), "threshold": round(threshold, 4),
+                          "baseline": None if base is None else round(base, 4),
+                          "end_ns": int(end_ns)}
+            if starved:
+                state.run += 1
+                state.calm = 0
+                if not state.firing and state.run >= self.consecutive:
+                    state.firing = True
+                    out.append(self._record(pid, state, "firing", end_ns))
+                continue
+            state.run = 0
+            state.shares.append(share)
+            while len(state.shares) > self.baseline_windows:
+                state.shares.popleft()
+            if state.firing:
+                state.calm += 1
+                if state.calm >= self.clear_windows:
+                    state.firing = False
+                    out.append(self._record(pid, state, "resolved", end_ns))
+        return out
+
+    def _record(self, pid: int, state: _State, what: str, end_ns: int) -> dict:
+        return {"detector": "starvation", "kind": "cpu_starved", "state": what,
+                "ts_ns": int(end_ns), "pid": pid, "comm": state.comm,
+                "key": {"kind": "runq_share", "pid": pid},
+                "evidence": {**state.last, "windows": state.run,
+                             "window_s": self.window_ns / 1e9}}
+
+    def forget(self, pids):
+        for pid in pids:
+            self.states.pop(pid, None)
+
+    def table(self) -> list[dict]:
+        """Per process: its latest share, baseline and threshold (top, metrics)."""
+        return [{"pid": pid, "comm": s.comm, "firing": s.firing, **s.last}
+                for pid, s in self.states.items() if s.last]

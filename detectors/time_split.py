@@ -1,0 +1,290 @@
+"""Where a launcher's time goes: each thread's wall time, per slice of time,
+split into on-CPU, runnable (waiting on the run queue), blocked in a device
+sync, blocked in a synchronous copy, and blocked elsewhere.
+
+Fed by the one ingest path's batches (live) or a recording's replay steps,
+in any order within a few slices. Each run-queue record is a switch-in that
+ends a wait: `delay_ns` runnable before it, and `blocked_ns` asleep before
+that (bpf/sched.c), so the gap between two switch-ins of a thread is its
+sleep, its wait and its time on the CPU. The device stream's syncs and
+blocking copies say which part of that sleep (or spin) was the device's.
+
+Everything is summed per (thread, slice) in numpy tables that are reduced
+by key as they grow, so memory follows threads x slices, not events.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mmtrace.bpf import device as device_stream
+
+SLICE_NS = 1_000_000_000
+CULPRIT_FLOOR_NS = 20_000       # shorter waits name no culprit: no one held the CPU long
+
+# Per (thread, slice): what its switch-in records say.
+THREAD_SLICE = np.dtype([("key", "<u8"), ("runnable", "<i8"), ("blocked", "<i8"),
+                         ("first", "<i8"), ("last", "<i8")])
+# Per (thread, slice): what its GPU/NPU calls say.
+DEVICE_SLICE = np.dtype([("key", "<u8"), ("sync", "<i8"), ("copy", "<i8"), ("calls", "<i8"),
+                         ("submissions", "<i8"), ("failed", "<i8"), ("bytes", "<i8"),
+                         ("npu", "<i8"), ("queue", "<i8"), ("first", "<i8"), ("last", "<i8")])
+# Per (waiting thread, slice, thread that held the CPU): the wait it ended.
+CULPRIT_SLICE = np.dtype([("key", "<u8"), ("holder", "<u4"), ("wait", "<i8")])
+
+_SYNC = device_stream.KIND_IDS["sync"]
+_MEMCPY = device_stream.KIND_IDS["memcpy"]
+_SUBMISSIONS = [device_stream.KIND_IDS[k] for k in device_stream.SUBMISSION_KINDS]
+_EXPORTED = [device_stream.KIND_IDS[k] for k in device_stream.EXPORTED_KINDS]
+_SUMMED = {"runnable", "blocked", "sync", "copy", "calls", "submissions", "failed", "bytes",
+           "npu", "queue", "wait"}
+
+
+def _key(tid: np.ndarray, slice_index: np.ndarray) -> np.ndarray:
+    return (tid.astype(np.uint64) << np.uint64(32)) | slice_index.astype(np.uint64)
+
+
+def key_tid(key: np.ndarray) -> np.ndarray:
+    return (key >> np.uint64(32)).astype(np.int64)
+
+
+def key_slice(key: np.ndarray) -> np.ndarray:
+    return (key & np.uint64(0xFFFFFFFF)).astype(np.int64)
+
+
+def _reduce(rows: np.ndarray, by: tuple[str, ...] = ("key",)) -> np.ndarray:
+    """One row per distinct `by`: summed fields add, first/last take the extremes."""
+    if len(rows) < 2:
+        return rows
+    order = np.lexsort([rows[name] for name in reversed(by)])
+    rows = rows[order]
+    edge = np.ones(len(rows), bool)
+    edge[1:] = np.logical_or.reduce([rows[name][1:] != rows[name][:-1] for name in by])
+    starts = np.flatnonzero(edge)
+    out = rows[starts].copy()
+    for name in rows.dtype.names:
+        if name in _SUMMED:
+            out[name] = np.add.reduceat(rows[name], starts)
+        elif name == "first":
+            out[name] = np.minimum.reduceat(rows[name], starts)
+        elif name == "last":
+            out[name] = np.maximum.reduceat(rows[name], starts)
+    return out
+
+
+def split_intervals(start: np.ndarray, end: np.ndarray, slice_ns: int):
+    """Intervals [start, end) cut at slice edges: (row, slice, length) for
+    each piece. Most intervals lie in one slice; only the long ones loop."""
+    start = start.astype(np.int64)
+    end = np.maximum(end.astype(np.int64), start)
+    first, last = start // slice_ns, np.maximum(end - 1, start) // slice_ns
+    one = first == last
+    rows = [np.flatnonzero(one)]
+    slices = [first[one]]
+    lengths = [(end - start)[one]]
+    for i in np.flatnonzero(~one).tolist():
+        ks = np.arange(first[i], last[i] + 1)
+        lo = np.maximum(ks * slice_ns, start[i])
+        hi = np.minimum((ks + 1) * slice_ns, end[i])
+        rows.append(np.full(len(ks), i))
+        slices.append(ks)
+        lengths.append(hi - lo)
+    return np.concatenate(rows), np.concatenate(slices), np.concatenate(lengths)
+
+
+class _Table:
+    """Rows of one dtype, reduced by key whenever they double."""
+
+    def __init__(self, dtype: np.dtype, by: tuple[str, ...] = ("key",)):
+        self.dtype, self.by = dtype, by
+        self.parts: list[np.ndarray] = []
+        self.size = 0
+        self.reduced = 0
+
+    def add(self, rows: np.ndarray):
+        if not len(rows):
+            return
+        self.parts.append(rows)
+        self.size += len(rows)
+        if self.size > max(2 * self.reduced, 1 << 14):
+            self.rows()
+
+    def rows(self) -> np.ndarray:
+        if len(self.parts) != 1 or self.size != self.reduced:
+            joined = np.concatenate(self.parts) if self.parts else np.zeros(0, self.dtype)
+            self.parts = [_reduce(joined, self.by)]
+            self.size = self.reduced = len(self.parts[0])
+        return self.parts[0]
+
+    def keep(self, mask_of):
+        """Only the rows `mask_of(rows)` holds (the live daemon's forgetting)."""
+        rows = self.rows()
+        self.parts = [rows[mask_of(rows)]]
+        self.size = self.reduced = len(self.parts[0])
+
+
+@dataclass
+class ThreadInfo:
+    pid: int
+    comm: str
+
+
+class TimeSplit:
+    """The sums a diagnosis reads, per thread and slice of time."""
+
+    def __init__(self, infos: dict | None = None, slice_ns: int = SLICE_NS,
+                 max_threads: int = 1 << 16):
+        """`infos`: the API table the device events were recorded with
+        (device_stream.ApiInfo by id)."""
+        self.slice_ns = slice_ns
+        infos = infos or device_stream.default_infos()
+        size = max(infos, default=0) + 2           # the last: any id the table lacks
+        # Per API id: a call complete when it returns (a synchronous copy); an NPU's.
+        self.blocking = np.zeros(size, bool)
+        self.npu = np.zeros(size, bool)
+        for api_id, info in infos.items():
+            self.blocking[api_id] = info.blocking
+            self.npu[api_id] = info.stream == "npu"
+        self.threads_table = _Table(THREAD_SLICE)
+        self.device_table = _Table(DEVICE_SLICE)
+        self.culprit_table = _Table(CULPRIT_SLICE, ("key", "holder"))
+        self.names: dict[int, ThreadInfo] = {}       # tid -> its process and name
+        self.max_threads = max_threads
+        self.first_ns: int | None = None
+        self.last_ns: int | None = None
+        self.has_blocked = True
+        # tid -> ThreadInfo or None, for a thread no record named (the live
+        # daemon reads /proc): the holders of CPUs are no launchers.
+        self.resolve = lambda tid: None
+
+    # ------------------------------------------------------------ intake
+
+    def _seen(self, low: int, high: int):
+        self.first_ns = low if self.first_ns is None else min(self.first_ns, low)
+        self.last_ns = high if self.last_ns is None else max(self.last_ns, high)
+
+    def add_runq(self, runq: np.ndarray):
+        """Switch-in records (bpf/sched.py RUNQ_EVENT; a recording made
+        before blocked_ns has none, and its sleeps count as on-CPU)."""
+        if not len(runq):
+            return
+        ts = runq["ts_ns"].astype(np.int64)
+        delay = np.minimum(runq["delay_ns"].astype(np.int64), ts)
+        if "blocked_ns" in runq.dtype.names:
+            blocked = np.minimum(runq["blocked_ns"].astype(np.int64), ts - delay)
+        else:
+            blocked = np.zeros(len(runq), np.int64)
+            self.has_blocked = False
+        tid = runq["tid"].astype(np.int64)
+        self._seen(int((ts - delay - blocked).min()), int(ts.max()))
+        self._learn(runq)
+        wait_start = ts - delay
+        parts = []
+        for start, end, field in ((wait_start, ts, "runnable"),
+                                  (wait_start - blocked, wait_start, "blocked")):
+            rows, slices, lengths = split_intervals(start, end, self.slice_ns)
+            piece = np.zeros(len(rows), THREAD_SLICE)
+            piece["key"] = _key(tid[rows], slices)
+            piece[field] = lengths
+            # A thread's first and last evidence, for the part of a slice it lived.
+            piece["first"] = np.maximum(start[rows], slices * self.slice_ns)
+            piece["last"] = np.minimum(ts[rows], (slices + 1) * self.slice_ns)
+            parts.append(piece)
+        self.threads_table.add(np.concatenate(parts))
+        if "prev_tid" in runq.dtype.names:
+            long_wait = (delay >= CULPRIT_FLOOR_NS) & (runq["prev_tid"] != 0) & \
+                (runq["prev_tid"] != runq["tid"])
+            if long_wait.any():
+                rows, slices, lengths = split_intervals(wait_start[long_wait], ts[long_wait],
+                                                        self.slice_ns)
+                piece = np.zeros(len(rows), CULPRIT_SLICE)
+                piece["key"] = _key(tid[long_wait][rows], slices)
+                piece["holder"] = runq["prev_tid"][long_wait][rows]
+                piece["wait"] = lengths
+                self.culprit_table.add(piece)
+
+    def _learn(self, records: np.ndarray):
+        """Each thread's process and name, as its latest record in the batch
+        has them (a thread renamed after exec or prctl takes its new name);
+        new threads only while the table has room."""
+        tids, last = np.unique(records["tid"][::-1], return_index=True)
+        at = len(records) - 1 - last
+        names = self.names
+        for tid, pid, comm in zip(tids.tolist(), records["pid"][at].tolist(),
+                                  records["comm"][at].tolist()):
+            known = names.get(tid)
+            if known is None:
+                if len(names) < self.max_threads:
+                    names[tid] = ThreadInfo(pid, comm.decode("utf-8", "replace"))
+            elif known.pid != pid or known.comm.encode() != comm:
+                names[tid] = ThreadInfo(pid, comm.decode("utf-8", "replace"))
+
+    def add_device(self, events: np.ndarray):
+        """Aligned GPU/NPU events (align.ALIGNED_EVENT): time in syncs and
+        blocking copies, submissions, failed calls, bytes, and the NPU's
+        submit-to-retire."""
+        events = events[np.isin(events["kind"], _EXPORTED)]
+        if not len(events):
+            return
+        ts = events["ts_ns"].astype(np.int64)
+        returned = (events["flags"] & device_stream.FLAG_RETURNED) != 0
+        duration = np.where(returned, events["duration_ns"].astype(np.int64), 0)
+        end = ts + duration
+        self._seen(int(ts.min()), int(end.max()))
+        api = np.minimum(events["api"].astype(np.int64), len(self.blocking) - 1)
+        kind = events["kind"]
+        is_sync = kind == _SYNC
+        is_copy = (kind == _MEMCPY) & self.blocking[api]
+        submission = np.isin(kind, _SUBMISSIONS)
+        npu = self.npu[api]
+        failed = device_stream.failed(events)
+        retired = events["retired_ns"].astype(np.int64)
+        queue = np.where(npu & submission & (retired > ts), retired - ts, 0)
+        tid = events["tid"].astype(np.int64)
+        rows, slices, lengths = split_intervals(ts, np.maximum(end, ts + 1), self.slice_ns)
+        piece = np.zeros(len(rows), DEVICE_SLICE)
+        piece["key"] = _key(tid[rows], slices)
+        timed = np.where(duration[rows] > 0, lengths, 0)
+        piece["sync"] = np.where(is_sync[rows], timed, 0)
+        piece["copy"] = np.where(is_copy[rows], timed, 0)
+        # Counted once, in the slice the call began.
+        began = slices == ts[rows] // self.slice_ns
+        ok = ~failed[rows]
+        piece["calls"] = began
+        piece["submissions"] = began & submission[rows] & ok
+        piece["failed"] = began & failed[rows]
+        piece["bytes"] = np.where(began & ok & (kind[rows] == _MEMCPY),
+                                  events["bytes"][rows].astype(np.int64), 0)
+        piece["npu"] = began & npu[rows]
+        piece["queue"] = np.where(began, queue[rows], 0)
+        piece["first"] = np.maximum(ts[rows], slices * self.slice_ns)
+        piece["last"] = np.minimum(end[rows], (slices + 1) * self.slice_ns)
+        self.device_table.add(piece)
+        # A thread known only by its GPU/NPU calls still has a process.
+        self._learn(events)
+
+    def forget_before(self, ts_ns: int):
+        """Drop every slice that ends before ts_ns (a live daemon's reach)."""
+        oldest = ts_ns // self.slice_ns
+        for table in (self.threads_table, self.device_table, self.culprit_table):
+            table.keep(lambda rows: key_slice(rows["key"]) >= oldest)
+        if self.first_ns is not None:
+            self.first_ns = max(self.first_ns, oldest * self.slice_ns)
+
+    def forget_threads(self, alive):
+        """Names of threads that are gone (alive(tid) -> bool), past the bound."""
+        if len(self.names) >= self.max_threads:
+            for tid in [t for t in self.names if not alive(t)]:
+                del self.names[tid]
+
+    # ------------------------------------------------------------ reading
+
+    def slices(self, start_ns: int, end_ns: int):
+        """The three tables' rows whose slice lies in [start_ns, end_ns)."""
+        lo, hi = start_ns // self.slice_ns, max(start_ns, end_ns - 1) // self.slice_ns
+
+        def within(rows):
+            s = key_slice(rows["key"])
+            return rows[(s >= lo) & (s <= hi)]
+        return (within(self.threads_table.rows()), within(self.device_table.rows()),
+                within(self.culprit_table.rows()))

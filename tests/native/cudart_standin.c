@@ -1,0 +1,52 @@
+/* A stand-in libcudart.so.12 for the diagnosis scenarios, from the public
+ * prototypes (cuda_runtime_api.h): there is no GPU here, and the real
+ * runtime without a driver fails every call at once, so nothing in it ever
+ * blocks. Here a synchronous copy blocks for its bytes over a simulated link
+ * (MMTRACE_STANDIN_LINK_BPS bytes a second, default 1e9), and a stream sync
+ * for a simulated compute budget (MMTRACE_STANDIN_SYNC_US, default 0), as a
+ * bus-bound or device-bound host sees them. Launches succeed at once. */
+#include <stddef.h>
+#include <stdlib.h>
+#include <time.h>
+
+#include "cuda_runtime_api.h"
+
+static void sleep_ns(long ns)
+{
+    struct timespec ts = { ns / 1000000000L, ns % 1000000000L };
+    while (nanosleep(&ts, &ts) != 0)
+        ;
+}
+
+static double env_number(const char *name, double fallback)
+{
+    const char *text = getenv(name);
+    return text && *text ? atof(text) : fallback;
+}
+
+cudaError_t cudaLaunchKernel(const void *func, dim3 gridDim, dim3 blockDim, void **args,
+                             size_t sharedMem, cudaStream_t stream)
+{
+    return 0;
+}
+
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count,
+                            enum cudaMemcpyKind kind, cudaStream_t stream)
+{
+    return 0;
+}
+
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind)
+{
+    double rate = env_number("MMTRACE_STANDIN_LINK_BPS", 1e9);
+    sleep_ns((long)(count / rate * 1e9));
+    return 0;
+}
+
+cudaError_t cudaStreamSynchronize(cudaStream_t stream)
+{
+    long budget_us = (long)env_number("MMTRACE_STANDIN_SYNC_US", 0);
+    if (budget_us > 0)
+        sleep_ns(budget_us * 1000L);
+    return 0;
+}
