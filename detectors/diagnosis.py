@@ -78,7 +78,9 @@ def processes(split: TimeSplit, start_ns: int, end_ns: int, pids=None) -> dict[i
     """Per process, the sums of its submitting threads over [start, end):
     threads that made a GPU/NPU call there (for a pid asked for by name
     that made none, all its threads)."""
-    threads, device, culprits = split.slices(start_ns, end_ns)
+    # The sums are whole slices: the window's wall time is theirs too.
+    lo, hi = split.aligned(start_ns, end_ns)
+    threads, device, culprits = split.slices(lo, hi)
     names = split.names
     dev_tid = key_tid(device["key"])
     submitting = set(dev_tid[device["calls"] > 0].tolist())
@@ -93,10 +95,7 @@ def processes(split: TimeSplit, start_ns: int, end_ns: int, pids=None) -> dict[i
                     if names.get(t) is not None and names[t].pid == pid}
             if tids:
                 by_pid[pid] = tids
-    # The sums are whole slices: the window's wall time is theirs too.
-    step = split.slice_ns
-    lo = max(start_ns // step * step, split.first_ns if split.first_ns is not None else 0)
-    hi = -(-end_ns // step) * step
+    lo = max(lo, split.first_ns if split.first_ns is not None else lo)
     hi = min(hi, split.last_ns + 1) if split.last_ns is not None else hi
     out = {}
     run_tid = key_tid(threads["key"])
@@ -197,8 +196,10 @@ def _causes(p: Process, ref: Process | None, window_s: float, rules: DiagnosisRu
         level = levels[state]
         alone = level is not None and share >= level
         was = ref_shares[state] if ref_shares else None
-        rose = was is not None and share >= was * rules.rise_factor and \
-            share - was >= rules.rise_share
+        # A rise: the state grew by the factor, or the rest of the time
+        # shrank by it (0.6 -> 0.85 asleep is the rest cut from 0.4 to 0.15).
+        rose = was is not None and share - was >= rules.rise_share and (
+            share >= was * rules.rise_factor or 1 - share <= (1 - was) / rules.rise_factor)
         bus_full = state == "copy" and copy_rate >= rules.bus_utilisation * link
         if not (alone or rose or bus_full):
             continue
@@ -313,6 +314,7 @@ def diagnose(split: TimeSplit, start_ns: int, end_ns: int, rules: DiagnosisRules
     `entropy_windows`: (start_ns, end_ns) stretches the entropy detector
     held a shift; `symptoms`: pid -> a line naming what a user saw."""
     rules = rules or DiagnosisRules()
+    start_ns, end_ns = split.aligned(start_ns, end_ns)
     ref_range = reference_range(split, start_ns, end_ns, rules)
     window = processes(split, start_ns, end_ns, pids)
     refs = processes(split, *ref_range, list(window)) if ref_range and window else {}

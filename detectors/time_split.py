@@ -13,13 +13,14 @@ Everything is summed per (thread, slice) in numpy tables that are reduced
 by key as they grow, so memory follows threads x slices, not events.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from mmtrace.bpf import device as device_stream
-
 SLICE_NS = 1_000_000_000
+# Rows held in all: past them, slices double in length (a long recording
+# is read at a coarser grain, in memory that does not grow with it).
+MAX_ROWS = 1 << 19
 CULPRIT_FLOOR_NS = 20_000       # shorter waits name no culprit: no one held the CPU long
 
 # Per (thread, slice): what its switch-in records say.
@@ -32,10 +33,6 @@ DEVICE_SLICE = np.dtype([("key", "<u8"), ("sync", "<i8"), ("copy", "<i8"), ("cal
 # Per (waiting thread, slice, thread that held the CPU): the wait it ended.
 CULPRIT_SLICE = np.dtype([("key", "<u8"), ("holder", "<u4"), ("wait", "<i8")])
 
-_SYNC = device_stream.KIND_IDS["sync"]
-_MEMCPY = device_stream.KIND_IDS["memcpy"]
-_SUBMISSIONS = [device_stream.KIND_IDS[k] for k in device_stream.SUBMISSION_KINDS]
-_EXPORTED = [device_stream.KIND_IDS[k] for k in device_stream.EXPORTED_KINDS]
 _SUMMED = {"runnable", "blocked", "sync", "copy", "calls", "submissions", "failed", "bytes",
            "npu", "queue", "wait"}
 
@@ -124,6 +121,19 @@ class _Table:
 
 
 @dataclass
+class DeviceRoles:
+    """What the time split needs of the device stream's records (the agent
+    fills it from bpf/device.py: this layer reads no kernel layout)."""
+    sync_kind: int
+    memcpy_kind: int
+    submission_kinds: list
+    exported_kinds: list        # the kinds that are calls a user sees
+    returned_flag: int          # flags bit: the call's return was probed
+    blocking: np.ndarray = field(default_factory=lambda: np.zeros(1, bool))  # by API id
+    npu: np.ndarray = field(default_factory=lambda: np.zeros(1, bool))       # by API id
+
+
+@dataclass
 class ThreadInfo:
     pid: int
     comm: str
@@ -132,24 +142,19 @@ class ThreadInfo:
 class TimeSplit:
     """The sums a diagnosis reads, per thread and slice of time."""
 
-    def __init__(self, infos: dict | None = None, slice_ns: int = SLICE_NS,
-                 max_threads: int = 1 << 16):
-        """`infos`: the API table the device events were recorded with
-        (device_stream.ApiInfo by id)."""
+    def __init__(self, roles: DeviceRoles, slice_ns: int = SLICE_NS,
+                 max_threads: int = 1 << 16, max_rows: int = MAX_ROWS):
+        """`roles`: the device stream's kinds, and per API id (of the table
+        the events were recorded with) whether a call is complete when it
+        returns (a synchronous copy) and whether it is an NPU's."""
         self.slice_ns = slice_ns
-        infos = infos or device_stream.default_infos()
-        size = max(infos, default=0) + 2           # the last: any id the table lacks
-        # Per API id: a call complete when it returns (a synchronous copy); an NPU's.
-        self.blocking = np.zeros(size, bool)
-        self.npu = np.zeros(size, bool)
-        for api_id, info in infos.items():
-            self.blocking[api_id] = info.blocking
-            self.npu[api_id] = info.stream == "npu"
+        self.roles = roles
         self.threads_table = _Table(THREAD_SLICE)
         self.device_table = _Table(DEVICE_SLICE)
         self.culprit_table = _Table(CULPRIT_SLICE, ("key", "holder"))
         self.names: dict[int, ThreadInfo] = {}       # tid -> its process and name
         self.max_threads = max_threads
+        self.max_rows = max_rows
         self.first_ns: int | None = None
         self.last_ns: int | None = None
         self.has_blocked = True
@@ -191,6 +196,7 @@ class TimeSplit:
             piece["last"] = np.minimum(ts[rows], (slices + 1) * self.slice_ns)
             parts.append(piece)
         self.threads_table.add(np.concatenate(parts))
+        self._bound()
         if "prev_tid" in runq.dtype.names:
             long_wait = (delay >= CULPRIT_FLOOR_NS) & (runq["prev_tid"] != 0) & \
                 (runq["prev_tid"] != runq["tid"])
@@ -223,21 +229,22 @@ class TimeSplit:
         """Aligned GPU/NPU events (align.ALIGNED_EVENT): time in syncs and
         blocking copies, submissions, failed calls, bytes, and the NPU's
         submit-to-retire."""
-        events = events[np.isin(events["kind"], _EXPORTED)]
+        r = self.roles
+        events = events[np.isin(events["kind"], r.exported_kinds)]
         if not len(events):
             return
         ts = events["ts_ns"].astype(np.int64)
-        returned = (events["flags"] & device_stream.FLAG_RETURNED) != 0
+        returned = (events["flags"] & r.returned_flag) != 0
         duration = np.where(returned, events["duration_ns"].astype(np.int64), 0)
         end = ts + duration
         self._seen(int(ts.min()), int(end.max()))
-        api = np.minimum(events["api"].astype(np.int64), len(self.blocking) - 1)
+        api = np.minimum(events["api"].astype(np.int64), len(r.blocking) - 1)
         kind = events["kind"]
-        is_sync = kind == _SYNC
-        is_copy = (kind == _MEMCPY) & self.blocking[api]
-        submission = np.isin(kind, _SUBMISSIONS)
-        npu = self.npu[api]
-        failed = device_stream.failed(events)
+        is_sync = kind == r.sync_kind
+        is_copy = (kind == r.memcpy_kind) & r.blocking[api]
+        submission = np.isin(kind, r.submission_kinds)
+        npu = r.npu[api]
+        failed = returned & (events["ret"] != 0)      # did no work
         retired = events["retired_ns"].astype(np.int64)
         queue = np.where(npu & submission & (retired > ts), retired - ts, 0)
         tid = events["tid"].astype(np.int64)
@@ -253,15 +260,36 @@ class TimeSplit:
         piece["calls"] = began
         piece["submissions"] = began & submission[rows] & ok
         piece["failed"] = began & failed[rows]
-        piece["bytes"] = np.where(began & ok & (kind[rows] == _MEMCPY),
+        piece["bytes"] = np.where(began & ok & (kind[rows] == r.memcpy_kind),
                                   events["bytes"][rows].astype(np.int64), 0)
         piece["npu"] = began & npu[rows]
         piece["queue"] = np.where(began, queue[rows], 0)
         piece["first"] = np.maximum(ts[rows], slices * self.slice_ns)
         piece["last"] = np.minimum(end[rows], (slices + 1) * self.slice_ns)
         self.device_table.add(piece)
+        self._bound()
         # A thread known only by its GPU/NPU calls still has a process.
         self._learn(events)
+
+    def _bound(self):
+        tables = (self.threads_table, self.device_table, self.culprit_table)
+        while sum(t.size for t in tables) > self.max_rows:
+            if sum(len(t.rows()) for t in tables) <= self.max_rows // 2:
+                return
+            self.slice_ns *= 2
+            for table in tables:
+                rows = table.rows().copy()
+                rows["key"] = _key(key_tid(rows["key"]), key_slice(rows["key"]) // 2)
+                table.parts = [_reduce(rows, table.by)]
+                table.size = table.reduced = len(table.parts[0])
+
+    def aligned(self, start_ns: int, end_ns: int) -> tuple[int, int]:
+        """The window the sums can answer for: its ends at the nearest slice
+        edges, at least one slice long."""
+        step = self.slice_ns
+        lo = (start_ns + step // 2) // step * step
+        hi = max(lo + step, (end_ns + step // 2) // step * step)
+        return lo, hi
 
     def forget_before(self, ts_ns: int):
         """Drop every slice that ends before ts_ns (a live daemon's reach)."""
@@ -280,7 +308,8 @@ class TimeSplit:
     # ------------------------------------------------------------ reading
 
     def slices(self, start_ns: int, end_ns: int):
-        """The three tables' rows whose slice lies in [start_ns, end_ns)."""
+        """The three tables' rows whose slice lies in [start_ns, end_ns)
+        (slice-aligned ends: see aligned())."""
         lo, hi = start_ns // self.slice_ns, max(start_ns, end_ns - 1) // self.slice_ns
 
         def within(rows):

@@ -245,7 +245,7 @@ def test_dropped_series_free_their_windows_and_a_returning_name_starts_afresh():
     assert detector.snapshot(kept[4])["last_count"] == 1
     sid = detector.series_id(names[550])                     # dropped, then back
     assert detector.snapshot(sid) == {"series": names[550], "state": "normal", "baseline": None,
-                                      "last_p99": None, "last_count": 0,
+                                      "threshold": None, "last_p99": None, "last_count": 0,
                                       "accepted": 0, "rejected": 0, "late": 0}
 
 
@@ -298,7 +298,8 @@ def test_a_drop_in_the_middle_of_an_incident_changes_no_other_verdict(kept_of_8)
         [undropped.snapshot(n) for n in detector.names]
     newcomer = "runq_delay{pid=4242}"                  # takes a row a dropped series left
     assert detector.snapshot(detector.series_id(newcomer)) == {
-        "series": newcomer, "state": "normal", "baseline": None, "last_p99": None,
+        "series": newcomer, "state": "normal", "baseline": None, "threshold": None,
+        "last_p99": None,
         "last_count": 0, "accepted": 0, "rejected": 0, "late": 0}
 
 

@@ -83,7 +83,8 @@ def test_a_record_of_another_size_is_refused_with_its_size():
     reader = ring.reader()
     ring.put(1)
     ring.put(2, length=RUNQ_EVENT.itemsize - 8, flags=DISCARD_BIT)
-    with pytest.raises(RingLayoutError, match=r"ring record 1 of this batch is 40 bytes, "
-                                              r"expected 48"):
+    with pytest.raises(RingLayoutError, match=rf"ring record 1 of this batch is "
+                                              rf"{RUNQ_EVENT.itemsize - 8} bytes, "
+                                              rf"expected {RUNQ_EVENT.itemsize}"):
         reader.read()
     assert ring.consumer == 0

@@ -12,7 +12,7 @@ from mmtrace.detectors.starvation import Starvation
 from mmtrace.detectors.time_split import ThreadInfo, TimeSplit
 
 from mmtrace.agent.config.settings import DiagnosisSettings
-from mmtrace.agent.recording.explain import anomaly_verdict, explain_split
+from mmtrace.agent.recording.explain import anomaly_verdict, device_roles, explain_split
 from mmtrace.agent.recording.wall_clock import WallClock
 
 GRACE_NS = 250_000_000          # a window closes this long after its end: its events are in
@@ -24,7 +24,7 @@ class LauncherTime:
                  proc_root: Path = Path("/proc"), clock=time.monotonic_ns):
         self.rules = DiagnosisRules.of(settings)
         self.starvation = Starvation.of(settings)
-        self.split = TimeSplit(infos)
+        self.split = TimeSplit(device_roles(infos))
         self.split.resolve = self._from_proc
         self.reach_ns = int(reach_s * 1e9)
         self.window_ns = self.starvation.window_ns

@@ -5,8 +5,11 @@ report's aggregates, so `report` carries the verdict table for little more."""
 
 import re
 
+import numpy as np
+
 from mmtrace.detectors.diagnosis import DiagnosisRules, diagnose
-from mmtrace.detectors.time_split import TimeSplit
+from mmtrace.bpf import device as device_stream
+from mmtrace.detectors.time_split import DeviceRoles, TimeSplit
 
 from mmtrace.agent.errors import MmtraceError
 from mmtrace.agent.recording.device_view import DeviceContext
@@ -17,13 +20,32 @@ VERDICT_WINDOW_NS = 5_000_000_000      # what an anomaly's verdict is read over
 TIMELINE_MAX_SLICES = 60
 
 
+def device_roles(infos: dict) -> DeviceRoles:
+    """What the time split reads of the device stream, from the API table
+    the events were recorded with (ApiInfo by id)."""
+    size = max(infos, default=0) + 2           # the last: any id the table lacks
+    blocking, npu = np.zeros(size, bool), np.zeros(size, bool)
+    for api_id, info in infos.items():
+        blocking[api_id] = info.blocking
+        npu[api_id] = info.stream == "npu"
+    kinds = device_stream.KIND_IDS
+    return DeviceRoles(kinds["sync"], kinds["memcpy"],
+                       [kinds[k] for k in device_stream.SUBMISSION_KINDS],
+                       [kinds[k] for k in device_stream.EXPORTED_KINDS],
+                       device_stream.FLAG_RETURNED, blocking, npu)
+
+
 class DiagnosisReplay:
     """The time split of a recording, fed step by step from its replay."""
 
     def __init__(self, rec):
-        self.split = TimeSplit(DeviceContext.from_meta(rec.meta).infos)
+        self.split = TimeSplit(device_roles(DeviceContext.from_meta(rec.meta).infos))
+        self.last_entropy_ns: int | None = None     # an entropy shift lasts no longer
 
     def feed(self, step):
+        entropy = step.part("model.entropy")
+        if entropy is not None:
+            self.last_entropy_ns = max(self.last_entropy_ns or 0, int(entropy["ts_ns"].max()))
         runq = step.part("cpu.runq")
         if runq is not None:
             self.split.add_runq(runq)
@@ -55,8 +77,9 @@ def parse_window(text: str | None) -> tuple[int, int] | None:
 
 
 def entropy_windows(anomalies: list[dict], end_ns: int) -> list[tuple[int, int]]:
-    """The stretches an attention-entropy alarm was firing (to its
-    resolution, or to the end)."""
+    """The stretches an attention-entropy alarm was firing: to its
+    resolution, or to `end_ns` (the last sample: once the model reports no
+    more, nothing says its inputs are still shifted)."""
     open_at, out = {}, []
     for a in sorted(anomalies, key=lambda a: a.get("ts_ns", 0)):
         if a.get("detector") != "attention_entropy":
@@ -102,9 +125,10 @@ def anomaly_verdict(split: TimeSplit, anomaly: dict, rules: DiagnosisRules,
 
 def explain_split(split: TimeSplit, window=None, pids=None, anomalies=(),
                   rules: DiagnosisRules | None = None, clock: WallClock | None = None,
-                  timeline_s: float | None = None) -> dict:
+                  timeline_s: float | None = None, entropy_until_ns: int | None = None) -> dict:
     """The diagnosis of `split` over `window` (default: all it holds), with
-    wall-clock stamps and, per process, a timeline of verdicts."""
+    wall-clock stamps and, per process, a timeline of verdicts.
+    `entropy_until_ns`: the last attention-entropy sample."""
     rules = rules or DiagnosisRules()
     clock = clock or WallClock(None)
     if split.first_ns is None:
@@ -113,8 +137,8 @@ def explain_split(split: TimeSplit, window=None, pids=None, anomalies=(),
         return answer
     start, end = window or (split.first_ns, split.last_ns + 1)
     anomalies = list(anomalies)
-    answer = diagnose(split, start, end, rules, pids,
-                      entropy_windows(anomalies, split.last_ns), symptoms(anomalies))
+    shifted = entropy_windows(anomalies, entropy_until_ns or split.last_ns)
+    answer = diagnose(split, start, end, rules, pids, shifted, symptoms(anomalies))
     answer["window"].update(started=clock.stamp(start), ended=clock.stamp(end))
     if answer["reference"]:
         ref = answer["reference"]
@@ -126,8 +150,7 @@ def explain_split(split: TimeSplit, window=None, pids=None, anomalies=(),
         pids_here = [p["pid"] for p in answer["processes"]]
         by_pid = {pid: [] for pid in pids_here}
         for s in range(lo, hi, step):
-            part = diagnose(split, s, min(hi, s + step), rules, pids_here,
-                            entropy_windows(anomalies, split.last_ns))
+            part = diagnose(split, s, min(hi, s + step), rules, pids_here, shifted)
             for p in part["processes"]:
                 by_pid[p["pid"]].append({"start_ns": s, "end_ns": min(hi, s + step),
                                          "wall_time": clock.stamp(s),
@@ -147,7 +170,7 @@ def explain_recording(rec, window=None, pids=None, rules=None, timeline_s: float
         diagnosis.feed(step)
         detectors.feed(step)
     answer = explain_split(diagnosis.split, window, pids, detectors.finish(), rules,
-                           WallClock.of(rec), timeline_s)
+                           WallClock.of(rec), timeline_s, diagnosis.last_entropy_ns)
     answer["file"] = str(rec.path)
     return answer
 

@@ -228,7 +228,8 @@ def summarize(rec) -> dict:
     for anomaly in anomalies:
         anomaly["wall_time"] = clock.stamp(anomaly.get("ts_ns", 0))
         anomaly_verdict(diagnosis.split, anomaly, rules)
-    verdicts = explain_split(diagnosis.split, None, None, anomalies, rules, clock)
+    verdicts = explain_split(diagnosis.split, None, None, anomalies, rules, clock,
+                             entropy_until_ns=diagnosis.last_entropy_ns)
     return {
         "file": str(rec.path),
         "format_version": "%d.%d" % rec.version,

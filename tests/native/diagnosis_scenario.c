@@ -3,15 +3,19 @@
  * iteration does 1 ms of host work, submits 4 operations, syncs its stream
  * and sleeps 1 ms; the incident changes that as its mode says:
  *   healthy       nothing changes
- *   cpu_starved   3 processes named cpu_hog spin on the launcher's CPU
+ *   cpu_starved   a process named cpu_hog spins 3 ms of every 4 on the
+ *                 launcher's CPU, at a higher SCHED_FIFO priority
  *   host_bound    4 ms of host work and no sleep
  *   bus_bound     a synchronous 8 MB copy (the stand-in runtime blocks it
  *                 for its bytes over the simulated link)
  *   device_bound  the sync blocks for 8 ms (the stand-in's compute budget)
  *   blocked       the launcher waits for each work item on a pipe that a
- *                 slow feeder writes every 8 ms
+ *                 slow feeder writes every 20 ms
  *   npu_queue     (built with -DASCEND) the stream sync waits 8 ms on the
  *                 NPU's queue (the stand-in AscendCL's MMTRACE_STANDIN_SYNC_US)
+ * The launcher is a SCHED_FIFO thread (priority 5), so that no ordinary
+ * thread of a busy host delays it and only the incident does; the hog is
+ * SCHED_FIFO above it, the feeder an ordinary process.
  * Built against the real libcudart (healthy, cpu_starved, host_bound,
  * blocked), the stand-in runtime (bus_bound, device_bound) or the stand-in
  * AscendCL (npu_queue).
@@ -23,7 +27,6 @@
 #include <signal.h>
 #include <string.h>
 #include <sys/prctl.h>
-#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -63,15 +66,20 @@ static pid_t spawn(const char *name, int cpu, void (*body)(void *), void *arg)
 static void hog(void *arg)
 {
     (void)arg;
-    for (;;)
-        ;
+    become_fifo("cpu_hog");
+    for (;;) {
+        spin_for_ns(3000000);
+        usleep(1000);
+    }
 }
 
 static void feeder(void *arg)
 {
     int fd = *(int *)arg;
+    struct sched_param ordinary = { .sched_priority = 0 };
+    pthread_setschedparam(pthread_self(), SCHED_OTHER, &ordinary);   /* not the launcher's FIFO */
     for (;;) {
-        usleep(8000);
+        usleep(20000);
         if (write(fd, "x", 1) != 1)
             return;
     }
@@ -87,6 +95,7 @@ int main(int argc, char **argv)
     double base = atof(argv[2]), incident = atof(argv[3]);
     int cpu = atoi(argv[4]);
     pin(cpu);
+    become_fifo_at("diagnosis_scenario", 5);
     stream_t stream = 0;
     /* The stand-ins' sync: quick while healthy (read at every call). */
     setenv("MMTRACE_STANDIN_SYNC_US", "100", 1);
@@ -99,14 +108,13 @@ int main(int argc, char **argv)
     long start = now_ns(), incident_at = start + (long)(base * 1e9);
     long end = incident_at + (long)(incident * 1e9);
     int started = 0, pipe_fds[2] = { -1, -1 };
-    pid_t hogs[3] = { 0, 0, 0 }, feeding = 0;
+    pid_t hogs[1] = { 0 }, feeding = 0;
     while (now_ns() < end) {
         int in_incident = now_ns() >= incident_at;
         if (in_incident && !started) {
             started = 1;
             if (!strcmp(mode, "cpu_starved"))
-                for (int i = 0; i < 3; i++)
-                    hogs[i] = spawn("cpu_hog", cpu, hog, NULL);
+                hogs[0] = spawn("cpu_hog", cpu, hog, NULL);
             if (!strcmp(mode, "device_bound") || !strcmp(mode, "npu_queue"))
                 setenv("MMTRACE_STANDIN_SYNC_US", "8000", 1);
             if (!strcmp(mode, "blocked")) {
@@ -130,14 +138,13 @@ int main(int argc, char **argv)
             usleep(1000);
         }
     }
-    for (int i = 0; i < 3; i++)
-        if (hogs[i])
-            kill(hogs[i], SIGKILL);
+    if (hogs[0])
+        kill(hogs[0], SIGKILL);
     if (feeding)
         kill(feeding, SIGKILL);
     while (wait(NULL) > 0)
         ;
-    printf("{\"pid\":%d,\"tid\":%ld,\"incident_ns\":%ld,\"end_ns\":%ld,\"hogs\":[%d,%d,%d]}\n",
-           getpid(), syscall(SYS_gettid), incident_at, end, hogs[0], hogs[1], hogs[2]);
+    printf("{\"pid\":%d,\"tid\":%ld,\"incident_ns\":%ld,\"end_ns\":%ld,\"hogs\":[%d]}\n",
+           getpid(), syscall(SYS_gettid), incident_at, end, hogs[0]);
     return 0;
 }
