@@ -62,6 +62,22 @@ def test_inputs_keep_the_latest_firing_record_per_alarm_and_who_serves_what():
     assert obs.firing == [] and obs.active_modalities == {"text"}
 
 
+def test_starvation_alarms_of_two_processes_are_two_alarms():
+    """The starvation detector's records name no series: the key's pid tells
+    one process's alarm from another's, so neither overwrites the other and
+    one resolving leaves the other firing."""
+    inputs = PolicyInputs(CpuLoad("/nonexistent"), clock=lambda: S)
+
+    def starved(pid, state="firing"):
+        return {"detector": "starvation", "kind": "cpu_starved", "state": state, "pid": pid,
+                "key": {"kind": "runq_share", "pid": pid}, "evidence": {"share": 0.4}}
+    inputs.on_anomaly(starved(7))
+    inputs.on_anomaly(starved(8))
+    assert sorted(a["pid"] for a in inputs.observations().firing) == [7, 8]
+    inputs.on_anomaly(starved(7, "resolved"))
+    assert [a["pid"] for a in inputs.observations().firing] == [8]
+
+
 def hello(path, pid):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(str(path))

@@ -17,10 +17,13 @@ MAX_SERVERS = 1024              # pids remembered, least recently heard dropped 
 
 
 def alarm_key(anomaly: dict) -> tuple:
-    """One alarm: a P99 series, or a detector's kind on a modality."""
+    """One alarm: a P99 series, or a detector's kind on a modality or a
+    process (the key's pid: two starved processes are two alarms)."""
     if anomaly.get("series"):
         return ("series", anomaly["series"])
-    return (anomaly.get("detector"), anomaly.get("kind"), anomaly.get("modality"))
+    key = anomaly.get("key")
+    pid = key.get("pid") if isinstance(key, dict) else None
+    return (anomaly.get("detector"), anomaly.get("kind"), anomaly.get("modality"), pid)
 
 
 class PolicyInputs:
