@@ -20,6 +20,9 @@ def metrics_snapshot(daemon) -> DaemonSnapshot:
     with daemon.lock:
         p99 = daemon.p99
         series = [(key.kind, p99.state(name)) for name, key in streams.series_keys.items()]
+        levels = [(key.kind, key.pid, p99.baseline(name), p99.threshold(name))
+                  for name, key in streams.series_keys.items() if key.per_process]
+        launchers = [dict(row, shares=dict(row["shares"])) for row in streams.launchers.table()]
         entropy_latest = dict(daemon.messages.entropy_latest)
         modalities = {m: set(daemon.entropy.firing(m)) for m in entropy_latest}
         anomalies = dict(daemon.alarms.counts)
@@ -27,7 +30,8 @@ def metrics_snapshot(daemon) -> DaemonSnapshot:
         program_states = list(probes.probe_states)
     otlp, nvml, npu = daemon.otlp, daemon.monitors.nvml, daemon.monitors.npu
     return DaemonSnapshot(
-        kernel=kernel, counts=counts, p99_series=series, entropy_modalities=modalities,
+        kernel=kernel, counts=counts, p99_series=series, p99_levels=levels,
+        launchers=launchers, entropy_modalities=modalities,
         entropy_latest=entropy_latest, anomalies=anomalies, hints=hints,
         program_states=program_states,
         device_probes=device.states() if device is not None else None,
