@@ -8,6 +8,8 @@ import os
 from mmtrace.exporters.live import status as status_view
 from mmtrace.exporters.live.prometheus import DaemonSnapshot, KernelFigures
 
+from mmtrace.agent.ingest.series_keys import RUNQ
+
 
 def metrics_snapshot(daemon) -> DaemonSnapshot:
     """The metrics endpoint's view, taken in its thread: the kernel's maps
@@ -57,6 +59,12 @@ def status(daemon, now: int, span_s: float) -> dict:
                                            names=streams.counts.process_name,
                                            launches_traced=launch_probes != "on alarm",
                                            infos=streams.infos)
+    p99 = daemon.p99
+    runq_levels = {key.pid: (p99.baseline(name), p99.threshold(name))
+                   for name, key in streams.series_keys.items()
+                   if key.kind == RUNQ and key.pid is not None}
+    processes = status_view.with_launchers(
+        processes, {row["pid"]: row for row in streams.launchers.table()}, runq_levels)
     return {"v": 1, "type": "status", "daemon_pid": os.getpid(),
             "uptime_s": (now - daemon.started_ns) / 1e9, "span_s": round(span_s, 3),
             "launch_probes": launch_probes,
