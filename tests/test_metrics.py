@@ -289,6 +289,29 @@ def test_where_the_launchers_time_goes_per_top_k_process(starved_decoder):
                                                       (100, "vision_enc"))]
 
 
+def test_a_launcher_the_detector_has_not_judged_shows_the_threshold_it_would_apply(daemon):
+    """A process whose launching threads ran 0.3 s of each window (too little
+    for the starvation detector to judge): its split shows, with the
+    threshold the detector holds (its default, no baseline learnt), and it
+    is not among the detector's series."""
+    for sec in range(3):
+        t0 = sec * S
+        feed_device(daemon, dev_events([launch(100, 101, ts, ts // 1000)
+                                        for ts in range(t0, t0 + 300_000_000, 10_000_000)]))
+        daemon.streams.batch("cpu", timed_runq(100, 101, t0, t0 + 300_000_000, 10_000_000,
+                                               200_000), [])
+        daemon.alarms.act(daemon.streams.launchers.tick(t0 + S + S // 4))
+    lines = scrape(daemon)
+    default = daemon.config.diagnosis.starved_share
+    assert family(lines, "mmtrace_launcher_runnable_threshold") == [
+        f'mmtrace_launcher_runnable_threshold{{process="vision_enc"}} {default}']
+    assert family(lines, "mmtrace_launcher_runnable_baseline") == []
+    assert value_of(lines, 'mmtrace_launcher_time_share{process="vision_enc",state="runnable"}') \
+        > 0
+    series = 'mmtrace_detector_series{detector="starvation",series="runq_share",state="%s"}'
+    assert (value_of(lines, series % "firing"), value_of(lines, series % "normal")) == (0, 0)
+
+
 def test_p99_thresholds_and_baselines_per_series_kind_and_top_k_process(starved_decoder):
     """mmtrace_detector_threshold_seconds / _baseline_seconds: the P99
     detector's, in seconds, per series kind under the top-K labels; of the
