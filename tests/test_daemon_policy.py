@@ -78,6 +78,34 @@ def test_starvation_alarms_of_two_processes_are_two_alarms():
     assert [a["pid"] for a in inputs.observations().firing] == [8]
 
 
+
+def test_the_policy_forgets_the_alarms_of_processes_that_exited(tmp_path):
+    """A starved process that exits while firing gets no resolved record:
+    the daemon's sweep of exited processes drops its alarm from the policy's
+    inputs, so no lever stays pressed and no cpu_contention is refreshed for
+    it. A live process's alarm, and a dispatcher's series (no pid), stay."""
+    from mmtrace.agent.daemon.loop import Daemon
+    cfg = config_mod.DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "s.sock")
+    daemon = Daemon(cfg)
+    daemon.proc_root = tmp_path / "proc"
+    (daemon.proc_root / "8").mkdir(parents=True)
+    inputs = daemon.steering.inputs
+    try:
+        for pid in (7, 8):
+            inputs.on_anomaly({"detector": "starvation", "kind": "cpu_starved",
+                               "state": "firing", "pid": pid,
+                               "key": {"kind": "runq_share", "pid": pid}, "evidence": {}})
+        inputs.on_anomaly({"detector": "p99_drift", "series": "request_latency{series=e2e,"
+                           "modality=text}", "state": "firing", "evidence": {},
+                           "key": {"kind": "request_latency", "series": "e2e",
+                                   "modality": "text"}})
+        daemon.forget_exited()
+        assert sorted(str(a.get("pid") or a["series"]) for a in inputs.observations().firing) \
+            == ["8", "request_latency{series=e2e,modality=text}"]
+    finally:
+        daemon.close()
+
+
 def hello(path, pid):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(str(path))

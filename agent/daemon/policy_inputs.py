@@ -6,6 +6,7 @@ and device weights once a source sets them."""
 
 import time
 from collections import OrderedDict
+from pathlib import Path
 
 from mmtrace.dispatch.policy import Observations
 
@@ -66,6 +67,16 @@ class PolicyInputs:
 
     def forget(self, key: tuple):
         self.firing.pop(key, None)
+
+    def forget_exited(self, proc_root: Path):
+        """The alarms about processes that have exited (their key's pid is
+        gone from `proc_root`): a starved process that exits while firing
+        must not keep the levers pressed and its cpu_contention refreshed."""
+        for key, anomaly in list(self.firing.items()):
+            about = anomaly.get("key")
+            pid = about.get("pid") if isinstance(about, dict) else None
+            if isinstance(pid, int) and not (proc_root / str(pid)).exists():
+                del self.firing[key]
 
     def observations(self, now_ns: int | None = None) -> Observations:
         now = self.clock() if now_ns is None else now_ns
