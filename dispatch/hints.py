@@ -29,7 +29,8 @@ always bounded and undone at expiry:
   refused at once (their future fails with Shed) instead of queueing.
   Levels above 1 are reserved and act as 1.
 - cpu_contention: target the thread series the agent saw waiting, value
-  the p99 ratio (a number or null). While one is active the telemetry
+  the p99 ratio (run-queue drift) or the runnable share over its
+  threshold (starvation), a number or null. While one is active the telemetry
   sender flushes CONTENDED_FLUSH_FACTOR times less often, so the reporter
   takes less CPU from the threads that submit device work.
 """

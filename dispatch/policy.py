@@ -9,11 +9,16 @@ Each thing a hint can turn is a lever with a default and a few levels:
   the run queue;
 - `priority` on vision: "high" -> "low" while threads serving text wait on
   the run queue (vision yields to text);
+  (waiting on the run queue: their run-queue P99 drifts, or the starvation
+  detector finds them runnable too much of their time; not when the
+  anomaly's verdict names another bound, bus_bound say: there more CPU
+  would not help, and the hints would take work from the wrong place);
 - `degrade` per modality: 0 -> 1 (shed non-core work) while that
   modality's end-to-end P99 drifts with CPU utilisation under 45 % (the
   bottleneck is not the CPU, so more CPU work would not help), or its
   attention entropy drifts;
-- `cpu_contention` per process whose device threads' run-queue P99 drifts;
+- `cpu_contention` per process whose device threads wait on the run queue
+  (as above);
 - `prefer_device`: the device weights, when they move.
 
 A lever steps away from its default fast (the first step when the alarm
@@ -40,6 +45,8 @@ DEGRADE_STEPS = (0, 1)
 # An anomaly's `key` says what its series is about (agent/ingest/series_keys.py);
 # its `series` is a name for people, never parsed.
 RUNQ, REQUEST = "runq_delay", "request_latency"
+RUNQ_SHARE = "runq_share"           # the starvation detector's (detectors/starvation.py)
+CPU_STARVED = "cpu_starved"         # the verdict that says more CPU would help
 MAX_AUDIT = 1024
 
 
@@ -148,15 +155,15 @@ class HintPolicy:
             series = anomaly.get("series") or ""
             evidence = anomaly.get("evidence") or {}
             key = _key(anomaly)
-            pid = _runq_pid(key)
+            pid = _cpu_pid(anomaly)
             if pid is not None:
                 served = obs.served.get(pid, set())
                 if VISION in served:
-                    press("modality_batch", VISION, f"run-queue delay of pid {pid}, "
-                          "which serves vision, drifted up: smaller vision batches", evidence)
+                    press("modality_batch", VISION, f"{_waits(anomaly, pid, VISION)}: "
+                          "smaller vision batches", evidence)
                 if TEXT in served:
-                    press("priority", VISION, f"run-queue delay of pid {pid}, which "
-                          "serves text, drifted up: vision yields to text", evidence)
+                    press("priority", VISION, f"{_waits(anomaly, pid, TEXT)}: "
+                          "vision yields to text", evidence)
             elif key.get("kind") == REQUEST and isinstance(key.get("modality"), str):
                 # the series rides in the evidence: the agent sends what a
                 # client's own samples raised only to that client
@@ -223,20 +230,25 @@ class HintPolicy:
         out = []
         now = obs.now_ns
         for anomaly in obs.firing:
-            pid = _runq_pid(_key(anomaly))
+            pid = _cpu_pid(anomaly)
             if pid is None:
                 continue
             last = self.contention.get(pid)
             if last is not None and now - last["sent_ns"] < _ns(self.settings.ttl_s / 2):
                 continue
-            ev = anomaly.get("evidence") or {}
-            ratio = ev["p99"] / ev["baseline"] if ev.get("baseline") and ev.get("p99") else None
-            out += self._emit("cpu_contention", f"pid={pid}", ratio,
-                              "run-queue delay p99 of the submitting threads drifted up", ev, now,
+            ev = _evidence(anomaly)
+            if _key(anomaly).get("kind") == RUNQ_SHARE:
+                # the runnable share over the detector's threshold
+                ratio = _ratio(ev.get("share"), ev.get("threshold"))
+                reason = "the submitting threads wait on the run queue too much of their time"
+            else:
+                ratio = _ratio(ev.get("p99"), ev.get("baseline"))
+                reason = "run-queue delay p99 of the submitting threads drifted up"
+            out += self._emit("cpu_contention", f"pid={pid}", ratio, reason, ev, now,
                               outcome="escalate" if last is None else "refresh",
                               on_sent=lambda pid=pid: self.contention.__setitem__(
                                   pid, {"sent_ns": now}))
-        firing = {pid for a in obs.firing if (pid := _runq_pid(_key(a))) is not None}
+        firing = {pid for a in obs.firing if (pid := _cpu_pid(a)) is not None}
         for pid in [p for p in self.contention if p not in firing]:
             del self.contention[pid]          # its hint runs out by its TTL
         return out
@@ -300,10 +312,51 @@ def _key(record: dict) -> dict:
     return key if isinstance(key, dict) else {}
 
 
-def _runq_pid(key: dict) -> int | None:
+def _evidence(record: dict) -> dict:
+    evidence = record.get("evidence")
+    return evidence if isinstance(evidence, dict) else {}
+
+
+def _cpu_kind(key: dict) -> bool:
+    """An alarm about a process's launching threads waiting for a CPU: its
+    run-queue P99 drifted, or the starvation detector found them runnable
+    too much of their time."""
     pid = key.get("pid")
-    if key.get("kind") == RUNQ and isinstance(pid, int) and not isinstance(pid, bool):
-        return pid
+    return key.get("kind") in (RUNQ, RUNQ_SHARE) and isinstance(pid, int) \
+        and not isinstance(pid, bool)
+
+
+def _cpu_pid(anomaly: dict) -> int | None:
+    """The process a CPU alarm is about, unless the anomaly's verdict (the
+    daemon's diagnosis of that process, in its evidence) names another
+    bound than cpu_starved: a launcher that waits for its copies
+    (bus_bound) or its device gets nothing from CPU hints. Without a
+    verdict (none could be made), the alarm speaks for itself."""
+    key = _key(anomaly)
+    if not _cpu_kind(key):
+        return None
+    verdict = _evidence(anomaly).get("verdict")
+    return key["pid"] if verdict is None or verdict == CPU_STARVED else None
+
+
+def _waits(anomaly: dict, pid: int, modality: str) -> str:
+    """What a CPU alarm says of a process serving `modality`, for a reason."""
+    if _key(anomaly).get("kind") == RUNQ_SHARE:
+        share = _evidence(anomaly).get("share")
+        spent = f" {share:.0%} of their time" if _number(share) else ""
+        return (f"the launching threads of pid {pid}, which serves {modality}, "
+                f"waited for a CPU{spent}")
+    return f"run-queue delay of pid {pid}, which serves {modality}, drifted up"
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value)
+
+
+def _ratio(value, reference) -> float | None:
+    if _number(value) and _number(reference) and reference > 0:
+        return value / reference
     return None
 
 

@@ -11,7 +11,7 @@ DASHBOARDS = Path(__file__).resolve().parent.parent / "dashboards"
 DASHBOARD = DASHBOARDS / "mmtrace.json"
 RULES = DASHBOARDS / "alerts.yml"
 RULE_TESTS = DASHBOARDS / "alerts_test.yml"
-GRAFANA_VARS = {"$__rate_interval": "15s", "$instance": ".*"}
+GRAFANA_VARS = {"$__rate_interval": "15s", "$instance": ".*", "$process": ".*"}
 
 
 def dashboard_panels() -> list[dict]:

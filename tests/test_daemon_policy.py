@@ -62,6 +62,50 @@ def test_inputs_keep_the_latest_firing_record_per_alarm_and_who_serves_what():
     assert obs.firing == [] and obs.active_modalities == {"text"}
 
 
+def test_starvation_alarms_of_two_processes_are_two_alarms():
+    """The starvation detector's records name no series: the key's pid tells
+    one process's alarm from another's, so neither overwrites the other and
+    one resolving leaves the other firing."""
+    inputs = PolicyInputs(CpuLoad("/nonexistent"), clock=lambda: S)
+
+    def starved(pid, state="firing"):
+        return {"detector": "starvation", "kind": "cpu_starved", "state": state, "pid": pid,
+                "key": {"kind": "runq_share", "pid": pid}, "evidence": {"share": 0.4}}
+    inputs.on_anomaly(starved(7))
+    inputs.on_anomaly(starved(8))
+    assert sorted(a["pid"] for a in inputs.observations().firing) == [7, 8]
+    inputs.on_anomaly(starved(7, "resolved"))
+    assert [a["pid"] for a in inputs.observations().firing] == [8]
+
+
+
+def test_the_policy_forgets_the_alarms_of_processes_that_exited(tmp_path):
+    """A starved process that exits while firing gets no resolved record:
+    the daemon's sweep of exited processes drops its alarm from the policy's
+    inputs, so no lever stays pressed and no cpu_contention is refreshed for
+    it. A live process's alarm, and a dispatcher's series (no pid), stay."""
+    from mmtrace.agent.daemon.loop import Daemon
+    cfg = config_mod.DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "s.sock")
+    daemon = Daemon(cfg)
+    daemon.proc_root = tmp_path / "proc"
+    (daemon.proc_root / "8").mkdir(parents=True)
+    inputs = daemon.steering.inputs
+    try:
+        for pid in (7, 8):
+            inputs.on_anomaly({"detector": "starvation", "kind": "cpu_starved",
+                               "state": "firing", "pid": pid,
+                               "key": {"kind": "runq_share", "pid": pid}, "evidence": {}})
+        inputs.on_anomaly({"detector": "p99_drift", "series": "request_latency{series=e2e,"
+                           "modality=text}", "state": "firing", "evidence": {},
+                           "key": {"kind": "request_latency", "series": "e2e",
+                                   "modality": "text"}})
+        daemon.forget_exited()
+        assert sorted(str(a.get("pid") or a["series"]) for a in inputs.observations().firing) \
+            == ["8", "request_latency{series=e2e,modality=text}"]
+    finally:
+        daemon.close()
+
+
 def hello(path, pid):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(str(path))

@@ -38,7 +38,8 @@ def test_dashboard_answers_the_designs_questions():
     for metric in ("mmtrace_submitter_runq_delay_seconds", "mmtrace_device_sync_wait_seconds",
                    "mmtrace_device_submit_to_retire_seconds", "mmtrace_device_memcpy_bytes_total",
                    "mmtrace_gpu_device_weight", "mmtrace_anomalies_total",
-                   "mmtrace_events_lost_total"):
+                   "mmtrace_events_lost_total", "mmtrace_launcher_time_share",
+                   "mmtrace_launcher_runnable_threshold"):
         assert any(m.startswith(metric) for m in used), metric
 
 
@@ -72,4 +73,5 @@ def test_every_alert_has_test_cases():
               if case.get("exp_alerts")}
     assert tested == set(rule_exprs()) == {
         "MmtraceP99DriftFiring", "MmtraceEntropyDrift", "MmtraceEventsLost", "MmtraceProbeDown",
-        "MmtraceAgentDown", "MmtraceNvmlMissing", "MmtraceCallFailures"}
+        "MmtraceAgentDown", "MmtraceNvmlMissing", "MmtraceCallFailures",
+        "MmtraceLauncherStarved"}

@@ -16,6 +16,15 @@ def runq(pid, p99=0.004, baseline=0.001):
             "evidence": {"p99": p99, "baseline": baseline}}
 
 
+def starved(pid, share=0.46, threshold=0.1, verdict="cpu_starved"):
+    """A starvation anomaly as the daemon delivers it (detectors/starvation.py,
+    the verdict added by agent/daemon/alarms.py)."""
+    return {"detector": "starvation", "kind": "cpu_starved", "state": "firing", "pid": pid,
+            "comm": "server", "key": {"kind": "runq_share", "pid": pid},
+            "evidence": {"share": share, "threshold": threshold, "baseline": 0.02,
+                         "windows": 2, "window_s": 1.0, "verdict": verdict}}
+
+
 def request(modality, series="e2e"):
     return {"detector": "p99_drift",
             "series": f"request_latency{{series={series},modality={modality}}}",
@@ -76,6 +85,66 @@ def test_runq_drift_of_a_vision_server_steps_its_batches_down_fast_and_back_slow
     calm = run(p, 60, start_s=5.5, served={70: {"vision"}})
     assert kinds(calm) == [("modality_batch", "vision", 4), ("modality_batch", "vision", 8)]
     assert [h["issued_ns"] for h in calm] == [int(25.5 * S), int(45.5 * S)]
+
+
+def test_the_policy_names_the_starvation_detectors_key_and_verdict():
+    """Its copy of the starvation detector's key kind and of the verdict
+    that says more CPU would help."""
+    from mmtrace.detectors.diagnosis import VERDICTS
+    from mmtrace.detectors.starvation import Starvation
+    from mmtrace.dispatch import policy as policy_mod
+    detector = Starvation(consecutive=1)
+    [record] = detector.observe(10**9, {7: (0.9, 1.0, "server")})
+    assert record["key"] == {"kind": policy_mod.RUNQ_SHARE, "pid": 7}
+    assert record["kind"] == policy_mod.CPU_STARVED and policy_mod.CPU_STARVED in VERDICTS
+
+
+def test_a_starved_launcher_presses_as_its_run_queue_drift_does():
+    """The starvation detector's anomaly moves the same levers as a run-queue
+    P99 drift of that process; cpu_contention carries the share over its
+    threshold and the evidence."""
+    p = HintPolicy(PolicySettings(ttl_s=600))
+    hints = p.decide(Observations(now_ns=0, firing=[starved(70)],
+                                  served={70: {"vision", "text"}}))
+    assert kinds(hints) == [("modality_batch", "vision", 4), ("priority", "vision", "low"),
+                            ("cpu_contention", "pid=70", 4.6)]
+    assert "pid 70" in hints[0]["reason"] and "46%" in hints[0]["reason"]
+    assert hints[2]["evidence"]["verdict"] == "cpu_starved"
+    # both alarms of one process: one cpu_contention, not two
+    both = HintPolicy().decide(Observations(now_ns=0, firing=[runq(70), starved(70)],
+                                            served={70: {"vision"}}))
+    assert kinds(both) == [("modality_batch", "vision", 4), ("cpu_contention", "pid=70", 4.0)]
+    # two starved processes: each its hint
+    two = HintPolicy().decide(Observations(now_ns=0, firing=[starved(70), starved(71)]))
+    assert [h["target"] for h in two] == ["pid=70", "pid=71"]
+
+
+def test_a_cpu_alarm_whose_verdict_names_another_bound_presses_nothing():
+    """A launcher that waits for its copies (bus_bound) or its device gets
+    nothing from CPU hints, whichever detector fired; without a verdict the
+    alarm speaks for itself."""
+    for other in ("bus_bound", "device_bound", "host_bound", "healthy"):
+        p = HintPolicy()
+        drift = runq(70)
+        drift["evidence"]["verdict"] = other
+        firing = [starved(70, verdict=other), drift]
+        assert p.decide(Observations(now_ns=0, firing=firing,
+                                     served={70: {"vision", "text"}})) == [], other
+        assert p.contention == {}
+    # the same alarms, starved: they press; with no verdict: too
+    p = HintPolicy()
+    drift = runq(71)
+    drift["evidence"]["verdict"] = "cpu_starved"
+    assert kinds(p.decide(Observations(now_ns=0, firing=[drift], served={71: {"text"}}))) == [
+        ("priority", "vision", "low"), ("cpu_contention", "pid=71", 4.0)]
+    assert kinds(HintPolicy().decide(Observations(now_ns=0, firing=[runq(72)]))) == [
+        ("cpu_contention", "pid=72", 4.0)]
+    # a bus-bound process's alarm does not keep another's lever pressed: it relaxes
+    p = HintPolicy(PolicySettings(relax_dwell_s=5, cooldown_s=1, ttl_s=600))
+    run(p, 1, firing=[starved(70)], served={70: {"vision"}})
+    calm = run(p, 10, start_s=1, firing=[starved(70, verdict="bus_bound")],
+               served={70: {"vision"}})
+    assert kinds(calm) == [("modality_batch", "vision", 8)]
 
 
 def test_runq_drift_of_a_text_server_lowers_vision_priority():

@@ -25,6 +25,7 @@ from mmtrace.exporters.live.event_counts import RUNQ_BOUNDS
 
 API = {a.symbol: a.id for a in device_stream.default_table().apis}
 KIND = device_stream.KIND_IDS
+S = 10**9
 
 
 def feed_device(daemon, events):
@@ -65,14 +66,45 @@ def sync(pid, tid, ts, duration_ns):
                 flags=device_stream.FLAG_RETURNED, direction=device_stream.NO_DIRECTION)
 
 
-@pytest.fixture
-def daemon(tmp_path):
-    proc = tmp_path / "proc"
+def timed_runq(pid, tid, t0_ns, t1_ns, period_ns, delay_ns, comm=b"t"):
+    """A wake-up of `tid` every period over [t0, t1), each waiting delay_ns."""
+    ts = np.arange(t0_ns, t1_ns, period_ns)
+    out = np.zeros(len(ts), sched_stream.RUNQ_EVENT)
+    out["ts_ns"], out["delay_ns"] = ts, delay_ns
+    out["pid"], out["tid"], out["comm"] = pid, tid, comm
+    return out
+
+
+def launcher_seconds(d, start_s, seconds, threads):
+    """`seconds` seconds from start_s of GPU work by the launching threads
+    `threads` (pid -> (tid, wake-up period ns, run-queue delay ns)): a
+    launch every 10 ms, a wake-up every period waiting the delay; after each
+    second the daemon's tick closes the windows due (the P99 detector's and
+    the launchers' time split, whose anomalies go to the alarms)."""
+    for sec in range(start_s, start_s + seconds):
+        t0, t1 = sec * S, (sec + 1) * S
+        feed_device(d, dev_events(sorted(
+            (launch(pid, tid, ts, ts // 1000) for pid, (tid, _, _) in threads.items()
+             for ts in range(t0, t1, 10_000_000)), key=lambda e: e["ts_ns"])))
+        rq = np.concatenate([timed_runq(pid, tid, t0, t1, period, delay)
+                             for pid, (tid, period, delay) in threads.items()])
+        d.streams.batch("cpu", rq[np.argsort(rq["ts_ns"], kind="stable")], [])
+        d.alarms.act(d.p99.advance(t1 + S // 4))
+        d.alarms.act(d.streams.launchers.tick(t1 + S // 4))
+
+
+def named_processes(proc):
+    """/proc/PID/comm of the processes the tests feed."""
     for pid, name in ((100, "vision_enc"), (200, "decoder"), (300, "decoder"), (400, "tok")):
         (proc / str(pid)).mkdir(parents=True)
         (proc / str(pid) / "comm").write_text(name + "\n")
+    return proc
+
+
+@pytest.fixture
+def daemon(tmp_path):
     d = Daemon(DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "sock"))
-    d.streams.counts.proc_root = proc
+    d.streams.counts.proc_root = named_processes(tmp_path / "proc")
     return d
 
 
@@ -164,6 +196,9 @@ def test_detectors_anomalies_hints_and_entropy(daemon):
     lines = scrape(daemon)
     # zeros before anything happened: alert expressions have series to judge
     assert 'mmtrace_anomalies_total{detector="p99_drift"} 0.0' in lines
+    assert 'mmtrace_anomalies_total{detector="starvation"} 0.0' in lines
+    assert ('mmtrace_detector_series{detector="starvation",series="runq_share",'
+            'state="firing"} 0.0') in lines
     assert 'mmtrace_hints_total{kind="cpu_contention"} 0.0' in lines
     assert ('mmtrace_detector_series{detector="attention_entropy",series="entropy_rise",'
             'state="firing"} 0.0') in lines
@@ -191,6 +226,115 @@ def test_detectors_anomalies_hints_and_entropy(daemon):
     assert any(line.startswith("mmtrace_process_resident_memory_bytes ") for line in lines)
 
 
+def value_of(lines, sample) -> float:
+    [line] = [line for line in lines if line.startswith(sample + " ")]
+    return float(line.split()[-1])
+
+
+@pytest.fixture
+def starved_decoder(tmp_path):
+    """Four processes launch GPU work for 8 s: vision_enc (pid 100), two
+    decoders (pids 200 and 300) and tok (pid 400), whose launching threads
+    wake every 10 ms (tok every 20 ms) and wait 200 µs on the run queue
+    (pid 300 400 µs); for the last 3 s pid 200 waits 6 ms of every 10: starved."""
+    from mmtrace.agent.config.settings import P99Settings
+    here = tmp_path / "starved"
+    d = Daemon(DaemonConfig(state_dir=here / "state", socket=here / "sock",
+                            p99=P99Settings(min_baseline_windows=2)))
+    d.streams.counts.proc_root = named_processes(here / "proc")
+    calm = {100: (101, 10_000_000, 200_000), 200: (201, 10_000_000, 200_000),
+            300: (301, 10_000_000, 400_000), 400: (401, 20_000_000, 200_000)}
+    launcher_seconds(d, 0, 5, calm)
+    launcher_seconds(d, 5, 3, {**calm, 200: (201, 10_000_000, 6_000_000)})
+    yield d
+    d.close()
+
+
+def test_where_the_launchers_time_goes_per_top_k_process(starved_decoder):
+    """mmtrace_launcher_time_share: the latest window's split per process
+    under the submitters' top-K labels (tok ranks third: not shown, and no
+    `other`); of the two decoders, the one with the highest runnable share
+    speaks; the starvation detector's threshold and baseline beside it, its
+    anomaly counted, its series' states counted for every process."""
+    d = starved_decoder
+    lines = scrape(d, top_k=2)
+    shares = family(lines, "mmtrace_launcher_time_share")
+    assert {line.split("{")[1].split(",")[0] for line in shares} == {
+        'process="decoder"', 'process="vision_enc"'}
+    for process in ("decoder", "vision_enc"):
+        split = {state: value_of(lines, f'mmtrace_launcher_time_share{{process="{process}",'
+                                        f'state="{state}"}}')
+                 for state in ("on_cpu", "runnable", "sync", "copy", "blocked")}
+        assert sum(split.values()) == pytest.approx(1.0, abs=0.02), split
+    decoder = 'mmtrace_launcher_time_share{process="decoder",state="runnable"}'
+    assert value_of(lines, decoder) == pytest.approx(0.6, abs=0.05)     # pid 200, starved
+    assert value_of(lines, decoder.replace("decoder", "vision_enc")) == pytest.approx(
+        0.02, abs=0.01)
+    rows = {row["pid"]: row for row in d.streams.launchers.table()}
+    assert rows[200]["firing"] and not rows[300]["firing"]
+    assert value_of(lines, 'mmtrace_launcher_runnable_threshold{process="decoder"}') == \
+        rows[200]["threshold"]
+    assert value_of(lines, 'mmtrace_launcher_runnable_baseline{process="decoder"}') == \
+        pytest.approx(0.02, abs=0.01)
+    assert value_of(lines, 'mmtrace_anomalies_total{detector="starvation"}') == 1
+    series = 'mmtrace_detector_series{detector="starvation",series="runq_share",state="%s"}'
+    assert (value_of(lines, series % "firing"), value_of(lines, series % "normal")) == (1, 3)
+    # pids on request, still within the top-K: each decoder its own
+    lines = scrape(d, top_k=3, with_pid=True)
+    calm = 'mmtrace_launcher_time_share{pid="300",process="decoder",state="runnable"}'
+    assert value_of(lines, calm) == pytest.approx(0.04, abs=0.01)
+    assert family(lines, "mmtrace_launcher_runnable_threshold") == [
+        f'mmtrace_launcher_runnable_threshold{{pid="{pid}",process="{name}"}} '
+        f'{rows[pid]["threshold"]}' for pid, name in ((200, "decoder"), (300, "decoder"),
+                                                      (100, "vision_enc"))]
+
+
+def test_a_launcher_the_detector_has_not_judged_shows_the_threshold_it_would_apply(daemon):
+    """A process whose launching threads ran 0.3 s of each window (too little
+    for the starvation detector to judge): its split shows, with the
+    threshold the detector holds (its default, no baseline learnt), and it
+    is not among the detector's series."""
+    for sec in range(3):
+        t0 = sec * S
+        feed_device(daemon, dev_events([launch(100, 101, ts, ts // 1000)
+                                        for ts in range(t0, t0 + 300_000_000, 10_000_000)]))
+        daemon.streams.batch("cpu", timed_runq(100, 101, t0, t0 + 300_000_000, 10_000_000,
+                                               200_000), [])
+        daemon.alarms.act(daemon.streams.launchers.tick(t0 + S + S // 4))
+    lines = scrape(daemon)
+    default = daemon.config.diagnosis.starved_share
+    assert family(lines, "mmtrace_launcher_runnable_threshold") == [
+        f'mmtrace_launcher_runnable_threshold{{process="vision_enc"}} {default}']
+    assert family(lines, "mmtrace_launcher_runnable_baseline") == []
+    assert value_of(lines, 'mmtrace_launcher_time_share{process="vision_enc",state="runnable"}') \
+        > 0
+    series = 'mmtrace_detector_series{detector="starvation",series="runq_share",state="%s"}'
+    assert (value_of(lines, series % "firing"), value_of(lines, series % "normal")) == (0, 0)
+
+
+def test_p99_thresholds_and_baselines_per_series_kind_and_top_k_process(starved_decoder):
+    """mmtrace_detector_threshold_seconds / _baseline_seconds: the P99
+    detector's, in seconds, per series kind under the top-K labels; of the
+    two decoders' series, the one with the highest threshold speaks."""
+    d = starved_decoder
+    levels = {pid: (d.p99.baseline(f"runq_delay{{pid={pid}}}"),
+                    d.p99.threshold(f"runq_delay{{pid={pid}}}")) for pid in (100, 200, 300)}
+    assert all(base is not None and limit > base for base, limit in levels.values()), levels
+    lines = scrape(d, top_k=2)
+    loud = max((levels[200], levels[300]), key=lambda level: level[1])
+    at = '{detector="p99_drift",process="%s",series="runq_delay"}'
+    assert value_of(lines, "mmtrace_detector_threshold_seconds" + at % "decoder") == loud[1]
+    assert value_of(lines, "mmtrace_detector_baseline_seconds" + at % "decoder") == loud[0]
+    assert value_of(lines, "mmtrace_detector_threshold_seconds" + at % "vision_enc") == \
+        levels[100][1]
+    assert 200e-6 <= levels[100][0] < 400e-6            # the baseline is the p99 seen, in s
+    assert not [line for line in family(lines, "mmtrace_detector_threshold_seconds")
+                if 'process="tok"' in line or 'process="other"' in line]
+    lines = scrape(d, top_k=3, with_pid=True)
+    assert value_of(lines, 'mmtrace_detector_threshold_seconds{detector="p99_drift",pid="300",'
+                           'process="decoder",series="runq_delay"}') == levels[300][1]
+
+
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian's prometheus)")
 def test_names_no_scrape_can_encode_are_escaped_not_a_500(daemon):
     """A library path of undecodable bytes (a user can make one) and a lone
@@ -213,12 +357,14 @@ def test_names_no_scrape_can_encode_are_escaped_not_a_500(daemon):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_exposition_passes_promtool(daemon):
+def test_exposition_passes_promtool(daemon, starved_decoder):
     feed_gpu_work(daemon)
-    text = "\n".join(scrape(daemon)) + "\n"
-    result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True,
-                            text=True)
-    assert result.returncode == 0, result.stdout + result.stderr
+    for d, labels in ((daemon, {}), (starved_decoder, {}), (starved_decoder, {"with_pid": True})):
+        text = "\n".join(scrape(d, **labels)) + "\n"
+        assert "mmtrace_launcher_time_share" in text
+        result = subprocess.run(["promtool", "check", "metrics"], input=text,
+                                capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_endpoint_serves_and_a_taken_port_is_one_error(daemon):

@@ -3,12 +3,14 @@ the figures the test caused show, `q` quits; with no daemon, one line."""
 
 import os
 import pty
+import re
 import select
 import subprocess
 import threading
 import time
 
 import numpy as np
+import pytest
 
 from mmtrace.agent.config import settings as config_mod
 from mmtrace.agent.daemon.loop import Daemon
@@ -21,6 +23,7 @@ from mmtrace.exporters.terminal import top as top_view
 
 from conftest import MMTRACE
 from test_daemon_parts import connect, send_entropy_rise
+from test_metrics import launcher_seconds, named_processes
 
 PID, TID = 4321, 4322
 
@@ -106,7 +109,7 @@ def test_failed_calls_are_counted_apart_not_as_work():
          "count": len(copies)}]
     screen = top_view.render({"processes": [row], "span_s": 10.0}, width=200)
     cols = screen[3].split()
-    assert cols[3:] == ["100.0", "9.000", "0.00", f"{len(bad) / 10.0:.1f}"]
+    assert cols[3:] == ["off", "100.0", "9.000", "0.00", f"{len(bad) / 10.0:.1f}"]
     at = screen.index("FAILED CALLS (last 10 s)")
     assert screen[at + 1].split() == [str(PID), "cudaLaunchKernel", "cudaErrorInsufficientDriver",
                                       "(35)", f"{len(launches[::2]):,}"]
@@ -118,6 +121,77 @@ def test_active_anomalies_keep_the_latest_unresolved():
                {"detector": "p99_drift", "series": "b", "state": "firing"},
                {"detector": "p99_drift", "series": "a", "state": "resolved"}]
     assert [a["what"] for a in status_view.active_anomalies(records)] == ["b"]
+
+
+def starved(pid, state="firing"):
+    return {"detector": "starvation", "kind": "cpu_starved", "state": state, "pid": pid,
+            "comm": f"srv{pid}", "key": {"kind": "runq_share", "pid": pid},
+            "evidence": {"share": 0.46, "threshold": 0.1, "verdict": "cpu_starved"}}
+
+
+def test_starvation_anomalies_of_two_processes_are_two_alarms():
+    """The starvation detector's records share detector and kind: the key's
+    pid keeps them apart, and each names its process and verdict."""
+    active = status_view.active_anomalies([starved(7), starved(8), starved(7, "resolved"),
+                                           starved(9), starved(9)])
+    assert [(a["pid"], a["comm"], a["verdict"], a["share"]) for a in active] == [
+        (8, "srv8", "cpu_starved", 0.46), (9, "srv9", "cpu_starved", 0.46)]
+    screen = top_view.render({"anomalies": active}, width=200)
+    at = screen.index("ANOMALIES")
+    assert screen[at + 1].split() == ["firing", "starvation", "cpu_starved", "pid", "8",
+                                      "(srv8)", "runnable", "46", "%", "vs", "threshold", "10",
+                                      "%", "verdict", "cpu_starved"]
+    # a P99 series names its process already
+    drift = {"detector": "p99_drift", "series": "runq_delay{pid=7}", "state": "firing",
+             "key": {"kind": "runq_delay", "pid": 7}, "evidence": {"verdict": "bus_bound"}}
+    [line] = [line for line in top_view.render(
+        {"anomalies": status_view.active_anomalies([drift])}, width=200) if "p99_drift" in line]
+    assert line.split() == ["firing", "p99_drift", "runq_delay{pid=7}", "verdict", "bus_bound"]
+
+
+def test_status_shows_where_the_launchers_time_goes(tmp_path):
+    """A daemon whose decoders (pids 200 and 300) are starved for the last
+    3 of 8 s: each process row has the latest window's split, its runnable
+    share against the starvation threshold (RUNNABLE % column, "off" where
+    not measured) and its run-queue p99 baseline and threshold; the two
+    starvation anomalies are two, with their processes and verdicts."""
+    from mmtrace.agent.config.settings import P99Settings
+    from mmtrace.agent.daemon import views
+    d = Daemon(config_mod.DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "s.sock",
+                                       p99=P99Settings(min_baseline_windows=2)))
+    d.streams.counts.proc_root = named_processes(tmp_path / "proc")
+    d.started_ns = 0
+    calm = {100: (101, 10_000_000, 200_000), 200: (201, 10_000_000, 200_000),
+            300: (301, 10_000_000, 200_000)}
+    try:
+        launcher_seconds(d, 0, 5, calm)
+        launcher_seconds(d, 5, 3, {**calm, 200: (201, 10_000_000, 6_000_000),
+                                   300: (301, 10_000_000, 5_000_000)})
+        status = views.status(d, 8 * 10**9 + 10**9 // 4, 5.0)
+    finally:
+        d.close()
+    rows = {p["pid"]: p for p in status["processes"]}
+    assert rows[200]["runnable_share"] == pytest.approx(0.6, abs=0.02)
+    assert rows[200]["runnable_threshold"] == 0.1
+    assert rows[200]["runnable_baseline"] == pytest.approx(0.02, abs=0.005)
+    assert sum(rows[200]["shares"].values()) == pytest.approx(1.0, abs=0.02)
+    assert rows[100]["runnable_share"] == pytest.approx(0.02, abs=0.005)
+    # the P99 detector's baseline and threshold of pid 100's run-queue delay, in µs
+    assert 200 <= rows[100]["runq_p99_baseline_us"] < rows[100]["runq_p99_threshold_us"]
+    assert rows[100]["runq_p99_threshold_us"] == pytest.approx(
+        d.p99.threshold("runq_delay{pid=100}") * 1e6)
+    starving = [a for a in status["anomalies"] if a["detector"] == "starvation"]
+    # (comm: the launching thread's name, as the detector saw it)
+    assert sorted((a["pid"], a["comm"], a["verdict"]) for a in starving) == [
+        (200, "t", "cpu_starved"), (300, "t", "cpu_starved")]
+    screen = top_view.render(status, width=200)
+    cols = {line.split()[0]: line.split() for line in screen[3:6]}
+    assert (cols["200"][3], cols["300"][3], cols["100"][3]) == ("60/10", "50/10", "2/10")
+    assert any(re.search(r"starvation cpu_starved pid 300 \(t\)  runnable 50 % vs "
+                         r"threshold 10 %  verdict cpu_starved", line) for line in screen)
+    # a process whose launchers' time is not measured
+    off = dict(rows[100], shares=None, runnable_share=None, runnable_threshold=None)
+    assert top_view.render({"processes": [off]})[3].split()[3] == "off"
 
 
 def screens(fd, until, timeout=15.0):
@@ -143,11 +217,13 @@ def process_row(screen):
 
 def shows_the_figures(row):
     """The row of pid 4321 once a second or more of its work is in: about
-    200 launches/s, sync p99 9 ms, run-queue p99 3 ms, 0.1 GB/s."""
+    200 launches/s, sync p99 9 ms, run-queue p99 3 ms, 0.1 GB/s, and once
+    a window of its launchers' time has closed, runnable 1 % of it."""
     cols = row.split()
-    return (len(cols) == 7 and cols[1] == "vlm-launcher" and cols[2] == "3.000"
-            and 150 <= float(cols[3]) <= 260 and cols[4] == "9.000"
-            and cols[5] in ("0.09", "0.10", "0.11") and cols[6] == "0.0")
+    return (len(cols) == 8 and cols[1] == "vlm-launcher" and cols[2] == "3.000"
+            and re.fullmatch(r"[01]/10", cols[3])       # 8 ms a second runnable, of 100
+            and 150 <= float(cols[4]) <= 260 and cols[5] == "9.000"
+            and cols[6] in ("0.09", "0.10", "0.11") and cols[7] == "0.0")
 
 
 def test_top_shows_the_live_figures_and_quits_on_q(tmp_path):

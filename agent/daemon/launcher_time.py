@@ -91,13 +91,19 @@ class LauncherTime:
 
     def table(self) -> list[dict]:
         """Per process with launching threads: the latest closed window's
-        time split, and the starvation detector's share, baseline and
-        threshold (for top and the metrics)."""
+        time split, the starvation detector's share (of the latest window
+        it judged: one its threads lived at least half of), and the
+        threshold and baseline it holds now (the threshold is the default
+        until a baseline is learnt, the baseline None), for top and the
+        metrics."""
         rows = {r["pid"]: r for r in self.starvation.table()}
         out = []
         for pid, latest in self.latest.items():
             row = dict(rows.get(pid) or {"pid": pid, "comm": latest["comm"], "firing": False})
             row["shares"] = latest["shares"]
+            base = self.starvation.baseline(pid)
+            row["threshold"] = round(self.starvation.threshold(pid), 4)
+            row["baseline"] = None if base is None else round(base, 4)
             out.append(row)
         return out
 

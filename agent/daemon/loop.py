@@ -274,9 +274,12 @@ class Daemon:
 
     def forget_exited(self):
         """The series, counts and names of processes that have exited go
-        (streams.forget_exited), and the policy forgets their series."""
+        (streams.forget_exited), and the policy forgets their alarms: their
+        series', and those of detectors that name the process (starvation),
+        which no resolved record will end."""
         for name in self.streams.forget_exited(self.proc_root, time.monotonic_ns()):
             self.steering.inputs.forget(("series", name))
+        self.steering.inputs.forget_exited(self.proc_root)
 
     # -------------------------------------------------------------- status
 

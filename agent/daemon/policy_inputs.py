@@ -6,6 +6,7 @@ and device weights once a source sets them."""
 
 import time
 from collections import OrderedDict
+from pathlib import Path
 
 from mmtrace.dispatch.policy import Observations
 
@@ -17,10 +18,13 @@ MAX_SERVERS = 1024              # pids remembered, least recently heard dropped 
 
 
 def alarm_key(anomaly: dict) -> tuple:
-    """One alarm: a P99 series, or a detector's kind on a modality."""
+    """One alarm: a P99 series, or a detector's kind on a modality or a
+    process (the key's pid: two starved processes are two alarms)."""
     if anomaly.get("series"):
         return ("series", anomaly["series"])
-    return (anomaly.get("detector"), anomaly.get("kind"), anomaly.get("modality"))
+    key = anomaly.get("key")
+    pid = key.get("pid") if isinstance(key, dict) else None
+    return (anomaly.get("detector"), anomaly.get("kind"), anomaly.get("modality"), pid)
 
 
 class PolicyInputs:
@@ -63,6 +67,16 @@ class PolicyInputs:
 
     def forget(self, key: tuple):
         self.firing.pop(key, None)
+
+    def forget_exited(self, proc_root: Path):
+        """The alarms about processes that have exited (their key's pid is
+        gone from `proc_root`): a starved process that exits while firing
+        must not keep the levers pressed and its cpu_contention refreshed."""
+        for key, anomaly in list(self.firing.items()):
+            about = anomaly.get("key")
+            pid = about.get("pid") if isinstance(about, dict) else None
+            if isinstance(pid, int) and not (proc_root / str(pid)).exists():
+                del self.firing[key]
 
     def observations(self, now_ns: int | None = None) -> Observations:
         now = self.clock() if now_ns is None else now_ns

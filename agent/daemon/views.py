@@ -8,6 +8,8 @@ import os
 from mmtrace.exporters.live import status as status_view
 from mmtrace.exporters.live.prometheus import DaemonSnapshot, KernelFigures
 
+from mmtrace.agent.ingest.series_keys import RUNQ
+
 
 def metrics_snapshot(daemon) -> DaemonSnapshot:
     """The metrics endpoint's view, taken in its thread: the kernel's maps
@@ -20,6 +22,9 @@ def metrics_snapshot(daemon) -> DaemonSnapshot:
     with daemon.lock:
         p99 = daemon.p99
         series = [(key.kind, p99.state(name)) for name, key in streams.series_keys.items()]
+        levels = [(key.kind, key.pid, p99.baseline(name), p99.threshold(name))
+                  for name, key in streams.series_keys.items() if key.per_process]
+        launchers = [dict(row, shares=dict(row["shares"])) for row in streams.launchers.table()]
         entropy_latest = dict(daemon.messages.entropy_latest)
         modalities = {m: set(daemon.entropy.firing(m)) for m in entropy_latest}
         anomalies = dict(daemon.alarms.counts)
@@ -27,7 +32,8 @@ def metrics_snapshot(daemon) -> DaemonSnapshot:
         program_states = list(probes.probe_states)
     otlp, nvml, npu = daemon.otlp, daemon.monitors.nvml, daemon.monitors.npu
     return DaemonSnapshot(
-        kernel=kernel, counts=counts, p99_series=series, entropy_modalities=modalities,
+        kernel=kernel, counts=counts, p99_series=series, p99_levels=levels,
+        launchers=launchers, entropy_modalities=modalities,
         entropy_latest=entropy_latest, anomalies=anomalies, hints=hints,
         program_states=program_states,
         device_probes=device.states() if device is not None else None,
@@ -53,6 +59,12 @@ def status(daemon, now: int, span_s: float) -> dict:
                                            names=streams.counts.process_name,
                                            launches_traced=launch_probes != "on alarm",
                                            infos=streams.infos)
+    p99 = daemon.p99
+    runq_levels = {key.pid: (p99.baseline(name), p99.threshold(name))
+                   for name, key in streams.series_keys.items()
+                   if key.kind == RUNQ and key.pid is not None}
+    processes = status_view.with_launchers(
+        processes, {row["pid"]: row for row in streams.launchers.table()}, runq_levels)
     return {"v": 1, "type": "status", "daemon_pid": os.getpid(),
             "uptime_s": (now - daemon.started_ns) / 1e9, "span_s": round(span_s, 3),
             "launch_probes": launch_probes,

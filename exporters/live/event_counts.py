@@ -211,27 +211,37 @@ class EventCounts:
         return CountsSnapshot(subs, bytes_, sync_wait, retire, processes, failed)
 
 
-def top_k(processes: dict, k: int, with_pid: bool = False) -> list[tuple[tuple, Histogram]]:
-    """Per-process histograms under bounded labels: the k busiest workloads
+def process_labels(processes: dict, k: int, with_pid: bool = False) -> dict[int, tuple]:
+    """pid -> its label values under bounded labels: the k busiest workloads
     by wake-ups, keyed by process name (or name and pid when `with_pid`),
-    and the rest folded into `other`. Ranked by wake-ups since the daemon
-    started, the set changes only when one workload overtakes another; then
-    `other` may step down once, which Prometheus takes for a counter reset."""
-    groups: dict[tuple, Histogram] = {}
+    and the rest `other`. Ranked by wake-ups since the daemon started, the
+    set changes only when one workload overtakes another. Every family that
+    labels a workload takes its labels from here, so that they name the
+    same processes."""
+    keys = {pid: (proc.name, str(pid)) if with_pid else (proc.name,)
+            for pid, proc in processes.items()}
+    wakeups: dict[tuple, int] = {}
     for pid, proc in processes.items():
-        key = (proc.name, str(pid)) if with_pid else (proc.name,)
+        wakeups[keys[pid]] = wakeups.get(keys[pid], 0) + int(proc.hist.counts.sum())
+    ranked = sorted(wakeups, key=lambda key: (-wakeups[key], key))
+    other = OTHER_LABELS[with_pid]
+    named = {key for key in ranked[:k] if key != other}
+    return {pid: key if key in named else other for pid, key in keys.items()}
+
+
+OTHER_LABELS = {False: ("other",), True: ("other", "other")}
+
+
+def top_k(processes: dict, k: int, with_pid: bool = False) -> list[tuple[tuple, Histogram]]:
+    """Per-process histograms under bounded labels (process_labels), busiest
+    first, `other` last. When the set changes, `other` may step down once,
+    which Prometheus takes for a counter reset."""
+    groups: dict[tuple, Histogram] = {}
+    for pid, key in process_labels(processes, k, with_pid).items():
         if key in groups:
-            groups[key].merge(proc.hist)
+            groups[key].merge(processes[pid].hist)
         else:
-            groups[key] = proc.hist.copy()
-    ranked = sorted(groups.items(), key=lambda kv: (-int(kv[1].counts.sum()), kv[0]))
-    other_key = ("other", "other") if with_pid else ("other",)
-    kept = [(key, hist) for key, hist in ranked[:k] if key != other_key]
-    named = {key for key, _ in kept}
-    rest = [hist for key, hist in ranked if key not in named]
-    if rest:
-        other = Histogram(RUNQ_BOUNDS)
-        for hist in rest:
-            other.merge(hist)
-        kept.append((other_key, other))
-    return kept
+            groups[key] = processes[pid].hist.copy()
+    other = OTHER_LABELS[with_pid]
+    return sorted(groups.items(), key=lambda kv: (kv[0] == other, -int(kv[1].counts.sum()),
+                                                  kv[0]))

@@ -7,6 +7,14 @@ detectors, anomalies, hints, GPU/NPU devices). Names and labels are the
 interface's ("Prometheus"); a label that names a workload is capped at a
 top-K, the rest folded into `other`, and carries a pid only when the
 operator turns that on.
+
+Gauges of a process's figures (the launchers' time split, the detectors'
+thresholds and baselines) take the same top-K labels, but have no `other`:
+a share or a threshold of unrelated processes mixed together would hide
+the one that matters, whose anomaly counts in mmtrace_anomalies_total
+wherever it ranks. Where several processes share a label (one name, pids
+not labelled), one speaks for them: the launcher with the highest runnable
+share, the P99 series with the highest threshold.
 """
 
 import errno
@@ -25,8 +33,10 @@ from prometheus_client.exposition import ThreadingWSGIServer
 
 from mmtrace.bpf import counters as bpf_counters
 from mmtrace.detectors import entropy_drift
+from mmtrace.detectors.diagnosis import STATES as LAUNCHER_STATES
 
-from mmtrace.exporters.live.event_counts import Histogram, top_k
+from mmtrace.exporters.live.event_counts import (OTHER_LABELS, Histogram, process_labels,
+                                                 top_k)
 
 DEFAULT_ADDRESS = ":9464"
 # The kernel's run-queue histogram: slot k holds [2^k, 2^(k+1)) µs (slot 0:
@@ -34,7 +44,8 @@ DEFAULT_ADDRESS = ":9464"
 KERNEL_RUNQ_SLOTS = 20
 KERNEL_RUNQ_BOUNDS = tuple(2.0 ** (k + 1) * 1e-6 for k in range(KERNEL_RUNQ_SLOTS))
 DETECTOR_STATES = ("normal", "pending", "firing", "resolved")
-KNOWN_DETECTORS = ("p99_drift", "attention_entropy")
+KNOWN_DETECTORS = ("p99_drift", "attention_entropy", "starvation", "call_failures")
+STARVATION_SERIES = "runq_share"        # the starvation detector's key kind
 KNOWN_HINTS = ("modality_batch", "priority", "route_affinity", "prefer_device", "degrade",
                "cpu_contention")
 BPF_STATS_SYSCTL = "sys/kernel/bpf_stats_enabled"
@@ -144,6 +155,9 @@ class DaemonSnapshot:
     kernel: KernelFigures | None = None     # None until the CPU stream is loaded
     counts: object = None                   # event_counts.EventCounts.snapshot()
     p99_series: list = field(default_factory=list)        # (series kind, state) per series
+    # (series kind, pid, baseline s, threshold s) per P99 series of a process
+    p99_levels: list = field(default_factory=list)
+    launchers: list = field(default_factory=list)         # launcher_time.LauncherTime.table()
     entropy_modalities: dict = field(default_factory=dict)  # modality -> kinds firing
     entropy_latest: dict = field(default_factory=dict)    # modality -> mean entropy
     anomalies: dict = field(default_factory=dict)         # detector -> fired
@@ -179,6 +193,9 @@ class DaemonCollector:
         if d.kernel is not None:
             yield from self._kernel(d.kernel)
         yield from self._submitters(d.counts)
+        workloads = process_labels(d.counts.processes, self.labels.top_k, self.labels.with_pid)
+        yield from self._launchers(workloads, d.launchers)
+        yield from self._p99_levels(workloads, d.p99_levels)
         yield from self._device(d.counts)
         yield from self._probes(d.program_states, d.device_probes, d.device_held)
         yield from self._detectors(_detector_rows(d), d.entropy_latest, d.anomalies, d.hints)
@@ -250,6 +267,81 @@ class DaemonCollector:
         for key, hist in top_k(counts.processes, self.labels.top_k, self.labels.with_pid):
             h.add_metric(list(key), hist.cumulative(), hist.sum)
         yield h
+
+    def _workload_names(self) -> list[str]:
+        return ["process", "pid"] if self.labels.with_pid else ["process"]
+
+    def _named(self, workloads: dict, pid) -> tuple | None:
+        """A process's labels where it is among the top-K (not `other`, nor
+        unknown to the counts yet)."""
+        key = workloads.get(pid)
+        return None if key is None or key == OTHER_LABELS[self.labels.with_pid] else key
+
+    def _launchers(self, workloads: dict, rows: list):
+        """The latest window's time split of the threads that launch GPU/NPU
+        work, and the starvation detector's threshold and baseline."""
+        speaks: dict[tuple, dict] = {}
+        for row in rows:
+            key = self._named(workloads, row["pid"])
+            if key is None:
+                continue
+            held = speaks.get(key)
+            if held is None or row["shares"].get("runnable", 0.0) > \
+                    held["shares"].get("runnable", 0.0):
+                speaks[key] = row
+        names = self._workload_names()
+        split = GaugeMetricFamily(
+            "mmtrace_launcher_time_share",
+            f"Share (0..1) of the wall time of each process's GPU/NPU-launching threads, over "
+            f"the latest closed window, by state: on_cpu, runnable (waiting on a run queue), "
+            f"sync, copy (in synchronous copies), blocked (asleep otherwise). The "
+            f"{self.labels.top_k} busiest processes by name; no other.",
+            labels=[*names, "state"])
+        threshold = GaugeMetricFamily(
+            "mmtrace_launcher_runnable_threshold",
+            "The runnable share at which the starvation detector calls a window starved, "
+            "per process.", labels=names)
+        baseline = GaugeMetricFamily(
+            "mmtrace_launcher_runnable_baseline",
+            "The starvation detector's baseline runnable share (median of the process's "
+            "windows that were not starved), once learnt.", labels=names)
+        for key, row in sorted(speaks.items()):
+            for state in LAUNCHER_STATES:
+                split.add_metric([*key, state], float(row["shares"].get(state, 0.0)))
+            if row.get("threshold") is not None:
+                threshold.add_metric(list(key), float(row["threshold"]))
+            if row.get("baseline") is not None:
+                baseline.add_metric(list(key), float(row["baseline"]))
+        yield split
+        yield threshold
+        yield baseline
+
+    def _p99_levels(self, workloads: dict, levels: list):
+        """The P99 detector's threshold and baseline per series kind and
+        process, for the series of processes (a dispatcher's own series are
+        named by it: not labels)."""
+        speaks: dict[tuple, tuple[float, float]] = {}
+        for kind, pid, base, limit in levels:
+            key = self._named(workloads, pid)
+            if key is None or base is None or limit is None:
+                continue
+            held = speaks.get((kind, *key))
+            if held is None or limit > held[1]:
+                speaks[(kind, *key)] = (base, limit)
+        labels = ["detector", "series", *self._workload_names()]
+        threshold = GaugeMetricFamily(
+            "mmtrace_detector_threshold_seconds",
+            "The p99 a window must pass to count as bad, per series kind and process, once "
+            "the series' baseline is learnt.", labels=labels)
+        baseline = GaugeMetricFamily(
+            "mmtrace_detector_baseline_seconds",
+            "The P99 detector's baseline p99, per series kind and process, once learnt.",
+            labels=labels)
+        for (kind, *key), (base, limit) in sorted(speaks.items()):
+            threshold.add_metric(["p99_drift", kind, *key], float(limit))
+            baseline.add_metric(["p99_drift", kind, *key], float(base))
+        yield threshold
+        yield baseline
 
     def _device(self, counts):
         subs = CounterMetricFamily("mmtrace_device_submissions_total",
@@ -444,6 +536,11 @@ def _detector_rows(d: DaemonSnapshot) -> dict:
     for kind in entropy_drift.KINDS:
         for state in ("normal", "firing"):
             rows[("attention_entropy", kind, state)] = 0
+    for state in ("normal", "firing"):
+        rows[("starvation", STARVATION_SERIES, state)] = 0
+    for row in d.launchers:
+        if row.get("share") is not None:        # the detector has judged a window of it
+            rows[("starvation", STARVATION_SERIES, "firing" if row["firing"] else "normal")] += 1
     for firing in d.entropy_modalities.values():
         for kind in entropy_drift.KINDS:
             rows[("attention_entropy", kind, "firing" if kind in firing else "normal")] += 1

@@ -1,7 +1,10 @@
 """The daemon's live state as one JSON-able snapshot, for `mmtrace top` (over
 the hint socket's `status` request): per process doing GPU/NPU work, its
 run-queue p99, launches/s, sync-wait p99 and memcpy rate over the last
-seconds; the active anomalies, the latest hints, and what was lost.
+seconds, where its launching threads' time went in the latest window (the
+runnable share against the starvation detector's threshold) and the P99
+detector's baseline and threshold of its run-queue delay; the active
+anomalies, the latest hints, and what was lost.
 
 Computed on request from the daemon's rings, so a daemon nobody asks pays
 nothing for it."""
@@ -55,21 +58,48 @@ def process_table(runq: np.ndarray, device: np.ndarray, device_tids: np.ndarray,
     return rows[:MAX_PROCESSES]
 
 
+def with_launchers(rows: list[dict], launchers: dict, runq_levels: dict) -> list[dict]:
+    """The process rows with, where measured (else None): `shares`, the
+    latest closed window's time split of the launching threads (state ->
+    share); `runnable_share`, `runnable_threshold` and `runnable_baseline`,
+    the starvation detector's figures; `runq_p99_baseline_us` and
+    `runq_p99_threshold_us`, the P99 detector's for the run-queue delay.
+    `launchers`: pid -> LauncherTime.table()'s row; `runq_levels`: pid ->
+    (baseline s, threshold s)."""
+    for row in rows:
+        launcher = launchers.get(row["pid"]) or {}
+        shares = launcher.get("shares")
+        base, limit = runq_levels.get(row["pid"], (None, None))
+        row.update(shares=dict(shares) if shares else None,
+                   runnable_share=shares.get("runnable") if shares else None,
+                   runnable_threshold=launcher.get("threshold"),
+                   runnable_baseline=launcher.get("baseline"),
+                   runq_p99_baseline_us=None if base is None else base * 1e6,
+                   runq_p99_threshold_us=None if limit is None else limit * 1e6)
+    return rows
+
+
 def active_anomalies(anomalies: list[dict]) -> list[dict]:
-    """The latest record of each alarm (detector, series or kind and
-    modality), kept when it is not resolved: what is wrong now."""
+    """The latest record of each alarm (detector, series or kind, modality
+    and the process its key names: two starved processes are two alarms),
+    kept when it is not resolved: what is wrong now. Each names its process
+    (pid, comm) where it is about one, and the verdict its evidence names."""
     latest = {}
     for a in anomalies:
-        key = (a.get("detector"), a.get("series") or a.get("kind"), a.get("modality"))
+        about = a.get("key") if isinstance(a.get("key"), dict) else {}
+        key = (a.get("detector"), a.get("series") or a.get("kind"), a.get("modality"),
+               about.get("pid"))
         latest[key] = a
     out = []
-    for (detector, what, modality), a in latest.items():
+    for (detector, what, modality, pid), a in latest.items():
         if a.get("state") in ("resolved", "normal", "cleared"):
             continue
-        ev = a.get("evidence") or {}
+        ev = a.get("evidence") if isinstance(a.get("evidence"), dict) else {}
         out.append({"detector": detector, "what": what, "modality": modality,
                     "state": a.get("state"), "ts_ns": a.get("ts_ns"),
+                    "pid": pid, "comm": a.get("comm"), "verdict": ev.get("verdict"),
                     "p99": ev.get("p99"), "baseline": ev.get("baseline"),
+                    "share": ev.get("share"), "threshold": ev.get("threshold"),
                     "flight_recording": a.get("flight_recording")})
     return out[-MAX_ANOMALIES:]
 

@@ -36,8 +36,10 @@ def render(status: dict, width: int = 100, live: bool = False) -> list[str]:
              f"{status.get('launch_probes', '?')}" + ("   (q quits)" if live else ""), ""]
     # One unit per column, named in its header; "off" where a figure is not measured.
     # Failed calls did no work: they are in FAILED/s and below, not in the others.
-    lines.append(f"{'PID':>8} {'PROCESS':<16} {'RUNQ p99 ms':>12} {'LAUNCH/s':>10} "
-                 f"{'SYNC p99 ms':>12} {'MEMCPY GB/s':>12} {'FAILED/s':>10}")
+    # RUNNABLE %: the share of the launching threads' time spent waiting on a
+    # run queue in the latest window, over the starvation detector's threshold.
+    lines.append(f"{'PID':>8} {'PROCESS':<16} {'RUNQ p99 ms':>12} {'RUNNABLE %':>10} "
+                 f"{'LAUNCH/s':>10} {'SYNC p99 ms':>12} {'MEMCPY GB/s':>12} {'FAILED/s':>10}")
     processes = status.get("processes") or []
     failing = []
     for p in processes:
@@ -45,6 +47,7 @@ def render(status: dict, width: int = 100, live: bool = False) -> list[str]:
         launches = p.get("launches_per_s")
         lines.append(f"{p['pid']:>8} {(p.get('comm') or '?')[:16]:<16} "
                      f"{_ms(None if runq_us is None else runq_us / 1e3):>12} "
+                     f"{_runnable(p):>10} "
                      f"{'off' if launches is None else f'{launches:.1f}':>10} "
                      f"{_ms(p.get('sync_wait_p99_ms')):>12} "
                      f"{p.get('memcpy_gb_per_s', 0):>12.2f} "
@@ -60,8 +63,15 @@ def render(status: dict, width: int = 100, live: bool = False) -> list[str]:
     for a in status.get("anomalies") or []:
         ratio = (f"  p99 {a['p99'] * 1e3:.2f} ms vs baseline {a['baseline'] * 1e3:.2f} ms"
                  if a.get("p99") is not None and a.get("baseline") else "")
+        if a.get("share") is not None and a.get("threshold") is not None:
+            ratio += f"  runnable {_pct(a['share'])} vs threshold {_pct(a['threshold'])}"
         where = f" [{a['modality']}]" if a.get("modality") else ""
-        lines.append(f"  {a.get('state', '?'):<8} {a.get('detector')} {a.get('what')}{where}{ratio}")
+        if a.get("pid") is not None and f"pid={a['pid']}" not in str(a.get("what")):
+            # a detector's kind (starvation's cpu_starved) names no process: say which
+            where += f" pid {a['pid']}" + (f" ({a['comm']})" if a.get("comm") else "")
+        verdict = f"  verdict {a['verdict']}" if a.get("verdict") else ""
+        lines.append(f"  {a.get('state', '?'):<8} {a.get('detector')} {a.get('what')}{where}"
+                     f"{ratio}{verdict}")
     if not status.get("anomalies"):
         lines.append("  none")
     lines += ["", f"HINTS ({status.get('hints_sent', 0)} sent)"]
@@ -122,6 +132,19 @@ def _width(out) -> int:
         return os.get_terminal_size(out.fileno()).columns or 120   # 0: a pty never sized
     except (OSError, ValueError, AttributeError):
         return 120
+
+
+def _runnable(p: dict) -> str:
+    """"46/10": the runnable share and the starvation threshold, in percent;
+    "off" where the launchers' time is not measured."""
+    share, threshold = p.get("runnable_share"), p.get("runnable_threshold")
+    if share is None:
+        return "off"
+    return f"{share * 100:.0f}" + ("" if threshold is None else f"/{threshold * 100:.0f}")
+
+
+def _pct(share: float) -> str:
+    return f"{share * 100:.0f} %"
 
 
 def _ms(value) -> str:
