@@ -63,9 +63,11 @@ class Alarms:
             at = anomaly.get("ts_ns")
             at = at if isinstance(at, int) else time.monotonic_ns()
             anomaly["wall_time"] = clock.stamp(at)
-            log.warning("anomaly %s %s %s at %s", anomaly.get("detector"),
-                        anomaly.get("series") or anomaly.get("kind"), anomaly.get("state"),
-                        clock.text(at))
+            ev = anomaly.get("evidence") or {}
+            about = f" pid {anomaly['pid']} ({anomaly.get('comm')})" if "pid" in anomaly else ""
+            log.warning("anomaly %s %s%s %s at %s%s", anomaly.get("detector"),
+                        anomaly.get("series") or anomaly.get("kind"), about, anomaly.get("state"),
+                        clock.text(at), f": verdict {ev['verdict']}" if ev.get("verdict") else "")
             if firing:
                 self._on_firing(anomaly)
         if anomalies and self.otlp is not None:

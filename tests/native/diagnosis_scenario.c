@@ -5,6 +5,9 @@
  *   healthy       nothing changes
  *   cpu_starved   a process named cpu_hog spins 3 ms of every 4 on the
  *                 launcher's CPU, at a higher SCHED_FIFO priority
+ *   cfs_starved   the launcher is an ordinary thread, and 3 ordinary
+ *                 processes named cpu_hog spin on its CPU (the scheduler's
+ *                 fair share: each wait is capped near a time slice)
  *   host_bound    4 ms of host work and no sleep
  *   bus_bound     a synchronous 8 MB copy (the stand-in runtime blocks it
  *                 for its bytes over the simulated link)
@@ -63,6 +66,13 @@ static pid_t spawn(const char *name, int cpu, void (*body)(void *), void *arg)
     return pid;
 }
 
+static void fair_hog(void *arg)
+{
+    (void)arg;
+    for (;;)
+        ;
+}
+
 static void hog(void *arg)
 {
     (void)arg;
@@ -95,7 +105,9 @@ int main(int argc, char **argv)
     double base = atof(argv[2]), incident = atof(argv[3]);
     int cpu = atoi(argv[4]);
     pin(cpu);
-    become_fifo_at("diagnosis_scenario", 5);
+    int fair = !strcmp(mode, "cfs_starved");
+    if (!fair)
+        become_fifo_at("diagnosis_scenario", 5);
     stream_t stream = 0;
     /* The stand-ins' sync: quick while healthy (read at every call). */
     setenv("MMTRACE_STANDIN_SYNC_US", "100", 1);
@@ -108,13 +120,16 @@ int main(int argc, char **argv)
     long start = now_ns(), incident_at = start + (long)(base * 1e9);
     long end = incident_at + (long)(incident * 1e9);
     int started = 0, pipe_fds[2] = { -1, -1 };
-    pid_t hogs[1] = { 0 }, feeding = 0;
+    pid_t hogs[3] = { 0, 0, 0 }, feeding = 0;
     while (now_ns() < end) {
         int in_incident = now_ns() >= incident_at;
         if (in_incident && !started) {
             started = 1;
             if (!strcmp(mode, "cpu_starved"))
                 hogs[0] = spawn("cpu_hog", cpu, hog, NULL);
+            if (fair)
+                for (int i = 0; i < 3; i++)
+                    hogs[i] = spawn("cpu_hog", cpu, fair_hog, NULL);
             if (!strcmp(mode, "device_bound") || !strcmp(mode, "npu_queue"))
                 setenv("MMTRACE_STANDIN_SYNC_US", "8000", 1);
             if (!strcmp(mode, "blocked")) {
@@ -138,13 +153,14 @@ int main(int argc, char **argv)
             usleep(1000);
         }
     }
-    if (hogs[0])
-        kill(hogs[0], SIGKILL);
+    for (int i = 0; i < 3; i++)
+        if (hogs[i])
+            kill(hogs[i], SIGKILL);
     if (feeding)
         kill(feeding, SIGKILL);
     while (wait(NULL) > 0)
         ;
-    printf("{\"pid\":%d,\"tid\":%ld,\"incident_ns\":%ld,\"end_ns\":%ld,\"hogs\":[%d]}\n",
-           getpid(), syscall(SYS_gettid), incident_at, end, hogs[0]);
+    printf("{\"pid\":%d,\"tid\":%ld,\"incident_ns\":%ld,\"end_ns\":%ld,\"hogs\":[%d,%d,%d]}\n",
+           getpid(), syscall(SYS_gettid), incident_at, end, hogs[0], hogs[1], hogs[2]);
     return 0;
 }
