@@ -78,14 +78,16 @@ class LauncherTime:
 
     # ---------------------------------------------------------- answers
 
-    def explain(self, pids: list[int], window: tuple[int, int] | None, last_s: float) -> dict:
-        """`mmtrace explain --pid`: the window asked for, or the last seconds."""
+    def explain(self, pids: list[int], window: tuple[int, int] | None, last_s: float,
+                anomalies=(), entropy_until_ns: int | None = None) -> dict:
+        """`mmtrace explain --pid`: the window asked for, or the last seconds;
+        `anomalies`: the daemon's (an entropy shift, a P99 symptom)."""
         now = self.clock()
         if window is None:
             last_s = min(max(float(last_s), 1.0), MAX_EXPLAIN_S)
             window = (now - int(last_s * 1e9), now)
-        answer = explain_split(self.split, window, pids, (), self.rules, WallClock.now(),
-                               timeline_s=None)
+        answer = explain_split(self.split, window, pids, anomalies, self.rules, WallClock.now(),
+                               timeline_s=None, entropy_until_ns=entropy_until_ns)
         answer["held"] = {"start_ns": self.split.first_ns, "end_ns": self.split.last_ns}
         return answer
 

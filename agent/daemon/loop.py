@@ -308,8 +308,10 @@ class Daemon:
             self.server.reply(client, self.status())
         elif msg["type"] == "explain":
             window = msg.get("window")
+            entropy = self.streams.entropy_ring.window(0)
             answer = self.streams.launchers.explain(
-                msg["pids"], tuple(window) if window else None, msg.get("last_s", 10.0))
+                msg["pids"], tuple(window) if window else None, msg.get("last_s", 10.0),
+                self.alarms.anomalies, int(entropy["ts_ns"].max()) if len(entropy) else None)
             self.server.reply(client, {"v": 1, "type": "explain", **answer})
         else:
             self._dump_reply(client)

@@ -5,9 +5,11 @@
  *   healthy       nothing changes
  *   cpu_starved   a process named cpu_hog spins 3 ms of every 4 on the
  *                 launcher's CPU, at a higher SCHED_FIFO priority
- *   cfs_starved   the launcher is an ordinary thread, and 3 ordinary
- *                 processes named cpu_hog spin on its CPU (the scheduler's
- *                 fair share: each wait is capped near a time slice)
+ *   cfs_starved   the launcher is an ordinary thread at nice -5, and 3
+ *                 processes named cpu_hog spin on its CPU at its niceness
+ *                 (the scheduler's fair share: each wait is capped near a
+ *                 time slice); the host's load at nice 0 and above weighs
+ *                 a third of it or less
  *   host_bound    4 ms of host work and no sleep
  *   bus_bound     a synchronous 8 MB copy (the stand-in runtime blocks it
  *                 for its bytes over the simulated link)
@@ -30,6 +32,7 @@
 #include <signal.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -108,6 +111,10 @@ int main(int argc, char **argv)
     int fair = !strcmp(mode, "cfs_starved");
     if (!fair)
         become_fifo_at("diagnosis_scenario", 5);
+    else if (setpriority(PRIO_PROCESS, 0, -5) != 0) {
+        perror("diagnosis_scenario: nice -5 (needs CAP_SYS_NICE)");
+        return 3;
+    }
     stream_t stream = 0;
     /* The stand-ins' sync: quick while healthy (read at every call). */
     setenv("MMTRACE_STANDIN_SYNC_US", "100", 1);
