@@ -35,6 +35,7 @@ hour; >= 90 % of verdicts right. Writes bench/out/detection.json.
 
 import argparse
 import json
+import math
 import os
 import random
 import signal
@@ -217,14 +218,16 @@ def main(argv=None):
             try:
                 answer = ask(sock, "explain", 10.0, pids=[worker.pid],
                              window=[start_ns + 2_000_000_000, end_ns])
-                verdict = next((x["verdict"] for x in answer["processes"]
-                                if x["pid"] == worker.pid), "none")
+                found = [x for x in answer["processes"] if x["pid"] == worker.pid]
+                verdict = found[0]["verdict"] if found else "none"
+                why = {k: found[0].get(k) for k in ("shares", "causes", "reference")} \
+                    if found else {}
             except (NoDaemon, ValueError) as exc:
-                verdict = f"error: {exc}"
+                verdict, why = f"error: {exc}", {}
             worker.calm()
             schedule.append({"worker": worker.name, "pid": worker.pid, "kind": kind,
                              "size": size, "start_ns": start_ns, "end_ns": end_ns,
-                             "verdict": verdict})
+                             "verdict": verdict, "explain": why})
             print(f"{len(schedule):>4} {worker.name} {kind:<13} size {size:>9} "
                   f"{(end_ns - start_ns) / 1e9:5.1f} s  verdict {verdict}", flush=True)
             time.sleep(rng.uniform(10, 25))
@@ -276,7 +279,7 @@ def score(schedule, workers, alarms, args) -> dict:
         "detected": round(len(detect_s) / n, 4) if n else None,
         "missed_by_kind": dict(missed),
         "detect_s_median": round(statistics.median(detect_s), 3) if detect_s else None,
-        "detect_s_p95": round(sorted(detect_s)[max(0, int(0.95 * len(detect_s)) - 1)], 3)
+        "detect_s_p95": round(sorted(detect_s)[max(0, math.ceil(0.95 * len(detect_s)) - 1)], 3)
         if detect_s else None,
         "quiet_hours": round(hours, 3),
         "false_alarms": len(false_alarms),

@@ -42,6 +42,7 @@ class DiagnosisRules:
     link_gbps: float = 16.0         # the bus's capacity when NVML gives none (PCIe 4 x16: ~25 GB/s)
     bus_utilisation: float = 0.7    # copies at this share of the link: bus-bound
     min_reference_s: float = 3.0    # a shorter reference stretch is none
+    reference_s: float = 10.0       # the stretch just before a window that it is read against
     max_processes: int = 20         # processes in an answer
     max_culprits: int = 5
 
@@ -157,15 +158,16 @@ def window_shares(split: TimeSplit, start_ns: int, end_ns: int) -> dict:
 
 def reference_range(split: TimeSplit, start_ns: int, end_ns: int,
                     rules: DiagnosisRules) -> tuple[int, int] | None:
-    """The stretch a window is read against: what came before it, when that
-    is long enough; else the start of what is held, when the window is
-    long enough to have one of its own; else None (never what comes after:
-    a quiet stretch read against a later incident would look like one)."""
+    """The stretch a window is read against: the `reference_s` just before
+    it, when at least `min_reference_s` of it is held; else the start of
+    what is held, when the window is long enough to have one of its own;
+    else None (never what comes after: a quiet stretch read against a later
+    incident would look like one)."""
     if split.first_ns is None:
         return None
     least = int(rules.min_reference_s * 1e9)
     if start_ns - split.first_ns >= least:
-        return split.first_ns, start_ns
+        return max(split.first_ns, start_ns - int(rules.reference_s * 1e9)), start_ns
     if min(end_ns, split.last_ns) - split.first_ns >= 2 * least:
         return split.first_ns, split.first_ns + least
     return None

@@ -189,6 +189,7 @@ class DiagnosisSettings:
     link_gbps: float = _setting(16.0, Number(0.0, 1e4, low_open=True))  # bus capacity, GB/s
     bus_utilisation: float = _setting(0.7, Number(0.0, 1.0, low_open=True))
     min_reference_s: float = _seconds(3.0, 3600.0, low=0.1)  # shorter: no reference
+    reference_s: float = _seconds(10.0, 86400.0, low=0.1)    # the stretch before a window
     window_s: float = _seconds(1.0, 60.0, low=0.1)          # the live detector's window
     consecutive: int = _count(2, 1000)                      # starved windows in a row fire
     clear_windows: int = _count(3, 1000)                    # windows without resolve
