@@ -1,5 +1,7 @@
 """Starved launchers, live: per process, the share of its launching threads'
-wall time spent runnable but waiting for a CPU, one window at a time.
+wall time spent runnable but waiting for a CPU, one window at a time; and
+the same watch on the other parts of that time (in device syncs, in
+synchronous copies, on the CPU, asleep), each with its own kind.
 
 P99 of run-queue delay misses starvation: the scheduler caps each wait near
 a time slice, so p99 hardly moves while the time spent waiting triples. The
@@ -15,6 +17,14 @@ would creep up with the noise) can never raise the threshold past
 `starved_share`: it cannot blind the detector. `consecutive` starved
 windows in a row fire; `clear_windows` windows that are not resolve.
 A window in which the threads lived less than half the time is neutral.
+
+The other parts are watched by the same rule, each with its level (a
+device-bound launcher spends `sync_share` of its time in syncs); the
+baseline of a part is capped at its level, and sleep, which an idle
+server does too, has no level: only a rise past its baseline fires (or
+the rest of the time shrinking by `rise_factor`). A share is an average
+over every call of a window, so it stays steady where a latency's p99
+swings with a busy host's noise.
 """
 
 from collections import deque
@@ -33,11 +43,23 @@ class _State:
     last: dict = field(default_factory=dict)          # the latest window's figures
 
 
+# part of the time -> (the anomaly's detector, its kind, the settings' level name)
+WATCHED = {"runnable": ("starvation", "cpu_starved", "starved_share"),
+           "sync": ("time_share", "device_bound", "sync_share"),
+           "copy": ("time_share", "bus_bound", "copy_share"),
+           "on_cpu": ("time_share", "host_bound", "on_cpu_share"),
+           "blocked": ("time_share", "blocked", None)}
+
+
 class Starvation:
-    def __init__(self, window_s: float = 1.0, starved_share: float = 0.15,
+    def __init__(self, window_s: float = 1.0, starved_share: float | None = 0.15,
                  rise_factor: float = 1.5, rise_share: float = 0.1, consecutive: int = 2,
                  clear_windows: int = 3, baseline_windows: int = 60,
-                 baseline_cap: float = 0.1, max_processes: int = 4096):
+                 baseline_cap: float = 0.1, max_processes: int = 4096,
+                 state: str = "runnable"):
+        """`starved_share`: the part's level (None: only a rise fires)."""
+        self.part = state
+        self.detector, self.kind, _ = WATCHED[state]
         self.window_ns = int(window_s * 1e9)
         self.starved_share = starved_share
         self.rise_factor, self.rise_share = rise_factor, rise_share
@@ -47,12 +69,17 @@ class Starvation:
         self.states: dict[int, _State] = {}
 
     @classmethod
-    def of(cls, d) -> "Starvation":
-        """From the daemon's [diagnosis] settings."""
-        return cls(window_s=d.window_s, starved_share=d.starved_share,
+    def of(cls, d, state: str = "runnable") -> "Starvation":
+        """The watch on one part of the time, from the daemon's [diagnosis]
+        settings: runnable's baseline is capped at baseline_cap, another
+        part's at its level."""
+        level_name = WATCHED[state][2]
+        level = getattr(d, level_name) if level_name else None
+        cap = d.baseline_cap if state == "runnable" else (level if level is not None else 1.0)
+        return cls(window_s=d.window_s, starved_share=level,
                    rise_factor=d.rise_factor, rise_share=d.rise_share,
                    consecutive=d.consecutive, clear_windows=d.clear_windows,
-                   baseline_windows=d.baseline_windows, baseline_cap=d.baseline_cap)
+                   baseline_windows=d.baseline_windows, baseline_cap=cap, state=state)
 
     def baseline(self, pid: int) -> float | None:
         state = self.states.get(pid)
@@ -60,11 +87,17 @@ class Starvation:
             return None
         return min(float(np.median(state.shares)), self.baseline_cap)
 
-    def threshold(self, pid: int) -> float:
+    def threshold(self, pid: int) -> float | None:
+        """None: nothing fires yet (a part with no level, before its baseline)."""
         base = self.baseline(pid)
+        level = self.starved_share
         if base is None:
-            return self.starved_share
-        return min(self.starved_share, max(base * self.rise_factor, base + self.rise_share))
+            return level
+        rise = max(base * self.rise_factor, base + self.rise_share)
+        if self.starved_share is None:
+            # or the rest of the time cut by the factor
+            rise = min(rise, max(1 - (1 - base) / self.rise_factor, base + self.rise_share))
+        return rise if level is None else min(level, rise)
 
     def observe(self, end_ns: int, windows: dict) -> list[dict]:
         """One closed window ending at end_ns: pid -> (runnable share, the
@@ -80,8 +113,9 @@ class Starvation:
             if lived < 0.5:
                 continue
             threshold, base = self.threshold(pid), self.baseline(pid)
-            starved = share >= threshold
-            state.last = {"share": round(share, 4), "threshold": round(threshold, 4),
+            starved = threshold is not None and share >= threshold
+            state.last = {"share": round(share, 4),
+                          "threshold": None if threshold is None else round(threshold, 4),
                           "baseline": None if base is None else round(base, 4),
                           "end_ns": int(end_ns)}
             if starved:
@@ -103,9 +137,10 @@ class Starvation:
         return out
 
     def _record(self, pid: int, state: _State, what: str, end_ns: int) -> dict:
-        return {"detector": "starvation", "kind": "cpu_starved", "state": what,
+        return {"detector": self.detector, "kind": self.kind, "state": what,
                 "ts_ns": int(end_ns), "pid": pid, "comm": state.comm,
-                "key": {"kind": "runq_share", "pid": pid},
+                "key": {"kind": f"{'runq' if self.part == 'runnable' else self.part}_share",
+                        "pid": pid},
                 "evidence": {**state.last, "windows": state.run,
                              "window_s": self.window_ns / 1e9}}
 

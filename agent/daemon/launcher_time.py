@@ -24,6 +24,9 @@ class LauncherTime:
                  proc_root: Path = Path("/proc"), clock=time.monotonic_ns):
         self.rules = DiagnosisRules.of(settings)
         self.starvation = Starvation.of(settings)
+        # The other parts of the launchers' time, watched alike.
+        self.watches = [self.starvation] + [Starvation.of(settings, part)
+                                            for part in ("sync", "copy", "on_cpu", "blocked")]
         self.split = TimeSplit(device_roles(infos))
         self.split.resolve = self._from_proc
         self.reach_ns = int(reach_s * 1e9)
@@ -59,9 +62,10 @@ class LauncherTime:
             shares = window_shares(self.split, end - self.window_ns, end)
             self.latest = {pid: {"comm": comm, "shares": split, "end_ns": end}
                            for pid, (split, _, comm) in shares.items()}
-            found += self.starvation.observe(end, {
-                pid: (split["runnable"], lived, comm)
-                for pid, (split, lived, comm) in shares.items()})
+            for watch in self.watches:
+                found += watch.observe(end, {
+                    pid: (split[watch.part], lived, comm)
+                    for pid, (split, lived, comm) in shares.items()})
             self.next_window_ns += self.window_ns
         if found or self.split.first_ns is not None and \
                 self.split.first_ns < now_ns - self.reach_ns - 2 * self.split.slice_ns:
@@ -110,7 +114,8 @@ class LauncherTime:
         return out
 
     def forget(self, pids):
-        self.starvation.forget(pids)
+        for watch in self.watches:
+            watch.forget(pids)
         for pid in pids:
             self.latest.pop(pid, None)
 

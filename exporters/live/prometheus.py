@@ -44,7 +44,7 @@ DEFAULT_ADDRESS = ":9464"
 KERNEL_RUNQ_SLOTS = 20
 KERNEL_RUNQ_BOUNDS = tuple(2.0 ** (k + 1) * 1e-6 for k in range(KERNEL_RUNQ_SLOTS))
 DETECTOR_STATES = ("normal", "pending", "firing", "resolved")
-KNOWN_DETECTORS = ("p99_drift", "attention_entropy", "starvation", "call_failures")
+KNOWN_DETECTORS = ("p99_drift", "attention_entropy", "starvation", "time_share", "call_failures")
 STARVATION_SERIES = "runq_share"        # the starvation detector's key kind
 KNOWN_HINTS = ("modality_batch", "priority", "route_affinity", "prefer_device", "degrade",
                "cpu_contention")
