@@ -6,9 +6,12 @@
     per-event Python callback; we compare consumer CPU per event. Then the
     spinner runs flat out and we count losses for both.
 (b) Scheduler-probe overhead: round trips per second of a context-switch
-    loop, untraced, under runqlat-bpfcc, and under `mmtrace record`.
+    loop, untraced, under runqlat-bpfcc, and under `mmtrace record`; with
+    --baseline-rev, also under `mmtrace record` of that git revision (the
+    scheduler program before a change), in the same interleaved rounds.
 
 Needs root. Usage: .venv/bin/python bench/bench_ingest.py [--seconds 3] [--rounds 3]
+                   [--baseline-rev REV] [--only overhead]
 """
 
 import argparse
@@ -157,7 +160,7 @@ def ctxswitch_rate(seconds):
     return int(run.stdout) / seconds
 
 
-def under(tracer, seconds, tmp):
+def under(tracer, seconds, tmp, env=None):
     if tracer == "untraced":
         return ctxswitch_rate(seconds)
     if tracer == "runqlat":
@@ -165,7 +168,8 @@ def under(tracer, seconds, tmp):
     else:
         cmd = [sys.executable, "-m", "mmtrace.agent", "record", "-o", str(tmp / "b.mmtr")]
         ready = r"^recording "
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
     try:
         wait_for(proc, ready)
         rate = ctxswitch_rate(seconds)
@@ -175,16 +179,25 @@ def under(tracer, seconds, tmp):
     return rate
 
 
-def overhead(seconds, rounds):
+def overhead(seconds, rounds, baseline_rev=None):
+    from bench_recording import baseline_env
     rates = {"untraced": [], "runqlat": [], "mmtrace": []}
     with tempfile.TemporaryDirectory() as tmp:
+        envs = {}
+        if baseline_rev:
+            rates["mmtrace_baseline"] = []
+            envs["mmtrace_baseline"] = baseline_env(baseline_rev, Path(tmp) / "baseline")
         for _ in range(rounds):
             for tracer in rates:      # interleaved, so drift hits all alike
-                rates[tracer].append(under(tracer, seconds, Path(tmp)))
+                name = "mmtrace" if tracer == "mmtrace_baseline" else tracer
+                rates[tracer].append(under(name, seconds, Path(tmp), envs.get(tracer)))
     med = {k: statistics.median(v) for k, v in rates.items()}
-    return {"round_trips_per_s": rates, "median": med,
-            "slowdown_runqlat": med["untraced"] / med["runqlat"],
-            "slowdown_mmtrace": med["untraced"] / med["mmtrace"]}
+    out = {"round_trips_per_s": rates, "median": med, "baseline_rev": baseline_rev,
+           "slowdown_runqlat": med["untraced"] / med["runqlat"],
+           "slowdown_mmtrace": med["untraced"] / med["mmtrace"]}
+    if baseline_rev:
+        out["slowdown_mmtrace_baseline"] = med["untraced"] / med["mmtrace_baseline"]
+    return out
 
 
 def main():
@@ -192,14 +205,32 @@ def main():
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=str(ROOT / "bench" / "out" / "ingest.json"))
+    parser.add_argument("--baseline-rev", help="git revision whose record runs side by side")
+    parser.add_argument("--only", choices=("ingest", "overhead"), help="one part only")
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench_ingest: needs root (loads eBPF)")
-    result = {"ingest": ingest(args.seconds), "overhead": overhead(args.seconds, args.rounds),
+    result = {"ingest": ingest(args.seconds) if args.only != "overhead" else None,
+              "overhead": overhead(args.seconds, args.rounds, args.baseline_rev)
+              if args.only != "ingest" else None,
               "host": {"cpus": os.cpu_count(), "kernel": os.uname().release}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     ing, ovh = result["ingest"], result["overhead"]
+    if ing:
+        print_ingest(ing)
+    if ovh:
+        print(f"\n(b) context-switch loop, median round trips/s over {args.rounds} rounds")
+        for k, v in ovh["median"].items():
+            print(f"{k:<18}{v:>14,.0f}")
+        print(f"slowdown: runqlat-bpfcc {ovh['slowdown_runqlat']:.3f}x, "
+              f"mmtrace record {ovh['slowdown_mmtrace']:.3f}x"
+              + (f", mmtrace record at {args.baseline_rev} "
+                 f"{ovh['slowdown_mmtrace_baseline']:.3f}x" if args.baseline_rev else ""))
+    print(f"\nwritten to {args.out}")
+
+
+def print_ingest(ing):
     print(f"(a) ingest, producer paced at {ing['paced_rate_per_s']:,}/s")
     print(f"{'consumer':<14}{'CPU ns/event':>14}{'received':>12}{'dropped':>10}"
           f"{'flat-out rate/s':>17}{'flat-out loss':>15}")
@@ -208,12 +239,6 @@ def main():
         print(f"{name:<14}{p['cpu_ns_per_event']:>14.1f}{p['received']:>12,}{p['dropped']:>10,}"
               f"{f['rate_per_s']:>17,.0f}{f['loss_fraction']:>15.2%}")
     print(f"consumer CPU per event, bcc callback / mmtrace: {ing['cpu_per_event_ratio']:.1f}x")
-    print(f"\n(b) context-switch loop, median round trips/s over {args.rounds} rounds")
-    for k, v in ovh["median"].items():
-        print(f"{k:<10}{v:>14,.0f}")
-    print(f"slowdown: runqlat-bpfcc {ovh['slowdown_runqlat']:.3f}x, "
-          f"mmtrace record {ovh['slowdown_mmtrace']:.3f}x")
-    print(f"\nwritten to {args.out}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ views (what the metrics and `top` are handed).
 
 import logging
 import os
+from collections import deque
 import threading
 import time
 from pathlib import Path
@@ -54,6 +55,7 @@ TRIM_AFTER_RECORDS = 5000      # records drained since the last trim that call f
 STATUS_MIN_INTERVAL_S = 0.5
 DUMP_REUSE_S = 5.0          # socket dump requests this close share one file
 MAX_IDLE_WAIT_S = 0.25      # the longest sleep without data (see Daemon.idle_wait_s)
+EXPLAINS_PER_S = 4          # socket explain requests answered a second, all clients together
 
 
 def p99_detector(p: P99Settings) -> P99Drift:
@@ -103,6 +105,7 @@ class Daemon:
         self._since_trim = 0
         self._status_cache: tuple[int, dict] | None = None
         self._last_dump: tuple[float, Path] | None = None
+        self._explained: deque = deque()        # when the last explain requests were answered
 
     # ------------------------------------------------------------ lifecycle
 
@@ -307,6 +310,16 @@ class Daemon:
         if msg["type"] == "status":
             self.server.reply(client, self.status())
         elif msg["type"] == "explain":
+            # Each answer costs the loop milliseconds: a client in a loop
+            # cannot make it spend more than a few a second.
+            now = time.monotonic()
+            while self._explained and now - self._explained[0] >= 1.0:
+                self._explained.popleft()
+            if len(self._explained) >= EXPLAINS_PER_S:
+                self.server.error(client, f"explain: at most {EXPLAINS_PER_S} requests a "
+                                          "second; try again in a second")
+                return
+            self._explained.append(now)
             window = msg.get("window")
             entropy = self.streams.entropy_ring.window(0)
             answer = self.streams.launchers.explain(

@@ -1,0 +1,240 @@
+"""The diagnosis on known inputs: the time split of run-queue and device
+records whose intervals are known, the rules that turn shares into
+verdicts, the live share detectors' thresholds, and explain's window."""
+
+import numpy as np
+import pytest
+
+from mmtrace.bpf import device as device_stream
+from mmtrace.bpf.sched import RUNQ_EVENT
+from mmtrace.detectors.diagnosis import DiagnosisRules, diagnose, window_shares
+from mmtrace.detectors.starvation import Starvation
+from mmtrace.detectors.time_split import TimeSplit, split_intervals
+
+from mmtrace.agent.errors import MmtraceError
+from mmtrace.agent.recording.explain import device_roles, entropy_windows, parse_window
+
+S = 1_000_000_000
+MS = 1_000_000
+INFOS = device_stream.default_infos()
+API = {info.symbol: api_id for api_id, info in INFOS.items()}
+
+
+def runq(rows):
+    """(ts, delay, blocked, pid, tid, prev_tid, comm) switch-ins."""
+    out = np.zeros(len(rows), RUNQ_EVENT)
+    for i, (ts, delay, blocked, pid, tid, prev, comm) in enumerate(rows):
+        out[i]["ts_ns"], out[i]["delay_ns"], out[i]["blocked_ns"] = ts, delay, blocked
+        out[i]["pid"], out[i]["tid"], out[i]["prev_tid"], out[i]["comm"] = pid, tid, prev, comm
+    return out
+
+
+def calls(rows):
+    """(ts, duration, symbol, pid, tid, ret, bytes) device calls, aligned."""
+    out = np.zeros(len(rows), device_stream.ALIGNED_EVENT)
+    for i, (ts, duration, symbol, pid, tid, ret, nbytes) in enumerate(rows):
+        info = INFOS[API[symbol]]
+        out[i]["ts_ns"], out[i]["duration_ns"], out[i]["api"] = ts, duration, info.id
+        out[i]["kind"] = device_stream.KIND_IDS[info.kind]
+        out[i]["flags"] = device_stream.FLAG_RETURNED
+        out[i]["pid"], out[i]["tid"], out[i]["ret"], out[i]["bytes"] = pid, tid, ret, nbytes
+        out[i]["comm"], out[i]["retired_ns"] = b"launcher", -1
+    return out
+
+
+def launcher(split, start_s, seconds, *, runnable_ms=0, blocked_ms=0, sync_ms=0, copy_ms=0,
+             pid=100, tid=101, holder=900, per_s=10):
+    """A thread that, `per_s` times a second for `seconds`, waits runnable,
+    sleeps, syncs and copies for the given ms (each a tenth of it per step)
+    and launches once."""
+    step = S // per_s
+    rq, dev = [], []
+    for k in range(int(seconds * per_s)):
+        t0 = start_s * S + k * step
+        # asleep (blocked, and inside any sync/copy), then runnable, then running
+        sleep = (blocked_ms + sync_ms + copy_ms) * MS // per_s
+        wait = runnable_ms * MS // per_s
+        rq.append((t0 + sleep + wait, wait, sleep, pid, tid, holder, b"launcher"))
+        dev.append((t0 + sleep + wait + 1000, 0, "cudaLaunchKernel", pid, tid, 0, 0))
+        if sync_ms:
+            dev.append((t0, sync_ms * MS // per_s, "cudaStreamSynchronize", pid, tid, 0, 0))
+        if copy_ms:
+            dev.append((t0 + sync_ms * MS // per_s, copy_ms * MS // per_s, "cudaMemcpy", pid,
+                        tid, 0, 4 << 20))
+    split.add_runq(runq(rq))
+    split.add_device(calls(dev))
+
+
+def fresh():
+    return TimeSplit(device_roles(INFOS))
+
+
+def test_intervals_are_cut_at_slice_edges_and_keep_their_length():
+    rows, slices, lengths = split_intervals(np.array([0, 900, 2500]), np.array([100, 2100, 2600]),
+                                            1000)
+    assert sorted(zip(rows.tolist(), slices.tolist(), lengths.tolist())) == [
+        (0, 0, 100), (1, 0, 100), (1, 1, 1000), (1, 2, 100), (2, 2, 100)]
+
+
+def test_the_split_of_a_known_thread_adds_up_to_its_wall_time():
+    split = fresh()
+    launcher(split, 10, 5, runnable_ms=200, blocked_ms=300, sync_ms=100, copy_ms=50)
+    shares = diagnose(split, 11 * S, 14 * S)["processes"][0]["shares"]
+    assert shares == pytest.approx({"on_cpu": 0.35, "runnable": 0.2, "sync": 0.1,
+                                    "copy": 0.05, "blocked": 0.3}, abs=0.01)
+
+
+def test_levels_alone_make_the_verdicts():
+    for kwargs, verdict in (({"runnable_ms": 400, "blocked_ms": 100}, "cpu_starved"),
+                            ({"sync_ms": 700}, "device_bound"),
+                            ({"copy_ms": 500, "blocked_ms": 100}, "bus_bound"),
+                            ({"blocked_ms": 50}, "host_bound"),
+                            ({"blocked_ms": 500}, "healthy"),
+                            ({"blocked_ms": 950}, "healthy")):   # idle: no level for sleep
+        split = fresh()
+        launcher(split, 10, 3, **kwargs)
+        process = diagnose(split, 10 * S, 13 * S)["processes"][0]
+        assert process["verdict"] == verdict, (kwargs, process["shares"], process["causes"])
+
+
+def test_sleep_is_a_cause_only_where_it_rose_and_the_rest_shrinking_counts():
+    split = fresh()
+    launcher(split, 0, 10, blocked_ms=600)            # 60 % asleep, as usual
+    launcher(split, 10, 5, blocked_ms=880)            # then 88 %: the rest cut from 40 to 12
+    process = diagnose(split, 10 * S, 15 * S)["processes"][0]
+    assert process["verdict"] == "blocked"
+    assert process["reference"]["shares"]["blocked"] == pytest.approx(0.6, abs=0.01)
+    # The same 88 % with nothing before it is what an idle server looks like.
+    alone = fresh()
+    launcher(alone, 10, 5, blocked_ms=880)
+    assert diagnose(alone, 10 * S, 15 * S)["processes"][0]["verdict"] == "healthy"
+
+
+def test_a_small_rise_of_a_small_share_is_no_cause():
+    split = fresh()
+    launcher(split, 0, 10, runnable_ms=20, blocked_ms=500)
+    launcher(split, 10, 5, runnable_ms=60, blocked_ms=500)      # 2 % -> 6 %: 3x, but 4 points
+    assert diagnose(split, 10 * S, 15 * S)["processes"][0]["verdict"] == "healthy"
+
+
+def test_culprits_are_the_threads_that_held_the_cpu_named_by_their_own_records():
+    split = fresh()
+    launcher(split, 10, 3, runnable_ms=500, holder=900)
+    # The hog's own switch-ins name it and its process.
+    split.add_runq(runq([(10 * S + 5, 1000, 0, 899, 900, 0, b"cpu_hog")]))
+    process = diagnose(split, 10 * S, 13 * S)["processes"][0]
+    assert process["culprits"] == [{"pid": 899, "tid": 900, "comm": "cpu_hog", "share": 1.0}]
+    assert any("cpu_hog" in link for link in process["chain"])
+    assert any("pid 899 (cpu_hog)" in fix for fix in process["fixes"])
+
+
+def test_an_npu_launchers_sync_waits_are_its_queue():
+    split = fresh()
+    rq, dev = [], []
+    for k in range(20):
+        t0 = 10 * S + k * S // 10
+        rq.append((t0 + 80 * MS, 0, 80 * MS, 7, 7, 0, b"npu"))
+        dev.append((t0 + 80 * MS + 1000, 0, "aclopExecuteV2", 7, 7, 0, 0))
+        dev.append((t0, 80 * MS, "aclrtSynchronizeStream", 7, 7, 0, 0))
+    split.add_runq(runq(rq))
+    split.add_device(calls(dev))
+    assert diagnose(split, 10 * S, 12 * S)["processes"][0]["verdict"] == "npu_queue"
+
+
+def test_failed_calls_are_no_work_but_their_time_is_the_threads():
+    split = fresh()
+    split.add_device(calls([(S, 2 * MS, "cudaMemcpy", 5, 5, 35, 1 << 20)] * 3))
+    process = diagnose(split, S, 2 * S, pids=[5])["processes"][0]
+    assert process["failed_calls"] == 3 and process["copy_bytes"] == 0
+    assert process["submissions"] == 0
+
+
+def test_an_entropy_shift_is_a_cause_for_the_share_of_the_window_it_held():
+    split = fresh()
+    launcher(split, 10, 4, blocked_ms=500)
+    shifted = entropy_windows([{"detector": "attention_entropy", "kind": "entropy_rise",
+                                "state": "firing", "ts_ns": 11 * S}], 13 * S)
+    assert shifted == [(11 * S, 13 * S)]
+    process = diagnose(split, 10 * S, 14 * S, entropy_windows=shifted)["processes"][0]
+    assert process["verdict"] == "input_shift"
+    assert process["causes"][0]["share"] == pytest.approx(0.5, abs=0.01)
+
+
+def test_slices_coarsen_past_their_bound_and_the_shares_hold():
+    split = TimeSplit(device_roles(INFOS), max_rows=64)
+    launcher(split, 0, 100, runnable_ms=300, blocked_ms=200, per_s=4)
+    assert split.slice_ns > S
+    rows = sum(len(t.rows()) for t in (split.threads_table, split.device_table,
+                                       split.culprit_table))
+    assert rows <= 64
+    shares = diagnose(split, 0, 100 * S)["processes"][0]["shares"]
+    assert shares["runnable"] == pytest.approx(0.3, abs=0.02)
+
+
+def test_a_starved_window_fires_after_consecutive_ones_and_a_noisy_baseline_cannot_blind_it():
+    watch = Starvation(starved_share=0.1, rise_factor=1.5, rise_share=0.1, consecutive=2,
+                       clear_windows=2, baseline_windows=10, baseline_cap=0.1)
+    out = []
+    for w in range(10):                         # a noisy host: 8-9 % runnable
+        out += watch.observe(w * S, {1: (0.08 + 0.01 * (w % 2), 1.0, "x")})
+    assert out == [] and watch.threshold(1) == pytest.approx(0.1)
+    assert watch.observe(10 * S, {1: (0.12, 1.0, "x")}) == []
+    (fired,) = watch.observe(11 * S, {1: (0.12, 1.0, "x")})
+    assert fired["state"] == "firing" and fired["kind"] == "cpu_starved"
+    assert fired["evidence"]["share"] == 0.12 and fired["evidence"]["threshold"] == 0.1
+    assert fired["key"] == {"kind": "runq_share", "pid": 1}
+    # A window the launcher hardly lived in is neutral; two calm ones resolve.
+    assert watch.observe(12 * S, {1: (0.0, 0.2, "x")}) == []
+    assert watch.observe(13 * S, {1: (0.02, 1.0, "x")}) == []
+    (resolved,) = watch.observe(14 * S, {1: (0.02, 1.0, "x")})
+    assert resolved["state"] == "resolved"
+
+
+def test_a_quiet_launcher_fires_on_a_smaller_rise_and_sleep_only_on_a_rise():
+    quiet = Starvation(starved_share=0.1, rise_factor=1.5, rise_share=0.04, consecutive=1,
+                       baseline_windows=10)
+    for w in range(5):
+        quiet.observe(w * S, {1: (0.01, 1.0, "x")})
+    assert quiet.threshold(1) == pytest.approx(0.05)
+    sleep = Starvation(starved_share=None, rise_factor=1.5, rise_share=0.1, consecutive=1,
+                       baseline_windows=10, baseline_cap=1.0, state="blocked")
+    assert sleep.threshold(1) is None
+    assert sleep.observe(0, {1: (0.99, 1.0, "x")}) == []       # no baseline: nothing fires
+    for w in range(1, 6):
+        sleep.observe(w * S, {1: (0.6, 1.0, "x")})
+    assert sleep.threshold(1) == pytest.approx(0.7333, abs=1e-3)    # the rest cut 1.5x
+    (fired,) = sleep.observe(6 * S, {1: (0.8, 1.0, "x")})
+    assert fired["detector"] == "time_share" and fired["kind"] == "blocked"
+
+
+def test_window_shares_are_what_the_live_watches_read():
+    split = fresh()
+    launcher(split, 10, 2, runnable_ms=250, blocked_ms=250)
+    shares, lived, comm = window_shares(split, 10 * S, 11 * S)[100]
+    assert shares["runnable"] == pytest.approx(0.25, abs=0.01) and lived == pytest.approx(1.0)
+    assert comm == "launcher"
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("12.5:20", (12_500_000_000, 20_000_000_000)),
+    ("1234567890123:1234567890999", (1234567890123, 1234567890999)),
+    ("10:11", (10 * S, 11 * S)),
+])
+def test_windows_are_read_in_seconds_or_nanoseconds(text, expected):
+    assert parse_window(text) == expected
+
+
+@pytest.mark.parametrize("text, message", [
+    ("20:10", "END after START"), ("abc", "START:END"), ("1:" + "9" * 30, "at most"),
+    ("-1:5", "START:END"),
+])
+def test_bad_windows_say_what_was_expected(text, message):
+    with pytest.raises(MmtraceError, match=message):
+        parse_window(text)
+
+
+def test_rules_come_from_the_settings_by_name():
+    from mmtrace.agent.config.settings import DiagnosisSettings
+    rules = DiagnosisRules.of(DiagnosisSettings(starved_share=0.3, reference_s=20.0))
+    assert rules.starved_share == 0.3 and rules.reference_s == 20.0
+    assert rules.sync_share == DiagnosisSettings().sync_share
