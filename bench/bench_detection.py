@@ -7,9 +7,9 @@ daemon (`mmtrace run`, real eBPF). Not part of the test suite.
 Two launchers (bench/incident_worker.c, one pinned to each of two CPUs)
 step every ~2 ms and report each step's latency and their attention
 entropy on the daemon's hint socket, as a dispatcher does. Around them,
-a bursty background: CPU batch jobs (nice 10), compile jobs (gcc -O2,
-nice 0) and disk writes (dd with fsync), each switched on and off at
-random. One incident at a time goes to one launcher, for 8-15 s, with
+a bursty background: a CPU batch job (nice 10), a compile job (gcc -O2,
+nice 5) and disk writes (dd with fsync), each switched on and off at
+random (on 3-15 s, off 3-15 s): about half of one CPU on average. One incident at a time goes to one launcher, for 8-15 s, with
 10-25 s of quiet between:
 - cpu_starved: 2-4 processes spinning on its CPU at its niceness;
 - host_bound: 3-8 ms of host work a step;
@@ -82,8 +82,9 @@ class Background:
 
     def _jobs(self):
         spin = [sys.executable, "-c", "while True: pass"]
-        return [["nice", "-n", "10", *spin], ["nice", "-n", "10", *spin],
-                ["sh", "-c", f"while :; do gcc -O2 -c -o {self.tmp}/bg.o {self.source}; done"],
+        return [["nice", "-n", "10", *spin],
+                ["nice", "-n", "5", "sh", "-c",
+                 f"while :; do gcc -O2 -c -o {self.tmp}/bg.o {self.source}; done"],
                 ["sh", "-c", f"while :; do dd if=/dev/zero of={self.tmp}/bg.dat bs=1M count=64 "
                              "conv=fsync status=none; done"]]
 
