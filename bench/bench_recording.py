@@ -8,7 +8,8 @@
 Writes a synthetic recording of each size through the real writer (the
 run-queue stream of a busy host and two GPU server processes launching,
 copying and syncing, drained every 25 ms: tests/synthetic_recording.py),
-then runs `mmtrace report --json` and `mmtrace export` in every format, each
+then runs `mmtrace report --json`, `mmtrace explain --json` and `mmtrace
+export` in every format, each
 in its own process, output to /dev/null, and reports wall and CPU time,
 events per second (of wall time, and of CPU time: the host may be shared)
 and peak RSS (the child's ru_maxrss, which is its
@@ -41,6 +42,7 @@ import native  # noqa: E402
 
 COMMANDS = {
     "report": ["report", "{file}", "--json"],
+    "explain": ["explain", "{file}", "--json"],
     "export jsonl": ["export", "{file}", "--format", "jsonl", "-o", os.devnull],
     "export chrome": ["export", "{file}", "--format", "chrome", "-o", os.devnull],
     "export perfetto": ["export", "{file}", "--format", "perfetto", "-o", os.devnull],

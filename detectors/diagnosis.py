@@ -84,16 +84,15 @@ def processes(split: TimeSplit, start_ns: int, end_ns: int, pids=None) -> dict[i
     threads, device, culprits = split.slices(lo, hi)
     names = split.names
     dev_tid = key_tid(device["key"])
-    submitting = set(dev_tid[device["calls"] > 0].tolist())
+    submitting = np.unique(dev_tid[device["calls"] > 0])
     by_pid: dict[int, set] = {}
-    for tid in submitting:
-        info = names.get(tid)
-        if info is not None and info.pid:
-            by_pid.setdefault(info.pid, set()).add(tid)
+    for tid, pid in zip(submitting.tolist(), names.pids(submitting).tolist()):
+        if pid:
+            by_pid.setdefault(pid, set()).add(tid)
+    run_tids = np.unique(key_tid(threads["key"]))
     for pid in pids or ():
         if pid not in by_pid:
-            tids = {t for t in set(key_tid(threads["key"]).tolist())
-                    if names.get(t) is not None and names[t].pid == pid}
+            tids = set(run_tids[names.pids(run_tids) == pid].tolist())
             if tids:
                 by_pid[pid] = tids
     lo = max(lo, split.first_ns if split.first_ns is not None else lo)
@@ -104,9 +103,8 @@ def processes(split: TimeSplit, start_ns: int, end_ns: int, pids=None) -> dict[i
     for pid, tids in by_pid.items():
         if pids and pid not in pids:
             continue
-        leader = names.get(pid)
-        proc = Process(pid, leader.comm if leader else names[next(iter(tids))].comm,
-                       sorted(tids))
+        leader = names.get(pid) or names.get(min(tids))
+        proc = Process(pid, leader.comm if leader else "?", sorted(tids))
         mine = np.isin(run_tid, list(tids))
         dev = np.isin(dev_tid, list(tids))
         for tid in tids:

@@ -139,6 +139,67 @@ class ThreadInfo:
     comm: str
 
 
+class ThreadNames:
+    """Each thread's process and name, as its latest record has them (a
+    thread renamed after exec or prctl takes its new name), in sorted numpy
+    arrays: a batch is learnt without a loop over its threads. Past `limit`
+    threads, the half seen longest ago is forgotten."""
+
+    def __init__(self, limit: int = 1 << 16):
+        self.limit = limit
+        self.tid = np.zeros(0, np.int64)
+        self.pid = np.zeros(0, np.int64)
+        self.comm = np.zeros(0, "S16")
+        self.seen = np.zeros(0, np.int64)
+
+    def __len__(self):
+        return len(self.tid)
+
+    def _find(self, tids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        at = np.searchsorted(self.tid, tids)
+        hit = at < len(self.tid)
+        hit[hit] = self.tid[at[hit]] == tids[hit]
+        return at, hit
+
+    def learn(self, records: np.ndarray):
+        """Records with tid, pid, comm and ts_ns."""
+        if not len(records):
+            return
+        tids, last = np.unique(records["tid"][::-1].astype(np.int64), return_index=True)
+        latest = records[len(records) - 1 - last]
+        at, hit = self._find(tids)
+        self.pid[at[hit]] = latest["pid"][hit]
+        self.comm[at[hit]] = latest["comm"][hit]
+        self.seen[at[hit]] = latest["ts_ns"][hit]
+        if not hit.all():
+            new = latest[~hit]
+            self.tid = np.concatenate([self.tid, tids[~hit]])
+            self.pid = np.concatenate([self.pid, new["pid"].astype(np.int64)])
+            self.comm = np.concatenate([self.comm, new["comm"].astype("S16")])
+            self.seen = np.concatenate([self.seen, new["ts_ns"].astype(np.int64)])
+            if len(self.tid) > self.limit:
+                keep = np.argsort(self.seen, kind="stable")[-(self.limit // 2):]
+                self.tid, self.pid, self.comm, self.seen = (
+                    a[keep] for a in (self.tid, self.pid, self.comm, self.seen))
+            order = np.argsort(self.tid, kind="stable")
+            self.tid, self.pid, self.comm, self.seen = (
+                a[order] for a in (self.tid, self.pid, self.comm, self.seen))
+
+    def get(self, tid: int) -> ThreadInfo | None:
+        at, hit = self._find(np.array([tid], np.int64))
+        if not hit[0]:
+            return None
+        return ThreadInfo(int(self.pid[at[0]]),
+                          bytes(self.comm[at[0]]).decode("utf-8", "replace"))
+
+    def pids(self, tids: np.ndarray) -> np.ndarray:
+        """The process of each of `tids` (0 where unknown)."""
+        at, hit = self._find(np.asarray(tids, np.int64))
+        out = np.zeros(len(at), np.int64)
+        out[hit] = self.pid[at[hit]]
+        return out
+
+
 class TimeSplit:
     """The sums a diagnosis reads, per thread and slice of time."""
 
@@ -152,8 +213,7 @@ class TimeSplit:
         self.threads_table = _Table(THREAD_SLICE)
         self.device_table = _Table(DEVICE_SLICE)
         self.culprit_table = _Table(CULPRIT_SLICE, ("key", "holder"))
-        self.names: dict[int, ThreadInfo] = {}       # tid -> its process and name
-        self.max_threads = max_threads
+        self.names = ThreadNames(max_threads)        # tid -> its process and name
         self.max_rows = max_rows
         self.first_ns: int | None = None
         self.last_ns: int | None = None
@@ -171,18 +231,17 @@ class TimeSplit:
     def add_runq(self, runq: np.ndarray):
         """Switch-in records (bpf/sched.py RUNQ_EVENT; a recording made
         before blocked_ns has none, and its sleeps count as on-CPU)."""
+        with_blocked = "blocked_ns" in runq.dtype.names
+        self.has_blocked &= with_blocked
         if not len(runq):
             return
         ts = runq["ts_ns"].astype(np.int64)
         delay = np.minimum(runq["delay_ns"].astype(np.int64), ts)
-        if "blocked_ns" in runq.dtype.names:
-            blocked = np.minimum(runq["blocked_ns"].astype(np.int64), ts - delay)
-        else:
-            blocked = np.zeros(len(runq), np.int64)
-            self.has_blocked = False
+        blocked = np.minimum(runq["blocked_ns"].astype(np.int64), ts - delay) if with_blocked \
+            else np.zeros(len(runq), np.int64)
         tid = runq["tid"].astype(np.int64)
         self._seen(int((ts - delay - blocked).min()), int(ts.max()))
-        self._learn(runq)
+        self.names.learn(runq)
         wait_start = ts - delay
         parts = []
         for start, end, field in ((wait_start, ts, "runnable"),
@@ -208,22 +267,6 @@ class TimeSplit:
                 piece["holder"] = runq["prev_tid"][long_wait][rows]
                 piece["wait"] = lengths
                 self.culprit_table.add(piece)
-
-    def _learn(self, records: np.ndarray):
-        """Each thread's process and name, as its latest record in the batch
-        has them (a thread renamed after exec or prctl takes its new name);
-        new threads only while the table has room."""
-        tids, last = np.unique(records["tid"][::-1], return_index=True)
-        at = len(records) - 1 - last
-        names = self.names
-        for tid, pid, comm in zip(tids.tolist(), records["pid"][at].tolist(),
-                                  records["comm"][at].tolist()):
-            known = names.get(tid)
-            if known is None:
-                if len(names) < self.max_threads:
-                    names[tid] = ThreadInfo(pid, comm.decode("utf-8", "replace"))
-            elif known.pid != pid or known.comm.encode() != comm:
-                names[tid] = ThreadInfo(pid, comm.decode("utf-8", "replace"))
 
     def add_device(self, events: np.ndarray):
         """Aligned GPU/NPU events (align.ALIGNED_EVENT): time in syncs and
@@ -269,7 +312,7 @@ class TimeSplit:
         self.device_table.add(piece)
         self._bound()
         # A thread known only by its GPU/NPU calls still has a process.
-        self._learn(events)
+        self.names.learn(events)
 
     def _bound(self):
         tables = (self.threads_table, self.device_table, self.culprit_table)
@@ -298,12 +341,6 @@ class TimeSplit:
             table.keep(lambda rows: key_slice(rows["key"]) >= oldest)
         if self.first_ns is not None:
             self.first_ns = max(self.first_ns, oldest * self.slice_ns)
-
-    def forget_threads(self, alive):
-        """Names of threads that are gone (alive(tid) -> bool), past the bound."""
-        if len(self.names) >= self.max_threads:
-            for tid in [t for t in self.names if not alive(t)]:
-                del self.names[tid]
 
     # ------------------------------------------------------------ reading
 

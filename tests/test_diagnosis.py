@@ -2,6 +2,8 @@
 records whose intervals are known, the rules that turn shares into
 verdicts, the live share detectors' thresholds, and explain's window."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -238,3 +240,71 @@ def test_rules_come_from_the_settings_by_name():
     rules = DiagnosisRules.of(DiagnosisSettings(starved_share=0.3, reference_s=20.0))
     assert rules.starved_share == 0.3 and rules.reference_s == 20.0
     assert rules.sync_share == DiagnosisSettings().sync_share
+
+
+def write_launcher_recording(path, seconds, runq_dtype=RUNQ_EVENT, **kwargs):
+    """A recording of launcher()'s records, through the real writer."""
+    from mmtrace.agent.recording import file_format as recording
+    split = fresh()
+    captured = {}
+    split.add_runq = lambda r: captured.setdefault("runq", r)
+    split.add_device = lambda d: captured.setdefault("dev", d)
+    launcher(split, 10, seconds, **kwargs)
+    rq = np.zeros(len(captured["runq"]), runq_dtype)
+    for name in runq_dtype.names:
+        rq[name] = captured["runq"][name]
+    dev = np.zeros(len(captured["dev"]), device_stream.DEV_EVENT)
+    for name in device_stream.DEV_EVENT.names:
+        dev[name] = captured["dev"][name]
+    w = recording.RecordingWriter(path, {"cpu.runq": runq_dtype,
+                                         "dev.event": device_stream.DEV_EVENT})
+    w.write_meta({"apis": device_stream.default_table().to_json()})
+    w.write_events("cpu.runq", rq)
+    w.write_events("dev.event", dev[np.argsort(dev["ts_ns"], kind="stable")])
+    w.close({"duration_s": float(seconds), "lost_events": 0, "counters": {}})
+    return path
+
+
+def test_report_weighs_the_streams_and_says_when_it_is_too_short(tmp_path):
+    from mmtrace.agent.recording import file_format as recording
+    from mmtrace.agent.recording.report import format_text, summarize
+    short = summarize(recording.read_recording(
+        write_launcher_recording(tmp_path / "s.mmtr", 8, runnable_ms=400, blocked_ms=100)))
+    (process,) = short["diagnosis"]["processes"]
+    assert process["verdict"] == "cpu_starved" and process["pid"] == 100
+    assert short["detector_notes"] and "20 s of normal windows" in short["detector_notes"][0]
+    text = format_text(short)
+    assert "cpu_starved" in text and "mmtrace explain" in text and "20 s of normal" in text
+    long = summarize(recording.read_recording(
+        write_launcher_recording(tmp_path / "l.mmtr", 40, runnable_ms=30, blocked_ms=500,
+                                 per_s=50)))
+    assert long["detector_notes"] == []
+    learnt = [b for b in long["p99_baselines"] if b["baseline_s"] is not None]
+    assert learnt and all(b["threshold_s"] > b["baseline_s"] for b in learnt)
+    assert long["diagnosis"]["processes"][0]["verdict"] == "healthy"
+
+
+def test_a_recording_from_before_blocked_time_is_explained_and_says_so(tmp_path, mmtrace_cli):
+    old = np.dtype([(n, RUNQ_EVENT.fields[n][0]) for n in RUNQ_EVENT.names if n != "blocked_ns"])
+    path = write_launcher_recording(tmp_path / "old.mmtr", 6, runq_dtype=old, runnable_ms=400,
+                                    blocked_ms=100)
+    run = mmtrace_cli("explain", path, "--json")
+    assert run.returncode == 0, run.stderr
+    answer = json.loads(run.stdout)
+    assert "predates blocked time" in answer["note"]
+    assert answer["processes"][0]["verdict"] == "cpu_starved"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--window", "5:1"], "END after START"),
+    (["--window", "x"], "START:END"),
+    ([], "no such file"),
+])
+def test_explain_refuses_bad_input_in_one_line(tmp_path, mmtrace_cli, args, message):
+    path = tmp_path / "nothing.mmtr"
+    if "no such file" != message:
+        write_launcher_recording(path, 4, runnable_ms=100)
+    run = mmtrace_cli("explain", path, *args)
+    assert run.returncode == 2
+    assert run.stderr.count("\n") == 1 and "Traceback" not in run.stderr
+    assert message in run.stderr.lower() or message in run.stderr

@@ -12,6 +12,7 @@ from mmtrace.bpf import device as device_stream
 from mmtrace.detectors.time_split import DeviceRoles, TimeSplit
 
 from mmtrace.agent.errors import MmtraceError
+from mmtrace.agent.ingest import latency_series as ls
 from mmtrace.agent.recording.device_view import DeviceContext
 from mmtrace.agent.recording.wall_clock import WallClock
 
@@ -36,11 +37,20 @@ def device_roles(infos: dict) -> DeviceRoles:
 
 
 class DiagnosisReplay:
-    """The time split of a recording, fed step by step from its replay."""
+    """The time split of a recording, fed step by step from its replay: the
+    switch-ins of the threads that made GPU/NPU calls (`submitters`, known
+    from a first look at the device events alone) and of the processes
+    asked for; every thread's name, for the ones that held their CPUs."""
 
-    def __init__(self, rec):
+    def __init__(self, rec, submitters: ls.Submitters | None = None, pids=()):
         self.split = TimeSplit(device_roles(DeviceContext.from_meta(rec.meta).infos))
         self.last_entropy_ns: int | None = None     # an entropy shift lasts no longer
+        if submitters is None:
+            submitters = ls.Submitters()
+            for pieces in rec.pieces("dev.event"):
+                submitters.learn(pieces)
+        self.submitters = submitters
+        self.pids = np.array(sorted(pids or ()), np.int64)
 
     def feed(self, step):
         entropy = step.part("model.entropy")
@@ -48,7 +58,11 @@ class DiagnosisReplay:
             self.last_entropy_ns = max(self.last_entropy_ns or 0, int(entropy["ts_ns"].max()))
         runq = step.part("cpu.runq")
         if runq is not None:
-            self.split.add_runq(runq)
+            self.split.names.learn(runq)
+            mine = self.submitters.mask(runq["tid"])
+            if len(self.pids):
+                mine |= np.isin(runq["pid"], self.pids)
+            self.split.add_runq(runq[mine])
         rows = step.device_rows()
         if rows is not None:
             self.split.add_device(rows.events)
@@ -165,7 +179,8 @@ def explain_recording(rec, window=None, pids=None, rules=None, timeline_s: float
     from mmtrace.agent.recording.offline_detectors import Detectors, settings_of
     from mmtrace.agent.recording.replay import replay
     rules = rules or DiagnosisRules.of(settings_of(rec).diagnosis)
-    diagnosis, detectors = DiagnosisReplay(rec), Detectors(rec)
+    detectors = Detectors(rec)
+    diagnosis = DiagnosisReplay(rec, detectors.p99.submitters, pids or ())
     for step in replay(rec):
         diagnosis.feed(step)
         detectors.feed(step)

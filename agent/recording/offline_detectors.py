@@ -144,6 +144,18 @@ class P99Replay:
                 anomaly["key"] = dict(key)
         return self.found
 
+    def baselines(self, limit: int = 20) -> list[dict]:
+        """Each series' baseline and threshold at the end (None: never
+        learnt), the highest thresholds first, at most `limit`."""
+        rows = []
+        for name in self.detector.names:
+            snap = self.detector.snapshot(name)
+            rows.append({"series": name, "state": snap["state"],
+                         "baseline_s": snap["baseline"], "threshold_s": snap["threshold"],
+                         "windows_needed": self.detector.min_baseline_windows})
+        rows.sort(key=lambda r: -(r["threshold_s"] or 0.0))
+        return rows[:limit]
+
 
 class EntropyReplay:
     """Attention-entropy drift over the recorded samples, one round per stamp."""
@@ -217,8 +229,8 @@ class Detectors:
 
     def __init__(self, rec):
         cfg = settings_of(rec)
-        self.parts = [P99Replay(rec, cfg.p99), EntropyReplay(rec, cfg.entropy),
-                      FailuresReplay(cfg.failures)]
+        self.p99 = P99Replay(rec, cfg.p99)
+        self.parts = [self.p99, EntropyReplay(rec, cfg.entropy), FailuresReplay(cfg.failures)]
 
     def feed(self, step: Step):
         for part in self.parts:

@@ -211,7 +211,8 @@ def summarize(rec) -> dict:
     """The report of a recording (a Recording, or a RecordingReader streamed
     from disk): one replay feeds every aggregate and the detectors."""
     runq, device, telemetry = RunqSummary(), DeviceSummary(), Telemetry()
-    detectors, diagnosis = Detectors(rec), DiagnosisReplay(rec)
+    detectors = Detectors(rec)
+    diagnosis = DiagnosisReplay(rec, detectors.p99.submitters)
     for step in replay(rec):
         telemetry.add(step.records)
         if "cpu.runq" in step.records:
@@ -249,6 +250,8 @@ def summarize(rec) -> dict:
         "launch_return_codes": device.launch_return_codes(),
         "device_probes": device_probes(rec),
         "anomalies": anomalies,
+        "p99_baselines": detectors.p99.baselines(),
+        "detector_notes": detector_notes(rec, detectors),
         "diagnosis": verdicts,
         "telemetry": telemetry.summary(rec),
     }
@@ -285,10 +288,29 @@ def format_text(summary: dict) -> str:
     lines.extend(verdict_lines(summary.get("diagnosis") or {}))
     lines.append("")
     lines.append(f"anomalies: {len(summary['anomalies'])}")
+    for note in summary.get("detector_notes") or []:
+        lines.append(f"  ({note})")
     for anomaly in summary["anomalies"]:
         lines.append("  " + anomaly_line(anomaly))
+    learnt = [b for b in summary.get("p99_baselines") or [] if b["baseline_s"] is not None]
+    if learnt:
+        lines += ["", f"{'p99 series (at the end)':<44} {'baseline ms':>12} {'threshold ms':>13}"]
+        lines += [f"{b['series'][:44]:<44} {b['baseline_s'] * 1e3:>12.3f} "
+                  f"{b['threshold_s'] * 1e3:>13.3f}" for b in learnt[:10]]
     lines.extend(telemetry_lines(summary["telemetry"]))
     return "\n".join(lines)
+
+
+def detector_notes(rec, detectors) -> list[str]:
+    """What the detectors could not judge in this recording, said plainly."""
+    p99 = detectors.p99.detector
+    needed_s = p99.min_baseline_windows * p99.window_ns / 1e9
+    if duration_s(rec) >= needed_s + p99.consecutive * p99.window_ns / 1e9:
+        return []
+    return [f"the recording is {duration_s(rec):.1f} s long: the P99 detectors need "
+            f"{needed_s:g} s of normal windows for a baseline ([p99] "
+            f"min_baseline_windows x window_s) and fired nothing; the verdict table "
+            f"reads the file against its start, and against its own levels"]
 
 
 def verdict_lines(diagnosis: dict) -> list[str]:
