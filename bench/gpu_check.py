@@ -369,7 +369,11 @@ def check_launch_cost(target: Target, iterations: int, per_sync: int, repeat: in
     from mmtrace.agent.kernel import probes
     from mmtrace.agent.kernel.probed_file import target_from_path
     from mmtrace.bpf import device
-    loop = Loop(target.launch_loop, launch_only=False)
+    try:
+        loop = Loop(target.launch_loop, launch_only=False)
+    except (IndexError, ValueError):      # no "ready PID" line: it ended (its stderr says why)
+        raise StepFailed(f"{target.launch_loop} did not start: expected 'ready PID' on its "
+                         "stdout, it ended first (its message is on stderr)") from None
     runtime = mapped(loop.pid, r"^libcudart\.so") or str(target.launch_loop)
     driver = mapped(loop.pid, r"^libcuda\.so")
     libs = [p for p in (runtime, driver) if p]
