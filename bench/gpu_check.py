@@ -425,8 +425,14 @@ def check_launch_cost(target: Target, iterations: int, per_sync: int, repeat: in
         empty.cleanup()
         traced.close()
     ns = {k: v / launches * 1e9 for k, v in best.items()}
-    return {"ok": True, "launches_per_run": launches, "per_sync": per_sync, "repeat": repeat,
-            "attach_mode": mode, "probed": libs, "untraced_ns": ns["untraced"], "empty_uprobe_ns": ns["empty_uprobe"],
+    # Every host-wide tracer (a `mmtrace record` without --pid, the daemon)
+    # probes every CUDA library a process maps, this loop's too.
+    note = ("the untraced loop was no faster than the empty uprobe: another tracer "
+            "probes these libraries (a host-wide mmtrace?)"
+            if ns["untraced"] >= ns["empty_uprobe"] else None)
+    return {"note": note, "ok": True, "launches_per_run": launches, "per_sync": per_sync, "repeat": repeat,
+            "attach_mode": mode, "probed": libs, "untraced_ns": ns["untraced"],
+            "empty_uprobe_ns": ns["empty_uprobe"],
             "mmtrace_ns": ns["mmtrace"],
             "mmtrace_vs_empty": ns["mmtrace"] / ns["empty_uprobe"],
             "mmtrace_vs_untraced": ns["mmtrace"] / ns["untraced"],
@@ -480,6 +486,10 @@ def _counts(counts: dict) -> str:
     return ", ".join(f"{n:,} {name}" for name, n in counts.items()) or "none"
 
 
+def _or_na(x) -> str:
+    return "n/a" if x is None else str(x)
+
+
 def _pct(x) -> str:
     return "n/a" if x is None else f"{x:.1%}"
 
@@ -515,12 +525,14 @@ def text_summary(s: dict) -> str:
         failed = _counts(r["failed_calls"])
         lines["recording"] = (
             f"{'ok' if r['ok'] else 'FAILED'}: {r['recorded_launches']} launches recorded for "
-            f"{r['reference_launches']} in the reference ({'each once' if r['exactly_once'] else 'NOT each once'}; "
+            f"{r['reference_launches']} in the reference "
+            f"({'each once' if r['exactly_once'] else 'NOT each once'}; "
             f"runtime layer {layers['runtime']}, driver layer {layers['driver']}); "
             f"named {_pct(r['named_share'])}, as the reference names them "
             f"{_pct(r['names_matching_share'])}; graph launches "
             f"{r['graph_launches']['recorded']}/{r['graph_launches']['reference']}"
-            f" (kernels inside them: {r['graph_kernels']}); copies {copies or 'none'}; syncs "
+            f" (kernels inside them: {_or_na(r['graph_kernels'])}); copies {copies or 'none'}; "
+            "syncs "
             f"{r['syncs']['recorded']}/{r['syncs']['reference']}; failed calls: {failed}; "
             f"GPU events lost: {_counts(r['lost_device_events'])} (CPU stream: "
             f"{_counts(r['lost_cpu_events'])})")
@@ -533,7 +545,8 @@ def text_summary(s: dict) -> str:
             f"per launch: untraced {c['untraced_ns']:,.0f} ns, empty uprobe "
             f"{c['empty_uprobe_ns']:,.0f} ns, mmtrace {c['mmtrace_ns']:,.0f} ns "
             f"({c['mmtrace_vs_empty']:.3f}x the empty uprobe, {c['mmtrace_vs_untraced']:.3f}x "
-            f"untraced); mmtrace events per launch {c['mmtrace_events_per_launch']:.2f}")
+            f"untraced); mmtrace events per launch {c['mmtrace_events_per_launch']:.2f}"
+            + (f"; note: {c['note']}" if c["note"] else ""))
     n = s["nvml"]
     if "nvml" not in lines:
         off = [f"GPU {d['index']} {f}: NVML {v['nvml']} vs nvidia-smi {v['nvidia_smi']}"
@@ -541,13 +554,15 @@ def text_summary(s: dict) -> str:
         lines["nvml"] = (f"{'ok' if n['ok'] else 'FAILED'}: {n['nvml_devices']} GPU(s) by NVML, "
                          f"{n['nvidia_smi_devices']} by nvidia-smi; "
                          + (", ".join(off) if off else
-                            f"every field within NVML's two reads ({', '.join(gpu_compare.SMI_FIELDS)})"))
+                            "every field within NVML's two reads "
+                            f"({', '.join(gpu_compare.SMI_FIELDS)})"))
     b = s["bundle"]
     lines["bundle"] = (b["note"] if b["ok"] is None else
                        f"{'ok' if b['ok'] else 'OVER THE LIMIT'}: {b['path']}: "
                        f"{b['bytes'] / 2**20:.1f} MiB of {b['limit_bytes'] / 2**20:.0f} MiB")
     v = s["verdict"]
-    lines["verdict"] = f"{v['result']}" + (f" ({', '.join(v['failed'])} failed)" if v["failed"] else "")
+    lines["verdict"] = v["result"] + (f" ({', '.join(v['failed'])} failed)" if v["failed"]
+                                      else "")
     title = "mmtrace GPU check"
     return title + "\n" + "\n".join(f"{k:<13} {lines[k]}" for k in SECTIONS) + "\n"
 
@@ -581,7 +596,8 @@ def parse_args(argv):
     parser.add_argument("-o", "--out", type=Path, default=DEFAULT_OUT,
                         help="where gpu_check.json, gpu_check.txt and the recording go "
                              "(default: %(default)s)")
-    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "mmtrace-gpu-check",
+    parser.add_argument("--work", type=Path,
+                        default=Path(tempfile.gettempdir()) / "mmtrace-gpu-check",
                         help="where the bundle is unpacked and stand-ins built "
                              "(default: %(default)s)")
     parser.add_argument("--steps", type=int, default=None,
@@ -591,7 +607,8 @@ def parse_args(argv):
                              "then a copy and a sync (default: %(default)s)")
     parser.add_argument("--per-sync", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=5,
-                        help="launch-cost rounds; the fastest of each counts (default: %(default)s)")
+                        help="launch-cost rounds; the fastest of each counts "
+                             "(default: %(default)s)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help='include torch.compile(mode="reduce-overhead") (default: on)')
     parser.add_argument("--torch-python", default=sys.executable,
