@@ -107,13 +107,14 @@ int rung6(struct pt_regs *ctx) { return rung(ctx, 6); }
 """
 
 
-def uprobe_run(program, fn_name: str, runtime, loop, calls: int, drain: bool = True) -> float:
-    """Seconds of `calls` launches with bcc `program`'s `fn_name` on the
-    runtime's cudaLaunchKernel; its rings drained after (`drain`), so
-    that the next run has room."""
+def uprobe_run(program, fn_name: str, runtime, loop, calls: int, drain: bool = True,
+               run_args=()) -> float:
+    """Seconds of loop.run(calls, *run_args) with bcc `program`'s `fn_name`
+    on the runtime's cudaLaunchKernel; its rings drained after (`drain`),
+    so that the next run has room."""
     program.attach_uprobe(name=str(runtime), sym="cudaLaunchKernel", fn_name=fn_name)
     try:
-        return loop.run(calls)
+        return loop.run(calls, *run_args)
     finally:
         program.detach_uprobe(name=str(runtime), sym="cudaLaunchKernel")
         if drain:

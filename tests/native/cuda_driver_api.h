@@ -10,6 +10,8 @@ typedef struct CUfunc_st *CUfunction;
 typedef struct CUmod_st *CUmodule;
 typedef struct CUstream_st *CUstream;
 typedef struct CUgraphExec_st *CUgraphExec;
+typedef struct CUlib_st *CUlibrary;
+typedef struct CUkern_st *CUkernel;
 typedef unsigned long long CUdeviceptr;         /* CUdeviceptr_v2 */
 typedef struct CUlaunchAttribute_st CUlaunchAttribute;
 typedef struct CUlaunchConfig_st {
@@ -49,5 +51,8 @@ CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount, CUstr
 CUresult cuStreamSynchronize(CUstream hStream);
 CUresult cuCtxSynchronize(void);
 CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name);
+/* CUDA 12+ library loading, as cuBLAS 13 names its kernels. */
+CUresult cuLibraryGetKernel(CUkernel *pKernel, CUlibrary library, const char *name);
+CUresult cuKernelGetFunction(CUfunction *pFunc, CUkernel kernel);
 
 #endif

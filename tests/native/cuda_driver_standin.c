@@ -1,7 +1,8 @@
 /* STAND-IN for NVIDIA's libcuda.so.1 (no GPU driver on the test hosts).
  * Every function has the exact CUDA 12 prototype from cuda.h, so the probes
  * see arguments where the real driver receives them; bodies only do what
- * the tests need: cuModuleGetFunction hands out a handle, syncs take a
+ * the tests need: cuModuleGetFunction and cuLibraryGetKernel hand out a
+ * handle, cuKernelGetFunction another for the same kernel, syncs take a
  * measurable moment, and a sync on stream 0xdead never returns (a process
  * killed inside a call). Built by the tests into a temporary folder. */
 #include <stddef.h>
@@ -65,5 +66,25 @@ CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name)
         return 500;     /* CUDA_ERROR_NOT_FOUND */
     *hfunc = (CUfunction)next_function;
     next_function += 0x10;
+    return 0;
+}
+
+CUresult cuLibraryGetKernel(CUkernel *pKernel, CUlibrary library, const char *name)
+{
+    calls++;
+    if (!pKernel || !name || !*name)
+        return 500;     /* CUDA_ERROR_NOT_FOUND */
+    *pKernel = (CUkernel)next_function;
+    next_function += 0x10;
+    return 0;
+}
+
+/* A CUkernel's CUfunction: a handle of its own, as the driver's is. */
+CUresult cuKernelGetFunction(CUfunction *pFunc, CUkernel kernel)
+{
+    calls++;
+    if (!pFunc || !kernel)
+        return 400;     /* CUDA_ERROR_INVALID_HANDLE */
+    *pFunc = (CUfunction)((unsigned long)kernel | 0x100000);
     return 0;
 }
