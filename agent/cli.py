@@ -529,9 +529,10 @@ def explain(file, pids, window, last_s, as_json, socket_path):
     capacity), device_bound (device syncs), npu_queue (syncs on an NPU
     whose queue is long), blocked (asleep off the device, more than
     before), input_shift (attention entropy moved), or healthy. A window is
-    read against the stretch before it (or after it): a share that rose
-    well past it is a cause, as is one past its own level ([diagnosis] in
-    the config lists the levels). The timeline shows the verdict every 5 s.
+    read against the 10 s before it (the file's first seconds when it
+    starts there): a share that rose well past it is a cause, as is one
+    past its own level ([diagnosis] in the config lists the levels).
+    Windows are whole seconds. The timeline shows the verdict every 5 s.
 
     \b
     Examples:
@@ -546,6 +547,9 @@ def explain(file, pids, window, last_s, as_json, socket_path):
         if not pids:
             raise MmtraceError("explain: expected a recording FILE, or --pid PID to ask the "
                                "running daemon")
+        if span and span[1] - span[0] > 3600 * 10**9:
+            raise MmtraceError(f"--window: the daemon explains at most 3600 s, got "
+                               f"{(span[1] - span[0]) / 1e9:g} s")
         answer = _ask_explain(socket_path, list(pids), span, last_s)
     else:
         answer = _streamed(_open(file), lambda rec: explaining.explain_recording(

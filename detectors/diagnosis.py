@@ -32,7 +32,7 @@ STATE_OF = {"cpu_starved": "runnable", "host_bound": "on_cpu", "bus_bound": "cop
 @dataclass
 class DiagnosisRules:
     """Every level a verdict is decided by; [diagnosis] in the config."""
-    starved_share: float = 0.1      # runnable share that starves a launcher on its own
+    starved_share: float = 0.25     # runnable share that starves a launcher on its own
     sync_share: float = 0.5         # share in device syncs: device-bound
     copy_share: float = 0.3         # share in synchronous copies: bus-bound
     on_cpu_share: float = 0.8       # share on the CPU between launches: host-bound
@@ -68,6 +68,7 @@ class Process:
     npu_calls: int = 0
     npu_queue_ns: int = 0
     holders: dict = field(default_factory=dict)     # tid -> ns it held a CPU the launchers waited for
+    cpu_measured: bool = True       # its threads have switch-in records (else on_cpu is a guess)
 
     @property
     def shares(self) -> dict:
@@ -97,53 +98,81 @@ def processes(split: TimeSplit, start_ns: int, end_ns: int, pids=None) -> dict[i
                 by_pid[pid] = tids
     lo = max(lo, split.first_ns if split.first_ns is not None else lo)
     hi = min(hi, split.last_ns + 1) if split.last_ns is not None else hi
-    out = {}
-    run_tid = key_tid(threads["key"])
+    per = _per_thread(threads, device, split.slice_ns, lo, hi)
     holder_tid = key_tid(culprits["key"])
+    out = {}
     for pid, tids in by_pid.items():
         if pids and pid not in pids:
             continue
         leader = names.get(pid) or names.get(min(tids))
         proc = Process(pid, leader.comm if leader else "?", sorted(tids))
-        mine = np.isin(run_tid, list(tids))
-        dev = np.isin(dev_tid, list(tids))
-        for tid in tids:
-            t_rows = threads[run_tid == tid]
-            d_rows = device[dev_tid == tid]
-            firsts = np.concatenate([t_rows["first"], d_rows["first"]])
-            lasts = np.concatenate([t_rows["last"], d_rows["last"]])
-            if not len(firsts):
-                continue
-            # A thread lives from its first evidence to the end of the slice
-            # of its last (it runs on after its last switch-in).
-            last_slice = int(max(key_slice(t_rows["key"]).max(initial=0),
-                                 key_slice(d_rows["key"]).max(initial=0)))
-            t_lo = max(lo, int(firsts.min()))
-            t_hi = min(hi, max(int(lasts.max()), (last_slice + 1) * split.slice_ns))
-            proc.wall_ns += max(0, t_hi - t_lo)
-        runnable = int(threads["runnable"][mine].sum())
-        blocked = int(threads["blocked"][mine].sum())
-        sync = int(device["sync"][dev].sum())
-        copy = int(device["copy"][dev].sum())
-        on_cpu = max(0, proc.wall_ns - runnable - blocked)
-        # A device wait is a sleep (blocking sync) or a spin (on the CPU):
-        # carved from the sleep first, the rest from the time on the CPU.
-        device_wait = sync + copy
-        spun = max(0, device_wait - blocked)
-        proc.parts = {"on_cpu": max(0, on_cpu - spun), "runnable": runnable,
-                      "sync": sync, "copy": copy,
-                      "blocked": max(0, blocked - device_wait)}
-        proc.calls = int(device["calls"][dev].sum())
-        proc.submissions = int(device["submissions"][dev].sum())
-        proc.failed = int(device["failed"][dev].sum())
-        proc.copy_bytes = int(device["bytes"][dev].sum())
-        proc.npu_calls = int(device["npu"][dev].sum())
-        proc.npu_queue_ns = int(device["queue"][dev].sum())
+        sel = np.isin(per["tid"], proc.tids)
+        mine = {k: v[sel] for k, v in per.items()}
+        proc.wall_ns = int(mine["wall"].sum())
+        proc.parts = {state: int(mine[state].sum()) for state in STATES}
+        proc.cpu_measured = bool(mine["cpu_rows"].any())
+        for name in ("calls", "submissions", "failed", "bytes", "npu", "queue"):
+            setattr(proc, _PROCESS_FIELD.get(name, name), int(mine[name].sum()))
         held = culprits[np.isin(holder_tid, list(tids))]
         for holder, wait in zip(held["holder"].tolist(), held["wait"].tolist()):
             proc.holders[holder] = proc.holders.get(holder, 0) + wait
         out[pid] = proc
     return out
+
+
+_PROCESS_FIELD = {"bytes": "copy_bytes", "npu": "npu_calls", "queue": "npu_queue_ns"}
+
+
+def _grouped(rows, fields: tuple, tids: np.ndarray) -> dict:
+    """Per tid of `tids` (sorted, unique): the sums of `fields` in `rows`,
+    their first and last evidence and the last slice (zeros where none)."""
+    out = {f: np.zeros(len(tids), np.int64) for f in fields + ("first", "last", "slice", "n")}
+    out["first"][:] = np.iinfo(np.int64).max
+    if not len(rows):
+        return out
+    tid = key_tid(rows["key"])
+    order = np.argsort(tid, kind="stable")
+    rows, tid = rows[order], tid[order]
+    uniq, starts = np.unique(tid, return_index=True)
+    at = np.searchsorted(tids, uniq)
+    for f in fields:
+        out[f][at] = np.add.reduceat(rows[f], starts)
+    out["first"][at] = np.minimum.reduceat(rows["first"], starts)
+    out["last"][at] = np.maximum.reduceat(rows["last"], starts)
+    out["slice"][at] = np.maximum.reduceat(key_slice(rows["key"]), starts)
+    out["n"][at] = np.diff(np.append(starts, len(rows)))
+    return out
+
+
+def _per_thread(threads, device, slice_ns: int, lo: int, hi: int) -> dict:
+    """Per thread of the window (sorted tids): its wall time and its parts.
+    A device wait is a sleep (a blocking sync) or a spin (on the CPU): it is
+    carved from the thread's sleep, then from its time on the CPU, and never
+    from its time runnable (waiting for a CPU on the way out of a sync is
+    the CPU's doing), thread by thread (one thread's sync cannot take
+    another's sleep)."""
+    tids = np.union1d(key_tid(threads["key"]), key_tid(device["key"]))
+    run = _grouped(threads, ("runnable", "blocked"), tids)
+    dev = _grouped(device, ("sync", "copy", "calls", "submissions", "failed", "bytes", "npu",
+                            "queue"), tids)
+    # A thread lives from its first evidence to the end of the slice of its
+    # last (it runs on after its last switch-in).
+    first = np.minimum(run["first"], dev["first"])
+    last = np.maximum(np.maximum(run["last"], dev["last"]),
+                      (np.maximum(run["slice"], dev["slice"]) + 1) * slice_ns)
+    wall = np.maximum(0, np.minimum(hi, last) - np.maximum(lo, first))
+    runnable, blocked = run["runnable"], run["blocked"]
+    on_cpu = np.maximum(0, wall - runnable - blocked)
+    waited = dev["sync"] + dev["copy"]
+    from_sleep = np.minimum(blocked, waited)
+    from_cpu = np.minimum(on_cpu, waited - from_sleep)
+    device_part = from_sleep + from_cpu            # what of the waits the thread's time holds
+    share_of_sync = np.divide(dev["sync"], waited, out=np.zeros(len(tids)), where=waited > 0)
+    sync = np.round(device_part * share_of_sync).astype(np.int64)
+    return {"tid": tids, "wall": wall, "runnable": runnable,
+            "blocked": blocked - from_sleep, "on_cpu": on_cpu - from_cpu,
+            "sync": sync, "copy": device_part - sync, "cpu_rows": run["n"] > 0,
+            **{k: dev[k] for k in ("calls", "submissions", "failed", "bytes", "npu", "queue")}}
 
 
 def window_shares(split: TimeSplit, start_ns: int, end_ns: int) -> dict:
@@ -175,6 +204,16 @@ def _pct(x: float) -> str:
     return f"{100 * x:.0f} %"
 
 
+def rise_level(base: float, rise_factor: float, rise_share: float) -> float:
+    """The least share that counts as a rise over `base`: at least
+    `rise_share` above it, and either `rise_factor` times it or the rest of
+    the time cut by that factor (0.6 -> 0.85 asleep is the rest cut from
+    0.4 to 0.15). One rule for the verdicts and the live watches."""
+    grown = base * rise_factor
+    rest_cut = 1 - (1 - base) / rise_factor
+    return max(base + rise_share, min(grown, rest_cut))
+
+
 def _causes(p: Process, ref: Process | None, window_s: float, rules: DiagnosisRules,
             entropy_share: float) -> list[dict]:
     shares = p.shares
@@ -190,16 +229,15 @@ def _causes(p: Process, ref: Process | None, window_s: float, rules: DiagnosisRu
             continue
         if state == "on_cpu" and not p.calls:
             continue            # a host-bound launcher launches
+        if state in ("on_cpu", "blocked") and not p.cpu_measured:
+            continue            # no switch-in records: what is not a device wait is unknown
         share = shares[state]
         if share < rules.min_share:
             continue
         level = levels[state]
         alone = level is not None and share >= level
         was = ref_shares[state] if ref_shares else None
-        # A rise: the state grew by the factor, or the rest of the time
-        # shrank by it (0.6 -> 0.85 asleep is the rest cut from 0.4 to 0.15).
-        rose = was is not None and share - was >= rules.rise_share and (
-            share >= was * rules.rise_factor or 1 - share <= (1 - was) / rules.rise_factor)
+        rose = was is not None and share >= rise_level(was, rules.rise_factor, rules.rise_share)
         bus_full = state == "copy" and copy_rate >= rules.bus_utilisation * link
         if not (alone or rose or bus_full):
             continue
@@ -212,7 +250,7 @@ def _causes(p: Process, ref: Process | None, window_s: float, rules: DiagnosisRu
         if verdict == "npu_queue":
             evidence["npu_submit_to_retire_ms"] = round(p.npu_queue_ns / 1e6, 3)
         causes.append({"verdict": verdict, "share": round(share, 4), "evidence": evidence})
-    if entropy_share > 0:
+    if entropy_share >= rules.min_share:
         causes.append({"verdict": "input_shift", "share": round(entropy_share, 4),
                        "evidence": {"share_of_window_shifted": round(entropy_share, 4)}})
     causes.sort(key=lambda c: -c["share"])
@@ -343,6 +381,7 @@ def diagnose(split: TimeSplit, start_ns: int, end_ns: int, rules: DiagnosisRules
             "threads": p.tids[:64],
             "calls": p.calls, "submissions": p.submissions, "failed_calls": p.failed,
             "copy_bytes": p.copy_bytes,
+            "cpu_measured": p.cpu_measured,
             "reference": None if ref is None else {
                 "start_ns": int(ref_range[0]), "end_ns": int(ref_range[1]),
                 "shares": {s: round(v, 4) for s, v in ref.shares.items()}},

@@ -12,17 +12,20 @@ least the threshold:
 
 where the baseline is the median share of the process's last
 `baseline_windows` windows that were not starved, capped at `baseline_cap`.
-So a quiet launcher fires on a small rise, and a noisy host (whose baseline
-would creep up with the noise) can never raise the threshold past
-`starved_share`: it cannot blind the detector. `consecutive` starved
+So a quiet launcher fires on a small rise (5 % -> 15 %), and a noisy host
+(whose baseline would creep up with the noise) can never raise the
+threshold past `starved_share`: it cannot blind the detector. The level
+is not lower because waking from a sleep costs time on the run queue
+too: a launcher that sleeps a millisecond between steps waited 10-13 %
+of its time on an otherwise idle virtual machine (the CPU's wake from
+idle, its softirqs and kworkers first). `consecutive` starved
 windows in a row fire; `clear_windows` windows that are not resolve.
 A window in which the threads lived less than half the time is neutral.
 
-The other parts are watched by the same rule, each with its level (a
-device-bound launcher spends `sync_share` of its time in syncs); the
-baseline of a part is capped at its level, and sleep, which an idle
-server does too, has no level: only a rise past its baseline fires (or
-the rest of the time shrinking by `rise_factor`). A share is an average
+The other parts are watched by the same rule without a level: a rise past
+the process's own baseline fires (detectors/diagnosis.rise_level: by
+`rise_factor`, or the rest of the time shrinking by it), since a
+well-fed server spends most of its time in syncs and an idle one asleep. A share is an average
 over every call of a window, so it stays steady where a latency's p99
 swings with a busy host's noise.
 """
@@ -31,6 +34,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from mmtrace.detectors.diagnosis import rise_level
 
 
 @dataclass
@@ -43,23 +48,23 @@ class _State:
     last: dict = field(default_factory=dict)          # the latest window's figures
 
 
-# part of the time -> (the anomaly's detector, its kind, the settings' level name)
-WATCHED = {"runnable": ("starvation", "cpu_starved", "starved_share"),
-           "sync": ("time_share", "device_bound", "sync_share"),
-           "copy": ("time_share", "bus_bound", "copy_share"),
-           "on_cpu": ("time_share", "host_bound", "on_cpu_share"),
-           "blocked": ("time_share", "blocked", None)}
+# part of the time -> (the anomaly's detector, its kind)
+WATCHED = {"runnable": ("starvation", "cpu_starved"),
+           "sync": ("time_share", "device_bound"),
+           "copy": ("time_share", "bus_bound"),
+           "on_cpu": ("time_share", "host_bound"),
+           "blocked": ("time_share", "blocked")}
 
 
 class Starvation:
-    def __init__(self, window_s: float = 1.0, starved_share: float | None = 0.15,
+    def __init__(self, window_s: float = 1.0, starved_share: float | None = 0.25,
                  rise_factor: float = 1.5, rise_share: float = 0.1, consecutive: int = 2,
                  clear_windows: int = 3, baseline_windows: int = 60,
-                 baseline_cap: float = 0.1, max_processes: int = 4096,
+                 baseline_cap: float = 0.15, max_processes: int = 4096,
                  state: str = "runnable"):
         """`starved_share`: the part's level (None: only a rise fires)."""
         self.part = state
-        self.detector, self.kind, _ = WATCHED[state]
+        self.detector, self.kind = WATCHED[state]
         self.window_ns = int(window_s * 1e9)
         self.starved_share = starved_share
         self.rise_factor, self.rise_share = rise_factor, rise_share
@@ -71,11 +76,11 @@ class Starvation:
     @classmethod
     def of(cls, d, state: str = "runnable") -> "Starvation":
         """The watch on one part of the time, from the daemon's [diagnosis]
-        settings: runnable's baseline is capped at baseline_cap, another
-        part's at its level."""
-        level_name = WATCHED[state][2]
-        level = getattr(d, level_name) if level_name else None
-        cap = d.baseline_cap if state == "runnable" else (level if level is not None else 1.0)
+        settings. Only waiting for a CPU has a level live: a server that
+        spends 60 % of its time in syncs is well fed, and one on the CPU
+        80 % may be built so; their watches fire on a rise alone."""
+        level = d.starved_share if state == "runnable" else None
+        cap = d.baseline_cap if state == "runnable" else 1.0
         return cls(window_s=d.window_s, starved_share=level,
                    rise_factor=d.rise_factor, rise_share=d.rise_share,
                    consecutive=d.consecutive, clear_windows=d.clear_windows,
@@ -93,17 +98,18 @@ class Starvation:
         level = self.starved_share
         if base is None:
             return level
-        rise = max(base * self.rise_factor, base + self.rise_share)
-        if self.starved_share is None:
-            # or the rest of the time cut by the factor
-            rise = min(rise, max(1 - (1 - base) / self.rise_factor, base + self.rise_share))
+        rise = rise_level(base, self.rise_factor, self.rise_share)
         return rise if level is None else min(level, rise)
 
     def observe(self, end_ns: int, windows: dict) -> list[dict]:
         """One closed window ending at end_ns: pid -> (runnable share, the
-        share of the window its threads lived, comm). Returns anomalies."""
+        share of the window its threads lived, comm). Returns anomalies.
+        A firing process that made no call in the window has stopped
+        launching: that window is calm for it."""
         out = []
-        for pid, (share, lived, comm) in windows.items():
+        idle = {pid: (0.0, 1.0, state.comm) for pid, state in self.states.items()
+                if state.firing and pid not in windows}
+        for pid, (share, lived, comm) in {**windows, **idle}.items():
             state = self.states.get(pid)
             if state is None:
                 if len(self.states) >= self.max_processes:
@@ -141,7 +147,7 @@ class Starvation:
                 "ts_ns": int(end_ns), "pid": pid, "comm": state.comm,
                 "key": {"kind": f"{'runq' if self.part == 'runnable' else self.part}_share",
                         "pid": pid},
-                "evidence": {**state.last, "windows": state.run,
+                "evidence": {**state.last, "part": self.part, "windows": state.run,
                              "window_s": self.window_ns / 1e9}}
 
     def forget(self, pids):

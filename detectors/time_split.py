@@ -18,6 +18,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 SLICE_NS = 1_000_000_000
+# A wait, sleep or call longer than this is a damaged record, not time a
+# thread spent: dropped, and counted (a stamp past 2**63 likewise).
+MAX_INTERVAL_NS = 86400 * 10**9
+MAX_TS_NS = (1 << 62)
 # Rows held in all: past them, slices double in length (a long recording
 # is read at a coarser grain, in memory that does not grow with it).
 MAX_ROWS = 1 << 19
@@ -218,6 +222,7 @@ class TimeSplit:
         self.first_ns: int | None = None
         self.last_ns: int | None = None
         self.has_blocked = True
+        self.dropped = 0            # records whose stamps or lengths no thread could have
         # tid -> ThreadInfo or None, for a thread no record named (the live
         # daemon reads /proc): the holders of CPUs are no launchers.
         self.resolve = lambda tid: None
@@ -233,6 +238,12 @@ class TimeSplit:
         before blocked_ns has none, and its sleeps count as on-CPU)."""
         with_blocked = "blocked_ns" in runq.dtype.names
         self.has_blocked &= with_blocked
+        sane = (runq["ts_ns"] < MAX_TS_NS) & (runq["delay_ns"] < MAX_INTERVAL_NS)
+        if with_blocked:
+            sane &= runq["blocked_ns"] < MAX_INTERVAL_NS
+        if not sane.all():
+            self.dropped += int((~sane).sum())
+            runq = runq[sane]
         if not len(runq):
             return
         ts = runq["ts_ns"].astype(np.int64)
@@ -274,6 +285,10 @@ class TimeSplit:
         submit-to-retire."""
         r = self.roles
         events = events[np.isin(events["kind"], r.exported_kinds)]
+        sane = (events["ts_ns"] < MAX_TS_NS) & (events["duration_ns"] < MAX_INTERVAL_NS)
+        if not sane.all():
+            self.dropped += int((~sane).sum())
+            events = events[sane]
         if not len(events):
             return
         ts = events["ts_ns"].astype(np.int64)
@@ -315,9 +330,13 @@ class TimeSplit:
         self.names.learn(events)
 
     def _bound(self):
+        """Past max_rows, slices double until the rows fit; when a doubling
+        frees nothing (as many threads as rows), the threads past the bound
+        seen longest ago go instead."""
         tables = (self.threads_table, self.device_table, self.culprit_table)
         while sum(t.size for t in tables) > self.max_rows:
-            if sum(len(t.rows()) for t in tables) <= self.max_rows // 2:
+            before = sum(len(t.rows()) for t in tables)
+            if before <= self.max_rows // 2:
                 return
             self.slice_ns *= 2
             for table in tables:
@@ -325,13 +344,22 @@ class TimeSplit:
                 rows["key"] = _key(key_tid(rows["key"]), key_slice(rows["key"]) // 2)
                 table.parts = [_reduce(rows, table.by)]
                 table.size = table.reduced = len(table.parts[0])
+            if sum(t.size for t in tables) >= before:
+                for table in tables:
+                    rows = table.rows()
+                    keep = np.argsort(rows["last"] if "last" in rows.dtype.names
+                                      else rows["key"], kind="stable")[-(self.max_rows // 6):]
+                    table.parts = [rows[np.sort(keep)]]
+                    table.size = table.reduced = len(table.parts[0])
+                    self.dropped += len(rows) - len(keep)
+                return
 
     def aligned(self, start_ns: int, end_ns: int) -> tuple[int, int]:
-        """The window the sums can answer for: its ends at the nearest slice
-        edges, at least one slice long."""
+        """The window the sums can answer for: the whole slices that hold
+        [start_ns, end_ns), at least one."""
         step = self.slice_ns
-        lo = (start_ns + step // 2) // step * step
-        hi = max(lo + step, (end_ns + step // 2) // step * step)
+        lo = start_ns // step * step
+        hi = max(lo + step, -(-end_ns // step) * step)
         return lo, hi
 
     def forget_before(self, ts_ns: int):

@@ -327,16 +327,19 @@ def _cpu_kind(key: dict) -> bool:
 
 
 def _cpu_pid(anomaly: dict) -> int | None:
-    """The process a CPU alarm is about, unless the anomaly's verdict (the
-    daemon's diagnosis of that process, in its evidence) names another
-    bound than cpu_starved: a launcher that waits for its copies
-    (bus_bound) or its device gets nothing from CPU hints. Without a
-    verdict (none could be made), the alarm speaks for itself."""
+    """The process a CPU alarm is about, unless the daemon's diagnosis of
+    that process (in its evidence) finds no CPU starvation among the causes:
+    a launcher that waits for its copies (bus_bound) or its device gets
+    nothing from CPU hints, while one that is both device-bound and starved
+    does. Without a verdict (none could be made), the alarm speaks for itself."""
     key = _key(anomaly)
     if not _cpu_kind(key):
         return None
-    verdict = _evidence(anomaly).get("verdict")
-    return key["pid"] if verdict is None or verdict == CPU_STARVED else None
+    evidence = _evidence(anomaly)
+    verdict = evidence.get("verdict")
+    causes = evidence.get("causes")
+    starved = verdict == CPU_STARVED or isinstance(causes, list) and CPU_STARVED in causes
+    return key["pid"] if verdict is None or starved else None
 
 
 def _waits(anomaly: dict, pid: int, modality: str) -> str:

@@ -227,7 +227,8 @@ def test_windows_are_read_in_seconds_or_nanoseconds(text, expected):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("20:10", "END after START"), ("abc", "START:END"), ("1:" + "9" * 30, "at most"),
+    ("20:10", "END after START"), ("abc", "START:END"), ("1:" + "9" * 30, "START:END"),
+    ("1.0:9999999.0", "at most"), ("110000000000:111000000000", "read in s"),
     ("-1:5", "START:END"),
 ])
 def test_bad_windows_say_what_was_expected(text, message):
@@ -299,6 +300,8 @@ def test_a_recording_from_before_blocked_time_is_explained_and_says_so(tmp_path,
     (["--window", "5:1"], "END after START"),
     (["--window", "x"], "START:END"),
     ([], "no such file"),
+    (["--window", "0:1"], "outside what there is to explain"),
+    (["--pid", "99999"], "no GPU/NPU call or switch-in of that process"),
 ])
 def test_explain_refuses_bad_input_in_one_line(tmp_path, mmtrace_cli, args, message):
     path = tmp_path / "nothing.mmtr"

@@ -142,10 +142,13 @@ def scenarios(programs, tmp_path_factory):
 def _explain(scenarios, mode, stretch="incident"):
     _, diagnosis, anomalies, truth = scenarios
     t = truth[mode]
+    # Windows are whole seconds: those inside the stretch, its first half
+    # second left out (the incident taking hold, the launcher starting).
     if stretch == "incident":
-        window = (t["incident_ns"] + 500_000_000, t["end_ns"])
+        lo, hi = t["incident_ns"] + 500_000_000, t["end_ns"]
     else:
-        window = (t["incident_ns"] - int(BASE_S * 1e9) + 500_000_000, t["incident_ns"])
+        lo, hi = t["incident_ns"] - int(BASE_S * 1e9) + 500_000_000, t["incident_ns"]
+    window = (-(-lo // 10**9) * 10**9, hi // 10**9 * 10**9)
     answer = explain_split(diagnosis.split, window, [t["pid"]], anomalies,
                            entropy_until_ns=diagnosis.last_entropy_ns)
     (process,) = [p for p in answer["processes"] if p["pid"] == t["pid"]]
@@ -197,7 +200,7 @@ def test_shares_add_up_and_blocked_is_measured(scenarios):
 def test_explain_cli_reads_the_recording_in_text_and_json(scenarios, mmtrace_cli):
     path, _, _, truth = scenarios
     t = truth["cpu_starved"]
-    window = f"{(t['incident_ns'] + 5e8) / 1e9:.3f}:{t['end_ns'] / 1e9:.3f}"
+    window = f"{-(-(t['incident_ns'] + 5e8) // 1e9):.0f}:{t['end_ns'] // 1e9:.0f}"
     run = mmtrace_cli("explain", str(path), "--pid", str(t["pid"]), "--window", window, "--json")
     assert run.returncode == 0, run.stderr
     answer = json.loads(run.stdout)
@@ -253,7 +256,10 @@ def test_the_daemon_fires_on_a_starved_launcher_within_6_s_and_explains_it_live(
         log += daemon.communicate(timeout=60)[0]
     assert fired, "".join(log[-30:])
     first = min(fired)
-    assert first >= truth["incident_ns"], ("fired before the hogs", fired[first])
+    assert first >= truth["incident_ns"], ("fired before the hogs",
+                                           (first - truth["incident_ns"]) / 1e9,
+                                           {k: fired[first].get(k) for k in
+                                            ("share", "threshold", "verdict", "comm")})
     assert first - truth["incident_ns"] <= 6e9, (first - truth["incident_ns"]) / 1e9
     evidence = fired[first]
     assert evidence["verdict"] == "cpu_starved" and evidence["share"] >= evidence["threshold"]

@@ -273,3 +273,15 @@ def test_a_lever_a_clients_word_moved_steps_back_with_that_word_and_kernel_evide
                active_modalities={"vision"}, cpu_utilisation=0.9)
     refreshed = [h for h in both if h["kind"] == "modality_batch"]
     assert refreshed and not any(client_scoped(h["evidence"]) for h in refreshed)
+
+
+def test_a_starved_launcher_that_is_also_device_bound_still_gets_cpu_hints():
+    """The verdict names the largest cause; CPU hints follow starvation
+    wherever it is among the causes."""
+    from mmtrace.dispatch.policy import _cpu_pid
+    alarm = {"state": "firing", "key": {"kind": "runq_share", "pid": 70},
+             "evidence": {"share": 0.3, "threshold": 0.12, "verdict": "device_bound",
+                          "causes": ["device_bound", "cpu_starved"]}}
+    assert _cpu_pid(alarm) == 70
+    alarm["evidence"]["causes"] = ["device_bound"]
+    assert _cpu_pid(alarm) is None

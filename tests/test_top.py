@@ -172,8 +172,10 @@ def test_status_shows_where_the_launchers_time_goes(tmp_path):
         d.close()
     rows = {p["pid"]: p for p in status["processes"]}
     assert rows[200]["runnable_share"] == pytest.approx(0.6, abs=0.02)
-    assert rows[200]["runnable_threshold"] == 0.1
     assert rows[200]["runnable_baseline"] == pytest.approx(0.02, abs=0.005)
+    # a quiet launcher's threshold: its baseline and rise_share, under starved_share
+    assert rows[200]["runnable_threshold"] == pytest.approx(
+        rows[200]["runnable_baseline"] + 0.1, abs=0.0001)
     assert sum(rows[200]["shares"].values()) == pytest.approx(1.0, abs=0.02)
     assert rows[100]["runnable_share"] == pytest.approx(0.02, abs=0.005)
     # the P99 detector's baseline and threshold of pid 100's run-queue delay, in µs
@@ -186,9 +188,9 @@ def test_status_shows_where_the_launchers_time_goes(tmp_path):
         (200, "t", "cpu_starved"), (300, "t", "cpu_starved")]
     screen = top_view.render(status, width=200)
     cols = {line.split()[0]: line.split() for line in screen[3:6]}
-    assert (cols["200"][3], cols["300"][3], cols["100"][3]) == ("60/10", "50/10", "2/10")
+    assert (cols["200"][3], cols["300"][3], cols["100"][3]) == ("60/12", "50/12", "2/12")
     assert any(re.search(r"starvation cpu_starved pid 300 \(t\)  runnable 50 % vs "
-                         r"threshold 10 %  verdict cpu_starved", line) for line in screen)
+                         r"threshold 12 %  verdict cpu_starved", line) for line in screen)
     # a process whose launchers' time is not measured
     off = dict(rows[100], shares=None, runnable_share=None, runnable_threshold=None)
     assert top_view.render({"processes": [off]})[3].split()[3] == "off"
@@ -221,7 +223,8 @@ def shows_the_figures(row):
     a window of its launchers' time has closed, runnable 1 % of it."""
     cols = row.split()
     return (len(cols) == 8 and cols[1] == "vlm-launcher" and cols[2] == "3.000"
-            and re.fullmatch(r"[01]/10", cols[3])       # 8 ms a second runnable, of 100
+            and re.fullmatch(r"[01]/1[01]", cols[3])    # 8 ms a second runnable; its
+                                                        # baseline + rise_share
             and 150 <= float(cols[4]) <= 260 and cols[5] == "9.000"
             and cols[6] in ("0.09", "0.10", "0.11") and cols[7] == "0.0")
 

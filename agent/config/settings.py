@@ -179,7 +179,7 @@ class DiagnosisSettings:
     """What makes a verdict (detectors/diagnosis.py) and when the live
     daemon calls a launcher starved (detectors/starvation.py): shares of a
     launching thread's wall time."""
-    starved_share: float = _setting(0.1, Number(0.0, 1.0, low_open=True))   # runnable, on its own
+    starved_share: float = _setting(0.25, Number(0.0, 1.0, low_open=True))  # runnable, on its own
     sync_share: float = _setting(0.5, Number(0.0, 1.0, low_open=True))      # in device syncs
     copy_share: float = _setting(0.3, Number(0.0, 1.0, low_open=True))      # in synchronous copies
     on_cpu_share: float = _setting(0.8, Number(0.0, 1.0, low_open=True))    # on the CPU: host-bound
@@ -194,7 +194,7 @@ class DiagnosisSettings:
     consecutive: int = _count(2, 1000)                      # starved windows in a row fire
     clear_windows: int = _count(3, 1000)                    # windows without resolve
     baseline_windows: int = _count(60, 3600)                # the baseline: their median...
-    baseline_cap: float = _setting(0.1, Number(0.0, 1.0))   # ...never above this share
+    baseline_cap: float = _setting(0.15, Number(0.0, 1.0))  # ...never above this share
 
 
 @dataclass

@@ -90,10 +90,8 @@ class LauncherTime:
         if window is None:
             last_s = min(max(float(last_s), 1.0), MAX_EXPLAIN_S)
             window = (now - int(last_s * 1e9), now)
-        answer = explain_split(self.split, window, pids, anomalies, self.rules, WallClock.now(),
-                               timeline_s=None, entropy_until_ns=entropy_until_ns)
-        answer["held"] = {"start_ns": self.split.first_ns, "end_ns": self.split.last_ns}
-        return answer
+        return explain_split(self.split, window, pids, anomalies, self.rules, WallClock.now(),
+                             timeline_s=None, entropy_until_ns=entropy_until_ns)
 
     def table(self) -> list[dict]:
         """Per process with launching threads: the latest closed window's

@@ -322,9 +322,14 @@ class Daemon:
             self._explained.append(now)
             window = msg.get("window")
             entropy = self.streams.entropy_ring.window(0)
-            answer = self.streams.launchers.explain(
-                msg["pids"], tuple(window) if window else None, msg.get("last_s", 10.0),
-                self.alarms.anomalies, int(entropy["ts_ns"].max()) if len(entropy) else None)
+            try:
+                answer = self.streams.launchers.explain(
+                    sorted(set(msg["pids"])), tuple(window) if window else None,
+                    msg.get("last_s", 10.0), self.alarms.anomalies,
+                    int(entropy["ts_ns"].max()) if len(entropy) else None)
+            except MmtraceError as exc:
+                self.server.error(client, f"explain: {exc}")
+                return
             self.server.reply(client, {"v": 1, "type": "explain", **answer})
         else:
             self._dump_reply(client)

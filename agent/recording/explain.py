@@ -9,7 +9,7 @@ import numpy as np
 
 from mmtrace.detectors.diagnosis import DiagnosisRules, diagnose
 from mmtrace.bpf import device as device_stream
-from mmtrace.detectors.time_split import DeviceRoles, TimeSplit
+from mmtrace.detectors.time_split import CULPRIT_FLOOR_NS, DeviceRoles, TimeSplit
 
 from mmtrace.agent.errors import MmtraceError
 from mmtrace.agent.ingest import latency_series as ls
@@ -18,6 +18,7 @@ from mmtrace.agent.recording.wall_clock import WallClock
 
 MAX_WINDOW_NS = 10 * 86400 * 10**9
 VERDICT_WINDOW_NS = 5_000_000_000      # what an anomaly's verdict is read over
+MAX_HOLDERS = 1 << 16                  # threads named as holders of a launcher's CPU
 TIMELINE_MAX_SLICES = 60
 
 
@@ -40,7 +41,9 @@ class DiagnosisReplay:
     """The time split of a recording, fed step by step from its replay: the
     switch-ins of the threads that made GPU/NPU calls (`submitters`, known
     from a first look at the device events alone) and of the processes
-    asked for; every thread's name, for the ones that held their CPUs."""
+    asked for; and the names of the threads that held their CPUs, from
+    those threads' own switch-ins (naming every thread of a busy host
+    cost a sixth of the report)."""
 
     def __init__(self, rec, submitters: ls.Submitters | None = None, pids=()):
         self.split = TimeSplit(device_roles(DeviceContext.from_meta(rec.meta).infos))
@@ -51,6 +54,7 @@ class DiagnosisReplay:
                 submitters.learn(pieces)
         self.submitters = submitters
         self.pids = np.array(sorted(pids or ()), np.int64)
+        self.holders = np.zeros(0, np.int64)        # sorted: threads a launcher waited behind
 
     def feed(self, step):
         entropy = step.part("model.entropy")
@@ -58,11 +62,18 @@ class DiagnosisReplay:
             self.last_entropy_ns = max(self.last_entropy_ns or 0, int(entropy["ts_ns"].max()))
         runq = step.part("cpu.runq")
         if runq is not None:
-            self.split.names.learn(runq)
             mine = self.submitters.mask(runq["tid"])
             if len(self.pids):
                 mine |= np.isin(runq["pid"], self.pids)
-            self.split.add_runq(runq[mine])
+            launchers = runq[mine]
+            self.split.add_runq(launchers)
+            behind = launchers["prev_tid"][launchers["delay_ns"] >= CULPRIT_FLOOR_NS]
+            if len(behind) and len(self.holders) < MAX_HOLDERS:
+                self.holders = np.union1d(self.holders, behind.astype(np.int64))
+            if len(self.holders):
+                at = np.minimum(np.searchsorted(self.holders, runq["tid"]),
+                                len(self.holders) - 1)
+                self.split.names.learn(runq[self.holders[at] == runq["tid"]])
         rows = step.device_rows()
         if rows is not None:
             self.split.add_device(rows.events)
@@ -70,23 +81,27 @@ class DiagnosisReplay:
 
 def parse_window(text: str | None) -> tuple[int, int] | None:
     """`START:END` in CLOCK_MONOTONIC seconds (decimals, as the report prints
-    them) or nanoseconds (integers of 13 digits or more)."""
+    them), or in nanoseconds when both are whole numbers and one has 13
+    digits or more (one unit for both ends)."""
     if text is None:
         return None
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*:\s*(\d+(?:\.\d*)?)\s*", text)
+    m = re.fullmatch(r"\s*(\d{1,20}(?:\.\d*)?)\s*:\s*(\d{1,20}(?:\.\d*)?)\s*", text)
     if not m:
         raise MmtraceError(f"--window: expected START:END in seconds (12.5:20) or "
                            f"nanoseconds, got {text[:60]!r}")
-    ends = []
-    for part in m.groups():
-        ns = int(part) if "." not in part and len(part) >= 13 else int(float(part) * 1e9)
-        ends.append(ns)
-    start, end = ends
+    parts = m.groups()
+    in_ns = all("." not in p for p in parts) and max(len(p) for p in parts) >= 13
+    start, end = (int(p) if in_ns else int(float(p) * 1e9) for p in parts)
+    unit = "ns" if in_ns else "s"
     if end <= start:
-        raise MmtraceError(f"--window: expected END after START, got {text[:60]!r}")
+        raise MmtraceError(f"--window: expected END after START (both read in {unit}), "
+                           f"got {text[:60]!r}")
+    if end >= 1 << 63:
+        raise MmtraceError(f"--window: expected CLOCK_MONOTONIC times (below 2**63 ns), got "
+                           f"{text[:60]!r} (read in {unit})")
     if end - start > MAX_WINDOW_NS:
         raise MmtraceError(f"--window: expected at most {MAX_WINDOW_NS // 10**9} s, got "
-                           f"{(end - start) / 1e9:g} s")
+                           f"{(end - start) / 1e9:g} s (read in {unit})")
     return start, end
 
 
@@ -132,7 +147,8 @@ def anomaly_verdict(split: TimeSplit, anomaly: dict, rules: DiagnosisRules,
     for p in answer["processes"]:
         if p["pid"] == pid:
             evidence = anomaly.setdefault("evidence", {})
-            evidence.update(verdict=p["verdict"], shares=p["shares"])
+            evidence.update(verdict=p["verdict"], shares=p["shares"],
+                            causes=[c["verdict"] for c in p["causes"]])
             if p["culprits"]:
                 evidence["culprits"] = p["culprits"]
 
@@ -150,9 +166,20 @@ def explain_split(split: TimeSplit, window=None, pids=None, anomalies=(),
                   "note": "no run-queue or GPU/NPU events to explain"}
         return answer
     start, end = window or (split.first_ns, split.last_ns + 1)
+    held = {"start_ns": int(split.first_ns), "end_ns": int(split.last_ns)}
+    if end <= split.first_ns or start > split.last_ns:
+        raise MmtraceError(f"--window {start / 1e9:.3f}:{end / 1e9:.3f} s is outside what "
+                           f"there is to explain: {held['start_ns'] / 1e9:.3f} .. "
+                           f"{held['end_ns'] / 1e9:.3f} s")
     anomalies = list(anomalies)
     shifted = entropy_windows(anomalies, entropy_until_ns or split.last_ns)
     answer = diagnose(split, start, end, rules, pids, shifted, symptoms(anomalies))
+    answer["held"] = held
+    missing = sorted(set(pids or ()) - {p["pid"] for p in answer["processes"]})
+    if missing:
+        raise MmtraceError(f"--pid {', '.join(map(str, missing))}: no GPU/NPU call or "
+                           f"switch-in of {'that process' if len(missing) == 1 else 'those'} "
+                           f"in {start / 1e9:.3f} .. {end / 1e9:.3f} s")
     answer["window"].update(started=clock.stamp(start), ended=clock.stamp(end))
     if answer["reference"]:
         ref = answer["reference"]

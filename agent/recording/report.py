@@ -347,7 +347,7 @@ def anomaly_line(a: dict) -> str:
         line += (f": p99 {ev['p99'] * 1e6:.1f} µs vs baseline {ev['baseline'] * 1e6:.1f} µs "
                  f"({ev['p99'] / ev['baseline']:.1f}x)")
     if ev.get("share") is not None and ev.get("threshold") is not None:
-        line += (f": {100 * ev['share']:.0f} % of the time runnable, threshold "
+        line += (f": {100 * ev['share']:.0f} % of the time {ev.get('part', 'runnable')}, threshold "
                  f"{100 * ev['threshold']:.0f} %")
     if ev.get("verdict"):
         line += f" [{ev['verdict']}]"

@@ -100,6 +100,7 @@ def active_anomalies(anomalies: list[dict]) -> list[dict]:
                     "pid": pid, "comm": a.get("comm"), "verdict": ev.get("verdict"),
                     "p99": ev.get("p99"), "baseline": ev.get("baseline"),
                     "share": ev.get("share"), "threshold": ev.get("threshold"),
+                    "part": ev.get("part"),
                     "flight_recording": a.get("flight_recording")})
     return out[-MAX_ANOMALIES:]
 

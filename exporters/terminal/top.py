@@ -64,7 +64,8 @@ def render(status: dict, width: int = 100, live: bool = False) -> list[str]:
         ratio = (f"  p99 {a['p99'] * 1e3:.2f} ms vs baseline {a['baseline'] * 1e3:.2f} ms"
                  if a.get("p99") is not None and a.get("baseline") else "")
         if a.get("share") is not None and a.get("threshold") is not None:
-            ratio += f"  runnable {_pct(a['share'])} vs threshold {_pct(a['threshold'])}"
+            ratio += (f"  {(a.get('part') or 'runnable').replace('_', '-')} {_pct(a['share'])} "
+                      f"vs threshold {_pct(a['threshold'])}")
         where = f" [{a['modality']}]" if a.get("modality") else ""
         if a.get("pid") is not None and f"pid={a['pid']}" not in str(a.get("what")):
             # a detector's kind (starvation's cpu_starved) names no process: say which

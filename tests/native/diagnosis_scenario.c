@@ -5,11 +5,11 @@
  *   healthy       nothing changes
  *   cpu_starved   a process named cpu_hog spins 3 ms of every 4 on the
  *                 launcher's CPU, at a higher SCHED_FIFO priority
- *   cfs_starved   the launcher is an ordinary thread at nice -5, and 3
+ *   cfs_starved   the launcher is an ordinary thread at nice -10, and 3
  *                 processes named cpu_hog spin on its CPU at its niceness
  *                 (the scheduler's fair share: each wait is capped near a
  *                 time slice); the host's load at nice 0 and above weighs
- *                 a third of it or less
+ *                 a tenth of it or less
  *   host_bound    4 ms of host work and no sleep
  *   bus_bound     a synchronous 8 MB copy (the stand-in runtime blocks it
  *                 for its bytes over the simulated link)
@@ -111,8 +111,8 @@ int main(int argc, char **argv)
     int fair = !strcmp(mode, "cfs_starved");
     if (!fair)
         become_fifo_at("diagnosis_scenario", 5);
-    else if (setpriority(PRIO_PROCESS, 0, -5) != 0) {
-        perror("diagnosis_scenario: nice -5 (needs CAP_SYS_NICE)");
+    else if (setpriority(PRIO_PROCESS, 0, -10) != 0) {
+        perror("diagnosis_scenario: nice -10 (needs CAP_SYS_NICE)");
         return 3;
     }
     stream_t stream = 0;
