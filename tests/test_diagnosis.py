@@ -243,7 +243,7 @@ def test_rules_come_from_the_settings_by_name():
     assert rules.sync_share == DiagnosisSettings().sync_share
 
 
-def write_launcher_recording(path, seconds, runq_dtype=RUNQ_EVENT, **kwargs):
+def write_launcher_recording(path, seconds, runq_dtype=RUNQ_EVENT, config=None, **kwargs):
     """A recording of launcher()'s records, through the real writer."""
     from mmtrace.agent.recording import file_format as recording
     split = fresh()
@@ -259,7 +259,8 @@ def write_launcher_recording(path, seconds, runq_dtype=RUNQ_EVENT, **kwargs):
         dev[name] = captured["dev"][name]
     w = recording.RecordingWriter(path, {"cpu.runq": runq_dtype,
                                          "dev.event": device_stream.DEV_EVENT})
-    w.write_meta({"apis": device_stream.default_table().to_json()})
+    w.write_meta({"apis": device_stream.default_table().to_json(),
+                  **({"config": config} if config is not None else {})})
     w.write_events("cpu.runq", rq)
     w.write_events("dev.event", dev[np.argsort(dev["ts_ns"], kind="stable")])
     w.close({"duration_s": float(seconds), "lost_events": 0, "counters": {}})
@@ -311,3 +312,19 @@ def test_explain_refuses_bad_input_in_one_line(tmp_path, mmtrace_cli, args, mess
     assert run.returncode == 2
     assert run.stderr.count("\n") == 1 and "Traceback" not in run.stderr
     assert message in run.stderr.lower() or message in run.stderr
+
+
+def test_settings_a_recording_carries_are_checked_before_use(tmp_path, mmtrace_cli):
+    """A flight recording carries the daemon's settings; a crafted or foreign
+    one whose [diagnosis] is not numbers gets the defaults, not a crash."""
+    bad = write_launcher_recording(tmp_path / "bad.mmtr", 6, runnable_ms=400,
+                                   config={"diagnosis": {"reference_s": "x",
+                                                         "min_reference_s": -5}})
+    run = mmtrace_cli("explain", bad, "--json")
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["rules"]["reference_s"] == 10.0
+    good = write_launcher_recording(tmp_path / "good.mmtr", 6, runnable_ms=400,
+                                    config={"diagnosis": {"starved_share": 0.5}})
+    answer = json.loads(mmtrace_cli("explain", good, "--json").stdout)
+    assert answer["rules"]["starved_share"] == 0.5
+    assert answer["processes"][0]["verdict"] == "healthy"       # 40 % < 50 %, no reference

@@ -10,8 +10,9 @@ from mmtrace.detectors.entropy_drift import EntropyDriftDetector
 from mmtrace.detectors.p99_drift import P99Drift
 
 from mmtrace.agent.ingest import latency_series as ls
-from mmtrace.agent.config.settings import (DaemonConfig, DiagnosisSettings, EntropySettings, FailureSettings,
-                                          P99Settings)
+from mmtrace.agent.config.settings import (DaemonConfig, EntropySettings, FailureSettings,
+                                          P99Settings, build)
+from mmtrace.agent.errors import MmtraceError
 from mmtrace.agent.recording.replay import Step, replay
 from mmtrace.agent.recording.report_telemetry import latest_list, latest_table, name_at
 from mmtrace.agent.ingest.series_keys import SeriesKey
@@ -23,20 +24,23 @@ MAX_ENTROPY_KEYS = 4096
 
 
 def settings_of(rec) -> DaemonConfig:
-    """A flight recording carries the daemon's settings; others get defaults.
-    (The reader has checked their types and ranges.)"""
-    cfg = DaemonConfig()
+    """A flight recording carries the daemon's settings; others get
+    defaults. The detectors' sections are checked by the configuration's own
+    rules: a file written by another version, or crafted, falls back to the
+    defaults rather than feeding a detector a string or a negative window."""
     for doc in rec.meta:
         conf = doc.get("config")
         if isinstance(conf, dict):
+            sections = {name: conf[name] for name in DETECTOR_SECTIONS
+                        if isinstance(conf.get(name), dict)}
             try:
-                cfg.p99 = P99Settings(**conf.get("p99", {}))
-                cfg.entropy = EntropySettings(**conf.get("entropy", {}))
-                cfg.failures = FailureSettings(**conf.get("failures", {}))
-                cfg.diagnosis = DiagnosisSettings(**conf.get("diagnosis", {}))
-            except TypeError:
-                pass     # written by another version: defaults
-    return cfg
+                return build(sections)
+            except MmtraceError:
+                return DaemonConfig()
+    return DaemonConfig()
+
+
+DETECTOR_SECTIONS = ("p99", "entropy", "failures", "diagnosis")
 
 
 def _finite(series: ls.Series) -> ls.Series:
