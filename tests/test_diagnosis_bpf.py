@@ -223,7 +223,10 @@ def test_the_daemon_fires_on_a_starved_launcher_within_6_s_and_explains_it_live(
     from mmtrace.exporters.terminal.daemon_client import ask
     state, sock = tmp_path / "state", tmp_path / "mmtrace.sock"
     config = tmp_path / "mmtrace.toml"
-    config.write_text(f'state_dir = "{state}"\nsocket = "{sock}"\nmetrics_address = "off"\n')
+    # Every alarm writes its flight recording (the launcher's failed calls
+    # on a driverless libcudart fire first).
+    config.write_text(f'state_dir = "{state}"\nsocket = "{sock}"\nmetrics_address = "off"\n'
+                      'flight_min_interval_s = 0\n')
     log: list[str] = []
     daemon = start_daemon(["--config", str(config)], log)
     # Background: two busy processes at nice 10 wherever the scheduler puts them.
