@@ -24,6 +24,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,16 @@ RSS_LIMIT_MB = 2048
 # two minutes, where the same code run without instrumentation stays flat.
 # One long session would end at the RSS limit, not on a bug.
 SESSION_S = 60
+# Where the targets' own files go (TMPDIR): the config and recording targets
+# write each input to a file for the loader to open, the policy target a
+# /proc/stat. On ext4 a file truncated and written again is flushed when it
+# is closed (auto_da_alloc): 2-5 ms an input on this host, most of what a
+# seeded search of those targets spent. On tmpfs nothing is flushed, and the
+# targets read the same bytes (the config and recording searches keep the
+# same inputs; where objects hashed by address steer a search, policy_loop's,
+# the environment's size moves the addresses, as any variable does, and the
+# search takes another path, the same on every run).
+SCRATCH_ROOT = Path("/dev/shm")
 # libFuzzer's report of a crash or a hang: the file it wrote the input to.
 _ARTIFACT = re.compile(r"Test unit written to (\S+)")
 
@@ -128,8 +139,10 @@ def _fuzzer(target: str, args: list[str], workdir: Path, timeout_s: float,
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     if fixed_addresses and shutil.which("setarch"):
         cmd = ["setarch", os.uname().machine, "--addr-no-randomize", *cmd]
-    proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace",
-                          timeout=timeout_s, env=env)
+    scratch_root = SCRATCH_ROOT if os.access(SCRATCH_ROOT, os.W_OK | os.X_OK) else None
+    with tempfile.TemporaryDirectory(prefix=f"fuzz-{target}-", dir=scratch_root) as scratch:
+        proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace",
+                              timeout=timeout_s, env={**env, "TMPDIR": scratch})
     output = proc.stdout + proc.stderr
     done = re.findall(r"Done (\d+) runs", output)
     ran = int(done[-1]) if done else 0
