@@ -24,6 +24,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,16 @@ RSS_LIMIT_MB = 2048
 # two minutes, where the same code run without instrumentation stays flat.
 # One long session would end at the RSS limit, not on a bug.
 SESSION_S = 60
+# Where the targets' own files go (TMPDIR): the config and recording targets
+# write each input to a file for the loader to open, the policy target a
+# /proc/stat. On ext4 a file truncated and written again is flushed when it
+# is closed (auto_da_alloc): 2-5 ms an input on this host, most of what a
+# seeded search of those targets spent. On tmpfs nothing is flushed, and the
+# targets read the same bytes (the config and recording searches keep the
+# same inputs; where objects hashed by address steer a search, policy_loop's,
+# the environment's size moves the addresses, as any variable does, and the
+# search takes another path, the same on every run).
+SCRATCH_ROOT = Path("/dev/shm")
 # libFuzzer's report of a crash or a hang: the file it wrote the input to.
 _ARTIFACT = re.compile(r"Test unit written to (\S+)")
 
@@ -77,7 +88,7 @@ def replay(target: str, workdir: Path) -> FuzzRun:
     if not inputs:      # without inputs libFuzzer would start an open search
         return FuzzRun(target, 1, 0, f"no corpus in {CORPUS_DIR / target}", [])
     returncode, _, output = _fuzzer(target, list(map(str, inputs)), workdir,
-                                    timeout_s=60 + 10 * len(inputs))
+                                    timeout_s=60 + 10 * len(inputs), instrumented=False)
     # libFuzzer names each file as it runs it; a run that stopped early lists fewer
     ran = len(re.findall(r"^Running: ", output, re.M))
     return FuzzRun(target, returncode, ran, output, _artifacts(output))
@@ -114,11 +125,26 @@ def search(target: str, workdir: Path, *, seed: int | None = None, runs: int | N
             return FuzzRun(target, returncode, total, text, _artifacts(text))
 
 
+# A replay needs no coverage: the target is run as it is, its imports not
+# instrumented (atheris.instrument_imports does nothing). Each input runs the
+# same code; what is saved is rewriting every module it imports (numpy's
+# too, for the recording and ELF targets: 8-15 s of a 10-16 s replay here).
+_UNINSTRUMENTED = """
+import contextlib, runpy, sys
+import atheris
+atheris.instrument_imports = lambda *args, **kwargs: contextlib.nullcontext()
+sys.argv = sys.argv[1:]
+sys.path[0] = sys.argv[0].rpartition("/")[0]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 def _fuzzer(target: str, args: list[str], workdir: Path, timeout_s: float,
-            fixed_addresses: bool = False):
+            fixed_addresses: bool = False, instrumented: bool = True):
     """(exit status, inputs run, output) of one libFuzzer process."""
     workdir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(FUZZ_DIR / f"fuzz_{target}.py"),
+    launch = [] if instrumented else ["-c", _UNINSTRUMENTED]
+    cmd = [sys.executable, *launch, str(FUZZ_DIR / f"fuzz_{target}.py"),
            f"-timeout={PER_INPUT_TIMEOUT_S}", f"-rss_limit_mb={RSS_LIMIT_MB}",
            f"-artifact_prefix={workdir}/", *args]
     # A fixed hash seed and, for a seeded search, no address randomisation:
@@ -128,8 +154,10 @@ def _fuzzer(target: str, args: list[str], workdir: Path, timeout_s: float,
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     if fixed_addresses and shutil.which("setarch"):
         cmd = ["setarch", os.uname().machine, "--addr-no-randomize", *cmd]
-    proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace",
-                          timeout=timeout_s, env=env)
+    scratch_root = SCRATCH_ROOT if os.access(SCRATCH_ROOT, os.W_OK | os.X_OK) else None
+    with tempfile.TemporaryDirectory(prefix=f"fuzz-{target}-", dir=scratch_root) as scratch:
+        proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace",
+                              timeout=timeout_s, env={**env, "TMPDIR": scratch})
     output = proc.stdout + proc.stderr
     done = re.findall(r"Done (\d+) runs", output)
     ran = int(done[-1]) if done else 0

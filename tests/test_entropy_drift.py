@@ -341,6 +341,11 @@ def minilm_stream():
     from mmtrace.detectors.attention_entropy import watch
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # One intra-op thread: the same entropies to the last bit (measured), and
+    # on a 2-core host whose other core runs eBPF tests' daemons, a second
+    # OpenMP thread waiting its turn made each forward 0.4-0.6 s, not 0.06.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     path = package.get_model_path()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModel.from_pretrained(path).eval()
@@ -358,6 +363,7 @@ def minilm_stream():
 
     yield run, [tokenizer(s)["input_ids"] for s in NATURAL]
     handle.remove()
+    torch.set_num_threads(threads)
 
 
 def test_real_model_natural_text_is_quiet_shuffled_and_random_tokens_alarm(minilm_stream):

@@ -136,6 +136,11 @@ class _Lane:
         """The newest stamp held; None when nothing is."""
         return max((run.last for run in self.runs), default=None)
 
+    @property
+    def oldest(self) -> int | None:
+        """The oldest stamp held; None when nothing is."""
+        return min((int(run.pieces[0]["ts_ns"][0]) for run in self.runs), default=None)
+
     def releasable(self, limit: int | None) -> int:
         """Bytes stamped at or before `limit`."""
         if limit is None:
@@ -205,9 +210,21 @@ def _steps_until(lanes: dict, limit: int | None, step_bytes: int):
 def _oldest(lanes, limit: int, want: int) -> int:
     """The lowest stamp from `limit` up at or before which the lanes hold
     `want` bytes or more (the newest stamp of the lane whose newest is the
-    oldest, when they hold less): a bisection on the stamps."""
+    oldest, when they hold less): a bisection on the stamps, from the oldest
+    stamp held (nothing is held below it) and in steps that double, so that
+    a step's worth near the oldest takes a few tries, not one per bit of
+    the stamps' span."""
     lanes = [lane for lane in lanes if lane.runs]
     lo, hi = limit, min(lane.newest for lane in lanes)
+    if want > 0:
+        lo = max(lo, min(lane.oldest for lane in lanes))
+    reach = 1
+    while lo < hi:
+        probe = min(lo + reach - 1, hi)
+        if probe == hi or sum(lane.releasable(probe) for lane in lanes) >= want:
+            hi = probe
+            break
+        lo, reach = probe + 1, 2 * reach
     while lo < hi:
         mid = (lo + hi) // 2
         if sum(lane.releasable(mid) for lane in lanes) >= want:
