@@ -262,6 +262,7 @@ def bundle(tmp_path_factory):
 
 @pytest.mark.bpf
 @pytest.mark.slow
+@pytest.mark.bundle
 def test_the_bundle_is_within_50_mib_lists_its_contents_and_serves_a_bare_host(bundle,
                                                                               tmp_path):
     dest, printed = bundle
