@@ -99,7 +99,7 @@ def processes(split: TimeSplit, start_ns: int, end_ns: int, pids=None) -> dict[i
     lo = max(lo, split.first_ns if split.first_ns is not None else lo)
     hi = min(hi, split.last_ns + 1) if split.last_ns is not None else hi
     per = _per_thread(threads, device, split.slice_ns, lo, hi)
-    holder_tid = key_tid(culprits["key"])
+    waiter_tid = key_tid(culprits["key"])   # the thread that waited
     out = {}
     for pid, tids in by_pid.items():
         if pids and pid not in pids:
@@ -113,7 +113,7 @@ def processes(split: TimeSplit, start_ns: int, end_ns: int, pids=None) -> dict[i
         proc.cpu_measured = bool(mine["cpu_rows"].any())
         for name in ("calls", "submissions", "failed", "bytes", "npu", "queue"):
             setattr(proc, _PROCESS_FIELD.get(name, name), int(mine[name].sum()))
-        held = culprits[np.isin(holder_tid, list(tids))]
+        held = culprits[np.isin(waiter_tid, list(tids))]
         for holder, wait in zip(held["holder"].tolist(), held["wait"].tolist()):
             proc.holders[holder] = proc.holders.get(holder, 0) + wait
         out[pid] = proc
