@@ -541,8 +541,9 @@ def explain(file, pids, window, last_s, as_json, socket_path):
       mmtrace explain incident.mmtr --json | jq '.processes[0].verdict'
       sudo mmtrace explain --pid 4242           # live, the last 10 s
     """
-    from mmtrace.agent.recording import explain as explaining
-    span = explaining.parse_window(window)
+    from mmtrace.agent.recording.window_arg import parse_window
+    from mmtrace.exporters.terminal.explain_view import format_text
+    span = parse_window(window)
     if file is None:
         if not pids:
             raise MmtraceError("explain: expected a recording FILE, or --pid PID to ask the "
@@ -552,9 +553,10 @@ def explain(file, pids, window, last_s, as_json, socket_path):
                                f"{(span[1] - span[0]) / 1e9:g} s")
         answer = _ask_explain(socket_path, list(pids), span, last_s)
     else:
-        answer = _streamed(_open(file), lambda rec: explaining.explain_recording(
+        from mmtrace.agent.recording.explain import explain_recording
+        answer = _streamed(_open(file), lambda rec: explain_recording(
             rec, span, list(pids) or None))
-    click.echo(json.dumps(answer, indent=2) if as_json else explaining.format_text(answer))
+    click.echo(json.dumps(answer, indent=2) if as_json else format_text(answer))
 
 
 def _ask_explain(socket_path, pids, span, last_s) -> dict:

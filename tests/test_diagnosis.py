@@ -14,7 +14,8 @@ from mmtrace.detectors.starvation import Starvation
 from mmtrace.detectors.time_split import TimeSplit, split_intervals
 
 from mmtrace.agent.errors import MmtraceError
-from mmtrace.agent.recording.explain import device_roles, entropy_windows, parse_window
+from mmtrace.agent.recording.explain import device_roles, entropy_windows
+from mmtrace.agent.recording.window_arg import parse_window
 
 S = 1_000_000_000
 MS = 1_000_000

@@ -3,8 +3,6 @@ or of what the live daemon holds, as the spec's JSON and as one screen of
 text. A recording is replayed once; the time split is fed beside the
 report's aggregates, so `report` carries the verdict table for little more."""
 
-import re
-
 import numpy as np
 
 from mmtrace.detectors.diagnosis import DiagnosisRules, diagnose
@@ -16,7 +14,6 @@ from mmtrace.agent.ingest import latency_series as ls
 from mmtrace.agent.recording.device_view import DeviceContext
 from mmtrace.agent.recording.wall_clock import WallClock
 
-MAX_WINDOW_NS = 10 * 86400 * 10**9
 VERDICT_WINDOW_NS = 5_000_000_000      # what an anomaly's verdict is read over
 MAX_HOLDERS = 1 << 16                  # threads named as holders of a launcher's CPU
 TIMELINE_MAX_SLICES = 60
@@ -77,32 +74,6 @@ class DiagnosisReplay:
         rows = step.device_rows()
         if rows is not None:
             self.split.add_device(rows.events)
-
-
-def parse_window(text: str | None) -> tuple[int, int] | None:
-    """`START:END` in CLOCK_MONOTONIC seconds (decimals, as the report prints
-    them), or in nanoseconds when both are whole numbers and one has 13
-    digits or more (one unit for both ends)."""
-    if text is None:
-        return None
-    m = re.fullmatch(r"\s*(\d{1,20}(?:\.\d*)?)\s*:\s*(\d{1,20}(?:\.\d*)?)\s*", text)
-    if not m:
-        raise MmtraceError(f"--window: expected START:END in seconds (12.5:20) or "
-                           f"nanoseconds, got {text[:60]!r}")
-    parts = m.groups()
-    in_ns = all("." not in p for p in parts) and max(len(p) for p in parts) >= 13
-    start, end = (int(p) if in_ns else int(float(p) * 1e9) for p in parts)
-    unit = "ns" if in_ns else "s"
-    if end <= start:
-        raise MmtraceError(f"--window: expected END after START (both read in {unit}), "
-                           f"got {text[:60]!r}")
-    if end >= 1 << 63:
-        raise MmtraceError(f"--window: expected CLOCK_MONOTONIC times (below 2**63 ns), got "
-                           f"{text[:60]!r} (read in {unit})")
-    if end - start > MAX_WINDOW_NS:
-        raise MmtraceError(f"--window: expected at most {MAX_WINDOW_NS // 10**9} s, got "
-                           f"{(end - start) / 1e9:g} s (read in {unit})")
-    return start, end
 
 
 def entropy_windows(anomalies: list[dict], end_ns: int) -> list[tuple[int, int]]:
@@ -215,51 +186,3 @@ def explain_recording(rec, window=None, pids=None, rules=None, timeline_s: float
                            WallClock.of(rec), timeline_s, diagnosis.last_entropy_ns)
     answer["file"] = str(rec.path)
     return answer
-
-
-def _pct(x) -> str:
-    return f"{100 * x:4.0f} %"
-
-
-def format_text(answer: dict) -> str:
-    """One screen: per process its verdict, time split, chain and fixes."""
-    lines = []
-    window = answer.get("window")
-    if window:
-        started, ended = window.get("started"), window.get("ended")
-        span = (window["end_ns"] - window["start_ns"]) / 1e9
-        lines.append(f"window      {started['local'] or '?'} .. {ended['local'] or '?'}  "
-                     f"[{window['start_ns'] / 1e9:.3f} .. {window['end_ns'] / 1e9:.3f} s, "
-                     f"{span:.1f} s]" if started else
-                     f"window      {window['start_ns'] / 1e9:.3f} .. {window['end_ns'] / 1e9:.3f} s")
-    ref = answer.get("reference")
-    if ref:
-        lines.append(f"reference   {ref['start_ns'] / 1e9:.3f} .. {ref['end_ns'] / 1e9:.3f} s "
-                     "(what the window is read against)")
-    if answer.get("note"):
-        lines.append(f"note        {answer['note']}")
-    if not answer["processes"]:
-        lines.append("no process made GPU/NPU calls in the window")
-    for p in answer["processes"]:
-        lines.append("")
-        lines.append(f"{p['comm']} (pid {p['pid']}): {p['verdict'].upper()}"
-                     + (f"  [{p['failed_calls']:,} failed calls]" if p["failed_calls"] else ""))
-        lines.append("  time     " + "  ".join(f"{s} {_pct(v).strip()}"
-                                              for s, v in p["shares"].items()))
-        if p.get("reference"):
-            lines.append("  before   " + "  ".join(f"{s} {_pct(v).strip()}"
-                                                  for s, v in p["reference"]["shares"].items()))
-        for c in p["causes"]:
-            lines.append(f"  cause    {c['verdict']:<13} {_pct(c['share'])}")
-        for c in p["culprits"]:
-            lines.append(f"  culprit  pid {c['pid']} {c['comm'] or '?'} (tid {c['tid']}) held "
-                         f"the CPU for {_pct(c['share']).strip()} of the wait")
-        for i, link in enumerate(p["chain"]):
-            lines.append(f"  {'why' if i == 0 else '   '}   {'-> ' if i else ''}{link}")
-        for fix in p["fixes"]:
-            lines.append(f"  fix      {fix}")
-        if p.get("timeline") and len({t['verdict'] for t in p["timeline"]}) > 1:
-            marks = " ".join(f"{t['start_ns'] / 1e9:.0f}s:{t['verdict']}"
-                             for t in p["timeline"])
-            lines.append(f"  timeline {marks}")
-    return "\n".join(lines)
