@@ -534,6 +534,14 @@ def explain(file, pids, window, last_s, as_json, socket_path):
     past its own level ([diagnosis] in the config lists the levels).
     Windows are whole seconds. The timeline shows the verdict every 5 s.
 
+    --json: {"processes": [...]} ranked by impact, each with pid, comm,
+    window (start_ns, end_ns, wall clock), verdict, shares (on_cpu,
+    runnable, sync, copy, blocked), causes (verdict, share, evidence),
+    culprits (pid, tid, comm, share), chain (symptom first), fixes,
+    reference, and over a file a timeline. The same split is live in the
+    metrics mmtrace_launcher_time_share{process,state},
+    mmtrace_launcher_runnable_threshold and _baseline, and in `mmtrace top`.
+
     \b
     Examples:
       mmtrace explain incident.mmtr
