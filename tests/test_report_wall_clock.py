@@ -56,3 +56,23 @@ def test_a_recording_without_the_offset_says_it_does_not_know():
                                   "utc": None}
     # A stamp no calendar holds (a hostile header) is unknown, not a crash.
     assert WallClock(1 << 80).text(1 << 62) == "?"
+
+
+def test_explain_says_when_on_the_wall_clock_to_the_millisecond(tmp_path):
+    """explain's window and its reference, on the wall as `date` reads it."""
+    clocks = time.time_ns() - time.monotonic_ns()       # what `date` and the stamps say
+    path = synthetic_recording(tmp_path / "s.mmtr")
+    run = CliRunner().invoke(cli, ["explain", str(path), "--json"])
+    assert run.exit_code == 0, run.output
+    answer = json.loads(run.stdout)
+    offset = file_format.RecordingReader(path).header["realtime_minus_monotonic_ns"]
+    started = answer["window"]["started"]
+    # The stamps are the file's own (synthetic, from 1 s of CLOCK_MONOTONIC):
+    # each maps through the offset the writer took, which is the host's.
+    assert started["unix_ns"] == started["monotonic_ns"] + offset
+    assert abs(offset - clocks) <= 10 * MS
+    assert abs(datetime.fromisoformat(started["local"]).timestamp() * 1e9
+               - started["unix_ns"]) < MS
+    assert answer["reference"]["started"]["utc"].endswith("+00:00")
+    text = CliRunner().invoke(cli, ["explain", str(path)]).stdout
+    assert started["local"] in text
