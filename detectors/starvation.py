@@ -101,11 +101,22 @@ class Starvation:
         rise = rise_level(base, self.rise_factor, self.rise_share)
         return rise if level is None else min(level, rise)
 
-    def observe(self, end_ns: int, windows: dict) -> list[dict]:
+    def disturbed(self, pid: int, share: float) -> bool:
+        """This window of the process is no normal one for this part: over
+        its threshold, or while its alarm fires."""
+        state = self.states.get(pid)
+        threshold = self.threshold(pid)
+        return (state is not None and (state.firing or state.run > 0)) or \
+            (threshold is not None and share >= threshold)
+
+    def observe(self, end_ns: int, windows: dict, disturbed=frozenset()) -> list[dict]:
         """One closed window ending at end_ns: pid -> (runnable share, the
         share of the window its threads lived, comm). Returns anomalies.
         A firing process that made no call in the window has stopped
-        launching: that window is calm for it."""
+        launching: that window is calm for it. A process in `disturbed`
+        (another part of its time is out of the ordinary now) does not
+        teach this part's baseline: a starved launcher spends less time on
+        its CPU, and that is not its usual."""
         out = []
         idle = {pid: (0.0, 1.0, state.comm) for pid, state in self.states.items()
                 if state.firing and pid not in windows}
@@ -132,9 +143,10 @@ class Starvation:
                     out.append(self._record(pid, state, "firing", end_ns))
                 continue
             state.run = 0
-            state.shares.append(share)
-            while len(state.shares) > self.baseline_windows:
-                state.shares.popleft()
+            if pid not in disturbed:
+                state.shares.append(share)
+                while len(state.shares) > self.baseline_windows:
+                    state.shares.popleft()
             if state.firing:
                 state.calm += 1
                 if state.calm >= self.clear_windows:

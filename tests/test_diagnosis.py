@@ -329,3 +329,17 @@ def test_settings_a_recording_carries_are_checked_before_use(tmp_path, mmtrace_c
     answer = json.loads(mmtrace_cli("explain", good, "--json").stdout)
     assert answer["rules"]["starved_share"] == 0.5
     assert answer["processes"][0]["verdict"] == "healthy"       # 40 % < 50 %, no reference
+
+
+def test_a_window_out_of_the_ordinary_teaches_no_baseline():
+    """While a launcher is starved its time on the CPU falls; that is not
+    its usual, and after the hogs go its CPU time must not look like a rise."""
+    on_cpu = Starvation(starved_share=None, rise_factor=1.5, rise_share=0.1, consecutive=2,
+                        baseline_windows=10, baseline_cap=1.0, state="on_cpu")
+    for w in range(5):
+        on_cpu.observe(w * S, {1: (0.5, 1.0, "x")})
+    for w in range(5, 15):                  # starved: on_cpu 0.1, another part disturbed
+        assert on_cpu.observe(w * S, {1: (0.1, 1.0, "x")}, disturbed={1}) == []
+    assert on_cpu.baseline(1) == pytest.approx(0.5)
+    assert on_cpu.observe(15 * S, {1: (0.5, 1.0, "x")}) == []
+    assert on_cpu.observe(16 * S, {1: (0.5, 1.0, "x")}) == []

@@ -62,10 +62,13 @@ class LauncherTime:
             shares = window_shares(self.split, end - self.window_ns, end)
             self.latest = {pid: {"comm": comm, "shares": split, "end_ns": end}
                            for pid, (split, _, comm) in shares.items()}
+            # A window out of the ordinary in any part teaches no part's baseline.
+            disturbed = {pid for pid, (split, _, _) in shares.items()
+                         if any(w.disturbed(pid, split[w.part]) for w in self.watches)}
             for watch in self.watches:
                 found += watch.observe(end, {
                     pid: (split[watch.part], lived, comm)
-                    for pid, (split, lived, comm) in shares.items()})
+                    for pid, (split, lived, comm) in shares.items()}, disturbed)
             self.next_window_ns += self.window_ns
         if found or self.split.first_ns is not None and \
                 self.split.first_ns < now_ns - self.reach_ns - 2 * self.split.slice_ns:
