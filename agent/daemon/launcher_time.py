@@ -34,7 +34,7 @@ class LauncherTime:
         self.proc_root = proc_root
         self.clock = clock
         self.next_window_ns: int | None = None
-        # pid -> the latest closed window's time split (metrics, top).
+        # pid -> its latest closed window with calls: time split and end (metrics, top).
         self.latest: dict[int, dict] = {}
 
     # ---------------------------------------------------------- intake
@@ -60,8 +60,14 @@ class LauncherTime:
         while self.next_window_ns + GRACE_NS <= now_ns:
             end = self.next_window_ns
             shares = window_shares(self.split, end - self.window_ns, end)
-            self.latest = {pid: {"comm": comm, "shares": split, "end_ns": end}
-                           for pid, (split, _, comm) in shares.items()}
+            # Each process's latest window in which it launched, for as long
+            # as the daemon's reach: a launcher idle for a moment keeps its
+            # figures (with their time), one idle longer drops out.
+            self.latest.update({pid: {"comm": comm, "shares": split, "end_ns": end}
+                                for pid, (split, _, comm) in shares.items()})
+            for pid in [p for p, row in self.latest.items()
+                        if row["end_ns"] < end - self.reach_ns]:
+                del self.latest[pid]
             # A window out of the ordinary in any part teaches no part's baseline.
             disturbed = {pid for pid, (split, _, _) in shares.items()
                          if any(w.disturbed(pid, split[w.part]) for w in self.watches)}

@@ -293,7 +293,8 @@ class DaemonCollector:
         split = GaugeMetricFamily(
             "mmtrace_launcher_time_share",
             f"Share (0..1) of the wall time of each process's GPU/NPU-launching threads, over "
-            f"the latest closed window, by state: on_cpu, runnable (waiting on a run queue), "
+            f"the latest closed window in which they launched (within ring_seconds), by state: "
+            f"on_cpu, runnable (waiting on a run queue), "
             f"sync, copy (in synchronous copies), blocked (asleep otherwise). The "
             f"{self.labels.top_k} busiest processes by name; no other.",
             labels=[*names, "state"])
