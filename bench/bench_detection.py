@@ -145,11 +145,13 @@ def incident(rng: random.Random, kind: str) -> int:
 
 
 class Alarms:
-    """Every firing anomaly the daemon shows, polled from its status."""
+    """Every firing anomaly the daemon shows, polled from its status; and
+    the host's load beside it (a run is only as quiet as its host)."""
 
     def __init__(self, sock: Path):
         self.sock = sock
         self.seen: dict[tuple, dict] = {}
+        self.load: list[float] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._poll, daemon=True)
 
@@ -159,6 +161,7 @@ class Alarms:
                 status = ask(self.sock, "status", 5.0)
             except (NoDaemon, ValueError):
                 status = {"anomalies": []}
+            self.load.append(os.getloadavg()[0])
             for a in status.get("anomalies", []):
                 if a.get("state") == "firing":
                     key = (a.get("detector"), a.get("what"), a.get("modality"), a.get("pid"),
@@ -255,6 +258,11 @@ def score(schedule, workers, alarms, args) -> dict:
         for s in mine:
             hits = [a for a in fired
                     if s["start_ns"] <= a["ts_ns"] <= s["start_ns"] + DETECT_WITHIN_S * 1e9]
+            # What the engineer saw fire, and what was already firing (an
+            # alarm still on raises no new one).
+            s["alarms"] = [f"{a.get('detector')}:{a.get('what')} "
+                           f"+{(a['ts_ns'] - s['start_ns']) / 1e9:.1f}s" for a in fired
+                           if s["start_ns"] - 10e9 <= a["ts_ns"] <= s["end_ns"]]
             if hits:
                 detect_s.append((hits[0]["ts_ns"] - s["start_ns"]) / 1e9)
             else:
@@ -288,6 +296,8 @@ def score(schedule, workers, alarms, args) -> dict:
         "false_alarm_kinds": dict(Counter(f"{a.get('detector')}:{a.get('what')}"
                                           for a in false_alarms)),
         "verdicts_right": round(right / n, 4) if n else None,
+        "host_load_1m": {"median": round(statistics.median(alarms.load), 2),
+                         "max": round(max(alarms.load), 2)} if alarms.load else None,
         "confusion": {k: dict(v) for k, v in sorted(confusion.items())},
         "goals": GOALS,
     }

@@ -8,26 +8,30 @@ a time slice, so p99 hardly moves while the time spent waiting triples. The
 share of time does not saturate. A window is starved when its share is at
 least the threshold:
 
-    threshold = min(starved_share, max(baseline * rise_factor, baseline + rise_share))
+    threshold = min(alarm_share, max(baseline * rise_factor, baseline + rise_share))
 
 where the baseline is the median share of the process's last
 `baseline_windows` windows that were not starved, capped at `baseline_cap`.
-So a quiet launcher fires on a small rise (5 % -> 15 %), and a noisy host
-(whose baseline would creep up with the noise) can never raise the
-threshold past `starved_share`: it cannot blind the detector. The level
-is not lower because waking from a sleep costs time on the run queue
-too: a launcher that sleeps a millisecond between steps waited 10-13 %
-of its time on an otherwise idle virtual machine (the CPU's wake from
-idle, its softirqs and kworkers first). `consecutive` starved
-windows in a row fire; `clear_windows` windows that are not resolve.
-A window in which the threads lived less than half the time is neutral.
+So a quiet launcher fires on a small rise (5 % -> 15 %), one that waits a
+third of its time on a busy host fires when that grows by half, and no
+baseline, however noisy the host, raises the threshold past `alarm_share`
+(half the time waiting): nothing can blind the detector. Waking from a
+sleep costs time on the run queue too: a launcher that sleeps a
+millisecond between steps waited 10-13 % of its time on an otherwise idle
+virtual machine (the CPU's wake from idle, its softirqs and kworkers
+first), and 20-25 % in some seconds beside a compile job and disk
+writes. A fixed level under that (`starved_share`, which makes the
+verdict in explain) fired every few minutes on such a host while it was
+busy. `consecutive` starved windows in a row fire; `clear_windows`
+windows that are not resolve. A window in which the threads lived less
+than half the time is neutral.
 
 The other parts are watched by the same rule without a level: a rise past
 the process's own baseline fires (detectors/diagnosis.rise_level: by
 `rise_factor`, or the rest of the time shrinking by it), since a
-well-fed server spends most of its time in syncs and an idle one asleep. A share is an average
-over every call of a window, so it stays steady where a latency's p99
-swings with a busy host's noise.
+well-fed server spends most of its time in syncs and an idle one asleep.
+A share is an average over every call of a window, so it stays steady
+where a latency's p99 swings with a busy host's noise.
 """
 
 from collections import deque
@@ -57,10 +61,10 @@ WATCHED = {"runnable": ("starvation", "cpu_starved"),
 
 
 class Starvation:
-    def __init__(self, window_s: float = 1.0, starved_share: float | None = 0.25,
+    def __init__(self, window_s: float = 1.0, starved_share: float | None = 0.5,
                  rise_factor: float = 1.5, rise_share: float = 0.1, consecutive: int = 2,
                  clear_windows: int = 3, baseline_windows: int = 60,
-                 baseline_cap: float = 0.15, max_processes: int = 4096,
+                 baseline_cap: float = 0.35, max_processes: int = 4096,
                  state: str = "runnable"):
         """`starved_share`: the part's level (None: only a rise fires)."""
         self.part = state
@@ -79,7 +83,7 @@ class Starvation:
         settings. Only waiting for a CPU has a level live: a server that
         spends 60 % of its time in syncs is well fed, and one on the CPU
         80 % may be built so; their watches fire on a rise alone."""
-        level = d.starved_share if state == "runnable" else None
+        level = d.alarm_share if state == "runnable" else None
         cap = d.baseline_cap if state == "runnable" else 1.0
         return cls(window_s=d.window_s, starved_share=level,
                    rise_factor=d.rise_factor, rise_share=d.rise_share,

@@ -193,6 +193,27 @@ def test_a_starved_window_fires_after_consecutive_ones_and_a_noisy_baseline_cann
     assert resolved["state"] == "resolved"
 
 
+def test_a_busy_hosts_usual_waiting_is_no_alarm_but_half_the_time_always_is():
+    """The defaults, on a host whose background makes a launcher wait 20-35 %
+    of every second (the detection bench's busy host): quiet for a minute,
+    it fires when that grows by half, and a launcher that waits 60 % from
+    its first second fires with no baseline at all."""
+    busy = Starvation()
+    out = []
+    for w in range(60):
+        out += busy.observe(w * S, {1: (0.2 + 0.15 * ((w * 7) % 5) / 4, 1.0, "x")})
+    assert out == []
+    assert busy.baseline(1) == pytest.approx(0.2 + 0.15 * 2 / 4)
+    assert busy.threshold(1) == pytest.approx(min(0.5, busy.baseline(1) * 1.5))
+    assert busy.observe(60 * S, {1: (0.42, 1.0, "x")}) == []
+    (fired,) = busy.observe(61 * S, {1: (0.42, 1.0, "x")})
+    assert fired["state"] == "firing" and fired["evidence"]["threshold"] == 0.4125
+    fresh_host = Starvation()
+    assert fresh_host.observe(0, {2: (0.6, 1.0, "y")}) == []
+    (starved,) = fresh_host.observe(S, {2: (0.6, 1.0, "y")})
+    assert starved["evidence"]["threshold"] == 0.5 and starved["evidence"]["baseline"] is None
+
+
 def test_a_quiet_launcher_fires_on_a_smaller_rise_and_sleep_only_on_a_rise():
     quiet = Starvation(starved_share=0.1, rise_factor=1.5, rise_share=0.04, consecutive=1,
                        baseline_windows=10)

@@ -302,7 +302,7 @@ def test_a_launcher_the_detector_has_not_judged_shows_the_threshold_it_would_app
                                                200_000), [])
         daemon.alarms.act(daemon.streams.launchers.tick(t0 + S + S // 4))
     lines = scrape(daemon)
-    default = daemon.config.diagnosis.starved_share
+    default = daemon.config.diagnosis.alarm_share
     assert family(lines, "mmtrace_launcher_runnable_threshold") == [
         f'mmtrace_launcher_runnable_threshold{{process="vision_enc"}} {default}']
     assert family(lines, "mmtrace_launcher_runnable_baseline") == []

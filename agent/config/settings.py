@@ -194,7 +194,8 @@ class DiagnosisSettings:
     consecutive: int = _count(2, 1000)                      # starved windows in a row fire
     clear_windows: int = _count(3, 1000)                    # windows without resolve
     baseline_windows: int = _count(60, 3600)                # the baseline: their median...
-    baseline_cap: float = _setting(0.15, Number(0.0, 1.0))  # ...never above this share
+    baseline_cap: float = _setting(0.35, Number(0.0, 1.0))  # ...never above this share
+    alarm_share: float = _setting(0.5, Number(0.0, 1.0, low_open=True))  # fires whatever the baseline
 
 
 @dataclass
