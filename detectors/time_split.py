@@ -37,6 +37,9 @@ DEVICE_SLICE = np.dtype([("key", "<u8"), ("sync", "<i8"), ("copy", "<i8"), ("cal
 # Per (waiting thread, slice, thread that held the CPU): the wait it ended.
 CULPRIT_SLICE = np.dtype([("key", "<u8"), ("holder", "<u4"), ("wait", "<i8")])
 
+# What add_device reads of an aligned device event.
+_DEVICE_FIELDS = ("ts_ns", "duration_ns", "flags", "api", "kind", "ret", "retired_ns", "tid",
+                  "pid", "comm", "bytes")
 _SUMMED = {"runnable", "blocked", "sync", "copy", "calls", "submissions", "failed", "bytes",
            "npu", "queue", "wait"}
 
@@ -166,21 +169,27 @@ class ThreadNames:
         return at, hit
 
     def learn(self, records: np.ndarray):
-        """Records with tid, pid, comm and ts_ns."""
-        if not len(records):
+        """Records (or a dict of columns) with tid, pid, comm and ts_ns."""
+        if not len(records["tid"]):
             return
-        tids, last = np.unique(records["tid"][::-1].astype(np.int64), return_index=True)
-        latest = records[len(records) - 1 - last]
+        # The last record of each run of one thread's records (launches come
+        # in bursts), then each thread's latest; only those rows' fields are
+        # gathered, never whole records.
+        tid = records["tid"]
+        ends = np.flatnonzero(np.append(tid[1:] != tid[:-1], True))
+        tids, last = np.unique(tid[ends][::-1].astype(np.int64), return_index=True)
+        latest = ends[len(ends) - 1 - last]
+        pid, comm, seen = (records[f][latest] for f in ("pid", "comm", "ts_ns"))
         at, hit = self._find(tids)
-        self.pid[at[hit]] = latest["pid"][hit]
-        self.comm[at[hit]] = latest["comm"][hit]
-        self.seen[at[hit]] = latest["ts_ns"][hit]
+        self.pid[at[hit]] = pid[hit]
+        self.comm[at[hit]] = comm[hit]
+        self.seen[at[hit]] = seen[hit]
         if not hit.all():
-            new = latest[~hit]
-            self.tid = np.concatenate([self.tid, tids[~hit]])
-            self.pid = np.concatenate([self.pid, new["pid"].astype(np.int64)])
-            self.comm = np.concatenate([self.comm, new["comm"].astype("S16")])
-            self.seen = np.concatenate([self.seen, new["ts_ns"].astype(np.int64)])
+            new = ~hit
+            self.tid = np.concatenate([self.tid, tids[new]])
+            self.pid = np.concatenate([self.pid, pid[new].astype(np.int64)])
+            self.comm = np.concatenate([self.comm, comm[new].astype("S16")])
+            self.seen = np.concatenate([self.seen, seen[new].astype(np.int64)])
             if len(self.tid) > self.limit:
                 keep = np.argsort(self.seen, kind="stable")[-(self.limit // 2):]
                 self.tid, self.pid, self.comm, self.seen = (
@@ -284,12 +293,14 @@ class TimeSplit:
         blocking copies, submissions, failed calls, bytes, and the NPU's
         submit-to-retire."""
         r = self.roles
-        events = events[np.isin(events["kind"], r.exported_kinds)]
+        keep = np.isin(events["kind"], r.exported_kinds)
         sane = (events["ts_ns"] < MAX_TS_NS) & (events["duration_ns"] < MAX_INTERVAL_NS)
-        if not sane.all():
-            self.dropped += int((~sane).sum())
-            events = events[sane]
-        if not len(events):
+        self.dropped += int((keep & ~sane).sum())
+        keep &= sane
+        # The fields read, each gathered alone: a whole record is 256 bytes.
+        whole = keep.all()
+        events = {name: events[name] if whole else events[name][keep] for name in _DEVICE_FIELDS}
+        if not len(events["ts_ns"]):
             return
         ts = events["ts_ns"].astype(np.int64)
         returned = (events["flags"] & r.returned_flag) != 0
@@ -307,23 +318,31 @@ class TimeSplit:
         queue = np.where(npu & submission & (retired > ts), retired - ts, 0)
         tid = events["tid"].astype(np.int64)
         rows, slices, lengths = split_intervals(ts, np.maximum(end, ts + 1), self.slice_ns)
-        piece = np.zeros(len(rows), DEVICE_SLICE)
-        piece["key"] = _key(tid[rows], slices)
+        key = _key(tid[rows], slices)
         timed = np.where(duration[rows] > 0, lengths, 0)
-        piece["sync"] = np.where(is_sync[rows], timed, 0)
-        piece["copy"] = np.where(is_copy[rows], timed, 0)
         # Counted once, in the slice the call began.
         began = slices == ts[rows] // self.slice_ns
         ok = ~failed[rows]
-        piece["calls"] = began
-        piece["submissions"] = began & submission[rows] & ok
-        piece["failed"] = began & failed[rows]
-        piece["bytes"] = np.where(began & ok & (kind[rows] == r.memcpy_kind),
-                                  events["bytes"][rows].astype(np.int64), 0)
-        piece["npu"] = began & npu[rows]
-        piece["queue"] = np.where(began, queue[rows], 0)
-        piece["first"] = np.maximum(ts[rows], slices * self.slice_ns)
-        piece["last"] = np.minimum(end[rows], (slices + 1) * self.slice_ns)
+        columns = {
+            "sync": np.where(is_sync[rows], timed, 0),
+            "copy": np.where(is_copy[rows], timed, 0),
+            "calls": began,
+            "submissions": began & submission[rows] & ok,
+            "failed": began & failed[rows],
+            "bytes": np.where(began & ok & (kind[rows] == r.memcpy_kind),
+                              events["bytes"][rows].astype(np.int64), 0),
+            "npu": began & npu[rows],
+            "queue": np.where(began, queue[rows], 0)}
+        # One row per run of a thread's calls in one slice (a launch burst is
+        # one row), summed here without a sort; the table sorts what is left.
+        runs = np.flatnonzero(np.append(True, key[1:] != key[:-1]))
+        piece = np.zeros(len(runs), DEVICE_SLICE)
+        piece["key"] = key[runs]
+        for name, column in columns.items():
+            piece[name] = np.add.reduceat(column.astype(np.int64), runs)
+        piece["first"] = np.minimum.reduceat(np.maximum(ts[rows], slices * self.slice_ns), runs)
+        piece["last"] = np.maximum.reduceat(np.minimum(end[rows], (slices + 1) * self.slice_ns),
+                                            runs)
         self.device_table.add(piece)
         self._bound()
         # A thread known only by its GPU/NPU calls still has a process.

@@ -52,6 +52,7 @@ class DiagnosisReplay:
         self.submitters = submitters
         self.pids = np.array(sorted(pids or ()), np.int64)
         self.holders = np.zeros(0, np.int64)        # sorted: threads a launcher waited behind
+        self.unnamed = np.zeros(0, np.int64)        # sorted: those no switch-in has named yet
 
     def feed(self, step):
         entropy = step.part("model.entropy")
@@ -66,11 +67,21 @@ class DiagnosisReplay:
             self.split.add_runq(launchers)
             behind = launchers["prev_tid"][launchers["delay_ns"] >= CULPRIT_FLOOR_NS]
             if len(behind) and len(self.holders) < MAX_HOLDERS:
-                self.holders = np.union1d(self.holders, behind.astype(np.int64))
-            if len(self.holders):
-                at = np.minimum(np.searchsorted(self.holders, runq["tid"]),
-                                len(self.holders) - 1)
-                self.split.names.learn(runq[self.holders[at] == runq["tid"]])
+                new = np.setdiff1d(behind.astype(np.int64), self.holders)
+                if len(new):
+                    self.holders = np.union1d(self.holders, new)
+                    self.unnamed = np.union1d(self.unnamed, new)
+            if len(self.unnamed):
+                # A holder is named by its first switch-in after it was
+                # seen holding a CPU (and keeps that name): once every
+                # holder has one, the host's other threads cost nothing.
+                at = np.minimum(np.searchsorted(self.unnamed, runq["tid"]),
+                                len(self.unnamed) - 1)
+                found = runq[self.unnamed[at] == runq["tid"]]
+                if len(found):
+                    self.split.names.learn(found)
+                    self.unnamed = np.setdiff1d(self.unnamed, found["tid"].astype(np.int64),
+                                                assume_unique=False)
         rows = step.device_rows()
         if rows is not None:
             self.split.add_device(rows.events)
