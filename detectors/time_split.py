@@ -127,6 +127,57 @@ class _Table:
         self.size = self.reduced = len(self.parts[0])
 
 
+class RecentWaits:
+    """The latest run-queue waits of the launching threads (a few seconds of
+    them), to find the wait inside a device call. The wake-up that ends a
+    sync or a blocking copy waits for a CPU like any other: on a busy host
+    that wait is most of the call, and it is the CPU's time, not the
+    device's. Left in the call, it took the thread's sleep (and then its
+    time on the CPU) from the other parts, and a starved launcher read as
+    device-bound."""
+
+    def __init__(self, keep_ns: int = 2 * SLICE_NS, limit: int = 1 << 18):
+        self.keep_ns, self.limit = keep_ns, limit      # keep_ns < 2**32: see _keys
+        self.tid = np.zeros(0, np.int64)
+        self.ts = np.zeros(0, np.int64)                 # switch-in
+        self.start = np.zeros(0, np.int64)              # when the wait began
+        self.base = 0
+        self.keys = np.zeros(0, np.uint64)
+
+    def _keys(self, tid: np.ndarray, ts: np.ndarray) -> np.ndarray:
+        offset = np.clip(ts - self.base, 0, (1 << 32) - 1)
+        return (tid.astype(np.uint64) << np.uint64(32)) | offset.astype(np.uint64)
+
+    def add(self, tid: np.ndarray, ts: np.ndarray, wait_start: np.ndarray):
+        if not len(tid):
+            return
+        tid, ts, start = (np.concatenate(pair) for pair in
+                          ((self.tid, tid), (self.ts, ts), (self.start, wait_start)))
+        recent = ts >= ts.max() - self.keep_ns
+        if recent.sum() > self.limit:
+            recent &= ts >= np.sort(ts[recent])[-self.limit]
+        tid, ts, start = tid[recent], ts[recent], start[recent]
+        self.base = int(ts.min())
+        self.keys = self._keys(tid, ts)
+        order = np.argsort(self.keys, kind="stable")
+        self.keys, self.tid, self.ts, self.start = (a[order] for a in
+                                                    (self.keys, tid, ts, start))
+
+    def inside(self, tid: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+        """Per call [start, end) of thread `tid`: the run-queue wait of the
+        thread's last switch-in within it (0 where none is known)."""
+        out = np.zeros(len(tid), np.int64)
+        if not len(self.keys) or not len(tid):
+            return out
+        at = np.searchsorted(self.keys, self._keys(tid, end), side="right") - 1
+        found = at >= 0
+        at = np.maximum(at, 0)
+        found &= (self.tid[at] == tid) & (self.ts[at] > start) & (self.ts[at] <= end) & \
+            (end >= self.base)
+        out[found] = self.ts[at][found] - np.maximum(self.start[at], start)[found]
+        return np.maximum(out, 0)
+
+
 @dataclass
 class DeviceRoles:
     """What the time split needs of the device stream's records (the agent
@@ -227,6 +278,7 @@ class TimeSplit:
         self.device_table = _Table(DEVICE_SLICE)
         self.culprit_table = _Table(CULPRIT_SLICE, ("key", "holder"))
         self.names = ThreadNames(max_threads)        # tid -> its process and name
+        self.waits = RecentWaits()
         self.max_rows = max_rows
         self.first_ns: int | None = None
         self.last_ns: int | None = None
@@ -263,6 +315,7 @@ class TimeSplit:
         self._seen(int((ts - delay - blocked).min()), int(ts.max()))
         self.names.learn(runq)
         wait_start = ts - delay
+        self.waits.add(tid, ts, wait_start)
         parts = []
         for start, end, field in ((wait_start, ts, "runnable"),
                                   (wait_start - blocked, wait_start, "blocked")):
@@ -307,6 +360,7 @@ class TimeSplit:
         duration = np.where(returned, events["duration_ns"].astype(np.int64), 0)
         end = ts + duration
         self._seen(int(ts.min()), int(end.max()))
+        tid = events["tid"].astype(np.int64)
         api = np.minimum(events["api"].astype(np.int64), len(r.blocking) - 1)
         kind = events["kind"]
         is_sync = kind == r.sync_kind
@@ -316,7 +370,10 @@ class TimeSplit:
         failed = returned & (events["ret"] != 0)      # did no work
         retired = events["retired_ns"].astype(np.int64)
         queue = np.where(npu & submission & (retired > ts), retired - ts, 0)
-        tid = events["tid"].astype(np.int64)
+        # A sync or copy is the device's time less the wait for a CPU that
+        # ended it (its tail: the call returns at once on the CPU).
+        waited = (is_sync | is_copy) & (duration > 0)
+        end[waited] -= self.waits.inside(tid[waited], ts[waited], end[waited])
         rows, slices, lengths = split_intervals(ts, np.maximum(end, ts + 1), self.slice_ns)
         key = _key(tid[rows], slices)
         timed = np.where(duration[rows] > 0, lengths, 0)

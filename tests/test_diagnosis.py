@@ -87,6 +87,26 @@ def test_the_split_of_a_known_thread_adds_up_to_its_wall_time():
                                     "copy": 0.05, "blocked": 0.3}, abs=0.01)
 
 
+def test_the_wait_for_a_cpu_that_ends_a_sync_is_runnable_not_the_devices():
+    """A busy host: each 100 ms step runs 20 ms, syncs (the device takes
+    5 ms, then the wake-up waits 30 ms for a CPU), runs 5 ms, sleeps 35 ms
+    and waits 5 ms. The sync's call lasts 35 ms; 30 of them are the CPU's."""
+    split = fresh()
+    rq, dev = [], []
+    for k in range(30):
+        t0 = 10 * S + k * 100 * MS
+        rq.append((t0 + 55 * MS, 30 * MS, 5 * MS, 100, 101, 900, b"launcher"))
+        rq.append((t0 + 100 * MS, 5 * MS, 35 * MS, 100, 101, 900, b"launcher"))
+        dev.append((t0 + 1 * MS, 0, "cudaLaunchKernel", 100, 101, 0, 0))
+        dev.append((t0 + 20 * MS, 35 * MS + 10_000, "cudaStreamSynchronize", 100, 101, 0, 0))
+    split.add_runq(runq(rq))
+    split.add_device(calls(dev))
+    process = diagnose(split, 11 * S, 13 * S)["processes"][0]
+    assert process["shares"] == pytest.approx({"on_cpu": 0.25, "runnable": 0.35, "sync": 0.05,
+                                               "copy": 0.0, "blocked": 0.35}, abs=0.01)
+    assert process["verdict"] == "cpu_starved"
+
+
 def test_levels_alone_make_the_verdicts():
     for kwargs, verdict in (({"runnable_ms": 400, "blocked_ms": 100}, "cpu_starved"),
                             ({"sync_ms": 700}, "device_bound"),
