@@ -61,16 +61,16 @@ WATCHED = {"runnable": ("starvation", "cpu_starved"),
 
 
 class Starvation:
-    def __init__(self, window_s: float = 1.0, starved_share: float | None = 0.5,
+    def __init__(self, window_s: float = 1.0, level: float | None = 0.5,
                  rise_factor: float = 1.5, rise_share: float = 0.1, consecutive: int = 2,
                  clear_windows: int = 3, baseline_windows: int = 60,
                  baseline_cap: float = 0.35, max_processes: int = 4096,
                  state: str = "runnable"):
-        """`starved_share`: the part's level (None: only a rise fires)."""
+        """`level`: the part's level (None: only a rise fires)."""
         self.part = state
         self.detector, self.kind = WATCHED[state]
         self.window_ns = int(window_s * 1e9)
-        self.starved_share = starved_share
+        self.level = level
         self.rise_factor, self.rise_share = rise_factor, rise_share
         self.consecutive, self.clear_windows = consecutive, clear_windows
         self.baseline_windows, self.baseline_cap = baseline_windows, baseline_cap
@@ -85,7 +85,7 @@ class Starvation:
         80 % may be built so; their watches fire on a rise alone."""
         level = d.alarm_share if state == "runnable" else None
         cap = d.baseline_cap if state == "runnable" else 1.0
-        return cls(window_s=d.window_s, starved_share=level,
+        return cls(window_s=d.window_s, level=level,
                    rise_factor=d.rise_factor, rise_share=d.rise_share,
                    consecutive=d.consecutive, clear_windows=d.clear_windows,
                    baseline_windows=d.baseline_windows, baseline_cap=cap, state=state)
@@ -99,7 +99,7 @@ class Starvation:
     def threshold(self, pid: int) -> float | None:
         """None: nothing fires yet (a part with no level, before its baseline)."""
         base = self.baseline(pid)
-        level = self.starved_share
+        level = self.level
         if base is None:
             return level
         rise = rise_level(base, self.rise_factor, self.rise_share)

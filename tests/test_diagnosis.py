@@ -195,7 +195,7 @@ def test_slices_coarsen_past_their_bound_and_the_shares_hold():
 
 
 def test_a_starved_window_fires_after_consecutive_ones_and_a_noisy_baseline_cannot_blind_it():
-    watch = Starvation(starved_share=0.1, rise_factor=1.5, rise_share=0.1, consecutive=2,
+    watch = Starvation(level=0.1, rise_factor=1.5, rise_share=0.1, consecutive=2,
                        clear_windows=2, baseline_windows=10, baseline_cap=0.1)
     out = []
     for w in range(10):                         # a noisy host: 8-9 % runnable
@@ -235,12 +235,12 @@ def test_a_busy_hosts_usual_waiting_is_no_alarm_but_half_the_time_always_is():
 
 
 def test_a_quiet_launcher_fires_on_a_smaller_rise_and_sleep_only_on_a_rise():
-    quiet = Starvation(starved_share=0.1, rise_factor=1.5, rise_share=0.04, consecutive=1,
+    quiet = Starvation(level=0.1, rise_factor=1.5, rise_share=0.04, consecutive=1,
                        baseline_windows=10)
     for w in range(5):
         quiet.observe(w * S, {1: (0.01, 1.0, "x")})
     assert quiet.threshold(1) == pytest.approx(0.05)
-    sleep = Starvation(starved_share=None, rise_factor=1.5, rise_share=0.1, consecutive=1,
+    sleep = Starvation(level=None, rise_factor=1.5, rise_share=0.1, consecutive=1,
                        baseline_windows=10, baseline_cap=1.0, state="blocked")
     assert sleep.threshold(1) is None
     assert sleep.observe(0, {1: (0.99, 1.0, "x")}) == []       # no baseline: nothing fires
@@ -375,7 +375,7 @@ def test_settings_a_recording_carries_are_checked_before_use(tmp_path, mmtrace_c
 def test_a_window_out_of_the_ordinary_teaches_no_baseline():
     """While a launcher is starved its time on the CPU falls; that is not
     its usual, and after the hogs go its CPU time must not look like a rise."""
-    on_cpu = Starvation(starved_share=None, rise_factor=1.5, rise_share=0.1, consecutive=2,
+    on_cpu = Starvation(level=None, rise_factor=1.5, rise_share=0.1, consecutive=2,
                         baseline_windows=10, baseline_cap=1.0, state="on_cpu")
     for w in range(5):
         on_cpu.observe(w * S, {1: (0.5, 1.0, "x")})

@@ -173,7 +173,7 @@ def test_status_shows_where_the_launchers_time_goes(tmp_path):
     rows = {p["pid"]: p for p in status["processes"]}
     assert rows[200]["runnable_share"] == pytest.approx(0.6, abs=0.02)
     assert rows[200]["runnable_baseline"] == pytest.approx(0.02, abs=0.005)
-    # a quiet launcher's threshold: its baseline and rise_share, under starved_share
+    # a quiet launcher's threshold: its baseline and rise_share, under alarm_share
     assert rows[200]["runnable_threshold"] == pytest.approx(
         rows[200]["runnable_baseline"] + 0.1, abs=0.0001)
     assert sum(rows[200]["shares"].values()) == pytest.approx(1.0, abs=0.02)
