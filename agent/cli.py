@@ -612,9 +612,9 @@ def mcp(config_path, state_dir, socket_path, recording_roots, allow_dump):
     """
     from pathlib import Path
     from mmtrace.agent.daemon import log_format
-    from mmtrace.exporters.mcp.roots import RecordingRoots
-    from mmtrace.exporters.mcp.server import serve
-    from mmtrace.exporters.mcp.tools import Investigation
+    from mmtrace.agent.mcp.roots import RecordingRoots
+    from mmtrace.agent.mcp.server import serve
+    from mmtrace.agent.mcp.tools import Investigation
     log_format.configure("warning")
     flags = _RunFlags((), (), state_dir, socket_path, None, None)
     cfg, _ = _run_settings(Path(config_path) if config_path else None, flags)

@@ -21,11 +21,11 @@ from mmtrace.agent.recording import file_format as recording
 from mmtrace.agent.recording.explain import explain_recording
 from mmtrace.agent.recording.report import summarize
 from mmtrace.agent.socket.hint_protocol import ProtocolError, validate
-from mmtrace.exporters.mcp.arguments import Arguments
-from mmtrace.exporters.mcp.roots import RecordingRoots
-from mmtrace.exporters.mcp.schemas import TOOLS
-from mmtrace.exporters.mcp.server import build
-from mmtrace.exporters.mcp.tools import Investigation
+from mmtrace.agent.mcp.arguments import Arguments
+from mmtrace.agent.mcp.roots import RecordingRoots
+from mmtrace.agent.mcp.schemas import TOOLS
+from mmtrace.agent.mcp.server import build
+from mmtrace.agent.mcp.tools import Investigation
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from mmtrace.agent.errors import MmtraceError
 from mmtrace.agent.recording.file_format import RecordingError
-from mmtrace.exporters.mcp.roots import RecordingRoots
+from mmtrace.agent.mcp.roots import RecordingRoots
 from mmtrace.exporters.terminal import daemon_client
 from mmtrace.exporters.terminal.daemon_client import NoDaemon
 

@@ -21,10 +21,10 @@ from mcp.server.stdio import stdio_server
 
 from mmtrace.agent import heap
 from mmtrace.agent.errors import MmtraceError
-from mmtrace.exporters.mcp import prompts
-from mmtrace.exporters.mcp.arguments import Arguments, shown
-from mmtrace.exporters.mcp.schemas import TOOLS
-from mmtrace.exporters.mcp.tools import Investigation
+from mmtrace.agent.mcp import prompts
+from mmtrace.agent.mcp.arguments import Arguments, shown
+from mmtrace.agent.mcp.schemas import TOOLS
+from mmtrace.agent.mcp.tools import Investigation
 
 log = logging.getLogger("mmtrace.mcp")
 MAX_ANSWER_BYTES = 1 << 20

@@ -1,2 +1,0 @@
-"""`mmtrace mcp`: a Model Context Protocol server over the live daemon and
-the recordings, for an assistant to investigate with."""
