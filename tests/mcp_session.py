@@ -16,12 +16,13 @@ CALL_TIMEOUT_S = 120.0
 
 
 class McpSession:
-    def __init__(self, args: list[str], log: Path):
+    def __init__(self, args: list[str], log: Path, env: dict | None = None):
         self._errlog = open(log, "w")
         self._portal_cm = start_blocking_portal()
         self.portal = self._portal_cm.__enter__()
         params = StdioServerParameters(command=str(MMTRACE), args=["mcp", *map(str, args)],
-                                       env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+                                       env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                                            **(env or {})})
         before = set(_children())
         self._client_cm = self.portal.wrap_async_context_manager(
             Client(stdio_client(params, errlog=self._errlog),

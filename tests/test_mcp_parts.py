@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from mcp import Client
 
+from mcp_session import McpSession
 from test_diagnosis import write_launcher_recording
 
 from mmtrace.agent.errors import MmtraceError
@@ -227,3 +228,20 @@ def test_a_failing_or_oversized_answer_is_a_tool_error_and_the_next_call_is_serv
     assert big.is_error and "more than the 1,048,576" in big.content[0].text
     assert nan.structured_content["hints"] == [{"value": None}]
     assert after.is_error and "--allow-dump" in after.content[0].text
+
+
+def test_the_socket_and_state_directory_are_read_as_run_reads_them(tmp_path):
+    """MMTRACE_STATE_DIR and MMTRACE_SOCKET, as `run` reads them, and its
+    flags over them; through the SDK's stdio client, as an assistant starts it."""
+    env = {"MMTRACE_STATE_DIR": str(tmp_path / "env-state"),
+           "MMTRACE_SOCKET": str(tmp_path / "env.sock")}
+    for args, state in (([], tmp_path / "env-state"),
+                        (["--state-dir", tmp_path / "flag-state"], tmp_path / "flag-state")):
+        session = McpSession(args, tmp_path / "mcp.log", env=env)
+        try:
+            listed = session.call("recordings").structured_content
+            status = session.call("status")
+        finally:
+            session.close()
+        assert listed["roots"] == [str(state)]
+        assert status.is_error and str(tmp_path / "env.sock") in status.content[0].text

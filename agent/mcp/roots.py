@@ -15,6 +15,7 @@ from mmtrace.agent.safe_files import file_kind
 
 MAX_PATH_CHARS = 4096
 MAX_LISTED = 100            # recordings a listing names, newest first
+MAX_SCANNED = 10_000        # entries of one directory looked at: a listing's cost is bounded
 SUFFIX = ".mmtr"
 
 
@@ -116,7 +117,8 @@ def _regular_files(root: Path):
     if not stat.S_ISDIR(st.st_mode):
         return
     try:
-        entries = list(os.scandir(real))
+        with os.scandir(real) as scan:
+            entries = [e for _, e in zip(range(MAX_SCANNED), scan)]
     except OSError:
         return
     for entry in entries:
