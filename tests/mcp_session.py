@@ -34,6 +34,7 @@ class McpSession:
             raise
         started = [pid for pid in _children() if pid not in before and _is_server(pid)]
         self.pid = started[0] if started else None
+        self.tools()        # listed once, the client checks every answer against its schema
 
     def call(self, name: str, arguments=None):
         return self.portal.call(self.client.call_tool, name, arguments)

@@ -209,6 +209,24 @@ def test_the_tools_over_a_recording_answer_what_the_cli_s_code_does(roots, tmp_p
     assert nothing.is_error and "no mmtrace daemon is running" in nothing.content[0].text
 
 
+class OffSchema(Investigation):
+    def status(self):
+        return {"processes": "none"}
+
+
+def test_the_client_checks_each_answer_against_the_tool_s_output_schema(tmp_path):
+    async def session():
+        async with Client(build(OffSchema(tmp_path / "no.sock", RecordingRoots(tmp_path)))) \
+                as client:
+            await client.list_tools()
+            await client.call_tool("status", {})
+    with pytest.raises(BaseExceptionGroup) as caught:
+        anyio.run(session)
+    assert caught.group_contains(RuntimeError, depth=None,
+                                 match="(?s)Invalid structured content returned by tool status"
+                                       ".*'daemon_pid' is a required property")
+
+
 class Broken(Investigation):
     def status(self):
         raise RuntimeError("a bug")
