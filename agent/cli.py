@@ -556,10 +556,12 @@ def explain(file, pids, window, last_s, as_json, socket_path):
         if not pids:
             raise MmtraceError("explain: expected a recording FILE, or --pid PID to ask the "
                                "running daemon")
-        if span and span[1] - span[0] > 3600 * 10**9:
-            raise MmtraceError(f"--window: the daemon explains at most 3600 s, got "
-                               f"{(span[1] - span[0]) / 1e9:g} s")
-        answer = _ask_explain(socket_path, list(pids), span, last_s)
+        from pathlib import Path
+        from mmtrace.exporters.terminal.daemon_client import NoDaemon, explain as ask_explain
+        try:
+            answer = ask_explain(Path(socket_path), list(pids), span, last_s)
+        except (NoDaemon, ValueError) as exc:
+            raise MmtraceError(str(exc)) from None
     else:
         from mmtrace.agent.recording.explain import explain_recording
         answer = _streamed(_open(file), lambda rec: explain_recording(
@@ -567,20 +569,58 @@ def explain(file, pids, window, last_s, as_json, socket_path):
     click.echo(json.dumps(answer, indent=2) if as_json else format_text(answer))
 
 
-def _ask_explain(socket_path, pids, span, last_s) -> dict:
+@cli.command()
+@click.option("-c", "--config", "config_path", type=click.Path(dir_okay=False),
+              help="The daemon's TOML configuration, for its socket and state_dir (as "
+                   "`run` reads them, MMTRACE_SOCKET and MMTRACE_STATE_DIR over it).")
+@click.option("--state-dir", type=click.Path(file_okay=False),
+              help="The daemon's state directory, where its flight recordings are "
+                   "(default /var/lib/mmtrace).")
+@click.option("--socket", "socket_path", type=click.Path(dir_okay=False),
+              help="The daemon's socket (default /run/mmtrace/mmtrace.sock).")
+@click.option("--recordings", "recording_roots", type=click.Path(), multiple=True,
+              help="Also let the tools read recordings in this directory, or this file; "
+                   "repeatable. Nothing outside these and the state directory is read.")
+@click.option("--allow-dump", is_flag=True,
+              help="Let the `dump` tool have the daemon write a flight recording now "
+                   "(off: the server changes nothing).")
+def mcp(config_path, state_dir, socket_path, recording_roots, allow_dump):
+    """Serve the Model Context Protocol on stdin/stdout, for an AI assistant.
+
+    An assistant (its MCP client starts this command) can then ask the
+    running daemon and the flight recordings why latency went up. Tools:
+    status (what `top` shows), anomalies, explain (a pid live, or a
+    recording), report (a recording), recordings (the flight recordings,
+    with their trigger and time), series (percentiles of a latency series),
+    hints, and dump (only with --allow-dump). The prompt
+    investigate-latency-regression walks through them.
+
+    It runs with the caller's rights and needs no root: the daemon is
+    reached through its socket (root or the socket's group), recordings
+    through the file system, only under the state directory and the
+    --recordings paths (`..` and links that lead out are refused). Every bad
+    call is answered with a tool error naming what was expected; the server
+    goes on. Logs go to stderr.
+
+    \b
+    Examples:
+      mmtrace mcp
+      mmtrace mcp --config /etc/mmtrace/mmtrace.toml --recordings ~/incidents
+      sudo -g mmtrace mmtrace mcp --allow-dump
+    In an assistant's MCP configuration (README.md, "Ask an assistant"):
+      {"mcpServers": {"mmtrace": {"command": "mmtrace", "args": ["mcp"]}}}
+    """
     from pathlib import Path
-    from mmtrace.exporters.terminal.daemon_client import NoDaemon, ask
-    request = {"pids": pids, "last_s": last_s}
-    if span:
-        request["window"] = list(span)
-    try:
-        reply = ask(Path(socket_path), "explain", 10.0, **request)
-    except (NoDaemon, ValueError) as exc:
-        raise MmtraceError(str(exc)) from None
-    if not isinstance(reply.get("processes"), list):
-        raise MmtraceError(f"expected processes in the daemon's explain reply, got "
-                           f"{str(reply)[:80]}")
-    return reply
+    from mmtrace.agent.daemon import log_format
+    from mmtrace.agent.mcp.roots import RecordingRoots
+    from mmtrace.agent.mcp.server import serve
+    from mmtrace.agent.mcp.tools import Investigation
+    log_format.configure("warning")
+    flags = _RunFlags((), (), state_dir, socket_path, None, None)
+    cfg, _ = _run_settings(Path(config_path) if config_path else None, flags)
+    serve(Investigation(cfg.socket, RecordingRoots(cfg.state_dir, [Path(p) for p in
+                                                                   recording_roots]),
+                        allow_dump=allow_dump))
 
 
 def main():

@@ -44,7 +44,7 @@ def private_dir(path: Path, mode: int, *, sticky_ok: bool = False) -> Path:
         raise UnsafePathError(f"{path}: expected a directory, got a symbolic link "
                               f"(to {os.readlink(path)}); refusing to write through it")
     if not stat.S_ISDIR(st.st_mode):
-        raise UnsafePathError(f"{path}: expected a directory, got {_kind(st.st_mode)}")
+        raise UnsafePathError(f"{path}: expected a directory, got {file_kind(st.st_mode)}")
     # Through a descriptor of the directory itself: a link swapped in since
     # the lstat is not followed (O_NOFOLLOW fails on it).
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -92,7 +92,7 @@ def replace_file(path: Path, mode: int = 0o600) -> int:
         refuse_link(path, st)
         if not stat.S_ISREG(st.st_mode):
             raise UnsafePathError(f"{path}: expected a regular file to replace, got "
-                                  f"{_kind(st.st_mode)}")
+                                  f"{file_kind(st.st_mode)}")
         os.unlink(path)
     try:
         return create_new(path, mode)
@@ -133,7 +133,7 @@ def stream_in_place(path: Path) -> int | None:
         st = os.fstat(fd)
         if not (stat.S_ISFIFO(st.st_mode) or stat.S_ISCHR(st.st_mode)):
             raise UnsafePathError(f"{path}: replaced while it was opened (now "
-                                  f"{_kind(st.st_mode)}); refusing to write to it")
+                                  f"{file_kind(st.st_mode)}); refusing to write to it")
         _refuse_others(path, st)
         os.set_blocking(fd, True)
     except BaseException:
@@ -165,7 +165,7 @@ def refuse_unsafe_output(path) -> None:
 
 def _refuse_others(path, st: os.stat_result) -> None:
     if st.st_uid not in _callers():
-        raise UnsafePathError(f"{path}: {_kind(st.st_mode)} owned by uid {st.st_uid}; "
+        raise UnsafePathError(f"{path}: {file_kind(st.st_mode)} owned by uid {st.st_uid}; "
                               "refusing to write into another user's pipe or device "
                               "(expected root's or yours)")
 
@@ -242,7 +242,7 @@ class DirFile:
             os.close(self.dir_fd)
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
     for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
                        (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
                        (stat.S_ISBLK, "a block device"), (stat.S_ISLNK, "a symbolic link"),

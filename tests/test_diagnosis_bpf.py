@@ -49,13 +49,20 @@ def _program(out, name, libs, flags=()):
     return path
 
 
-@pytest.fixture(scope="module")
-def programs(tmp_path_factory):
+def real_cudart():
+    """The real libcudart the CPU-side scenarios call; a skip where they
+    cannot run."""
     cudart = cudart_path()
     if cudart is None:
         pytest.skip("the nvidia-cuda-runtime-cu12 wheel (libcudart.so.12) is not installed")
     if os.cpu_count() < 2:
         pytest.skip("the scenarios keep the recorder and the launcher on CPUs of their own")
+    return cudart
+
+
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory):
+    cudart = real_cudart()
     out = tmp_path_factory.mktemp("diagnosis")
     standin_dir = out / "standin"
     standin_dir.mkdir()

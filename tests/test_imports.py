@@ -141,6 +141,7 @@ LAYERS = (
     ("mmtrace.agent.recording",),
     ("mmtrace.agent.daemon",),
     ("mmtrace.agent.doctor",),
+    ("mmtrace.agent.mcp",),                      # a front end, as the CLI: recordings and the socket
     ("mmtrace.agent.cli", "mmtrace.agent.__main__"),
 )
 

@@ -226,7 +226,7 @@ def test_a_device_ring_size_that_is_no_power_of_two_is_one_line_and_exit_2(mib, 
     assert result.output.strip().splitlines()[-1].startswith(wanted), result.output
 
 
-@pytest.mark.parametrize("command", ["doctor", "record", "report", "export", "run"])
+@pytest.mark.parametrize("command", ["doctor", "record", "report", "export", "run", "mcp"])
 def test_every_command_has_help_with_an_example(command):
     result = CliRunner().invoke(cli, [command, "--help"])
     if command == "run" and result.exit_code == 2:

@@ -60,7 +60,7 @@ class ClientMessages:
         refused = self.samples.out_of_window(msg, ts, now)
         if refused is not None:
             server.error(client, refused)
-        elif msg["type"] in ("status", "dump", "explain"):
+        elif msg["type"] in ("status", "dump", "explain", "series"):
             answer(client, msg)
         elif msg["type"] == "entropy":
             self._on_entropy(client, msg, ts)

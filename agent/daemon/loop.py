@@ -306,20 +306,20 @@ class Daemon:
     # ------------------------------------------------------------ requests
 
     def _answer(self, client, msg: dict):
-        """A status, explain or dump request from the socket."""
+        """A status, explain, series or dump request from the socket."""
         if msg["type"] == "status":
             self.server.reply(client, self.status())
-        elif msg["type"] == "explain":
-            # Each answer costs the loop milliseconds: a client in a loop
-            # cannot make it spend more than a few a second.
-            now = time.monotonic()
-            while self._explained and now - self._explained[0] >= 1.0:
-                self._explained.popleft()
-            if len(self._explained) >= EXPLAINS_PER_S:
-                self.server.error(client, f"explain: at most {EXPLAINS_PER_S} requests a "
-                                          "second; try again in a second")
+        elif msg["type"] in ("explain", "series") and not self._within_rate(client, msg):
+            return
+        elif msg["type"] == "series":
+            try:
+                answer = self.streams.series_window(msg["name"], msg["window_s"],
+                                                    time.monotonic_ns())
+            except ValueError as exc:
+                self.server.error(client, f"series: {exc}")
                 return
-            self._explained.append(now)
+            self.server.reply(client, {"v": 1, "type": "series", **answer})
+        elif msg["type"] == "explain":
             window = msg.get("window")
             entropy = self.streams.entropy_ring.window(0)
             try:
@@ -333,6 +333,19 @@ class Daemon:
             self.server.reply(client, {"v": 1, "type": "explain", **answer})
         else:
             self._dump_reply(client)
+
+    def _within_rate(self, client, msg: dict) -> bool:
+        """Each explain or series answer costs the loop milliseconds: a
+        client in a loop cannot make it spend more than a few a second."""
+        now = time.monotonic()
+        while self._explained and now - self._explained[0] >= 1.0:
+            self._explained.popleft()
+        if len(self._explained) >= EXPLAINS_PER_S:
+            self.server.error(client, f"{msg['type']}: at most {EXPLAINS_PER_S} explain and "
+                                      "series requests a second; try again in a second")
+            return False
+        self._explained.append(now)
+        return True
 
     def dump(self, reason: str) -> Path:
         """The flight recorder's ring written now (`mmtrace dump`, SIGUSR2),

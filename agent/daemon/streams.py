@@ -25,6 +25,7 @@ from mmtrace.agent.ingest.align import Aligner, ApiRoles
 from mmtrace.agent.ingest.event_ring import EventRing
 from mmtrace.agent.ingest.packed_ring import PackedRing
 from mmtrace.agent.ingest.series_keys import SeriesKey
+from mmtrace.agent.ingest.series_window import SeriesWindow
 from mmtrace.agent.recording import recorder
 from mmtrace.agent.socket import telemetry
 from mmtrace.agent.socket.telemetry import ENTROPY_SAMPLE, REQUEST_SAMPLE
@@ -124,6 +125,22 @@ class Streams:
     def sample_gpus(self, states: list, now_ns: int):
         if states:
             self.gpu_state_ring.push(state_records(states, now_ns))
+
+    def series_window(self, name: str, window_s: float, now_ns: int) -> dict:
+        """The percentiles of the series `name` over the last `window_s`
+        seconds the rings hold; ValueError for a name that is no series."""
+        since = now_ns - int(min(window_s, self.config.ring_seconds) * 1e9)
+        window = SeriesWindow(name, since, now_ns)
+        window.add_runq(self.runq_ring.window(since), self.submitters)
+        window.add_device(self.aligner.window(since))
+        detector = None
+        if name in self.series_keys:       # the P99 detector's view of it, beside the figures
+            base, limit = self.p99.baseline(name), self.p99.threshold(name)
+            detector = {"state": self.p99.state(name),
+                        "baseline_p99_ms": None if base is None else base * 1e3,
+                        "threshold_p99_ms": None if limit is None else limit * 1e3}
+        return {**window.summary(), "detector": detector,
+                "held_s": min(window_s, self.config.ring_seconds)}
 
     # -------------------------------------------------------- the exited
 

@@ -40,7 +40,12 @@ class Percentiles:
     def p50_p99(self) -> tuple[float, float] | None:
         if not self.count:
             return None
+        p50, p99 = self.quantiles([0.5, 0.99])
+        return p50, p99
+
+    def quantiles(self, qs: list[float]) -> list[float]:
+        """The quantiles `qs` (each in 0..1) of the values added; at least one."""
         if self.sketch is not None:
-            return tuple(self.sketch.quantiles([0.5, 0.99]))
-        p50, p99 = np.percentile(np.concatenate(self._parts), [50, 99])
-        return float(p50), float(p99)
+            return [float(q) for q in self.sketch.quantiles(qs)]
+        return [float(q) for q in np.percentile(np.concatenate(self._parts),
+                                                [q * 100 for q in qs])]

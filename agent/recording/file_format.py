@@ -223,7 +223,9 @@ class RecordingReader:
     checksum holds says something no writer writes; a damaged or cut tail
     gives the intact prefix and a warning."""
 
-    def __init__(self, path):
+    def __init__(self, path, scan: bool = True):
+        """`scan=False` reads the header alone (a listing of recordings):
+        nothing past it is checked, so pieces() must not be used."""
         self.path = Path(path)
         self._fd = _open_regular(self.path)
         self.meta: list[dict] = []
@@ -235,7 +237,7 @@ class RecordingReader:
         try:
             self._size = os.fstat(self._fd).st_size
             self.header, self._data_start, self.version = self._read_header()
-            self._intact_end = self._scan()
+            self._intact_end = self._scan() if scan else self._data_start
         except BaseException:
             self.close()
             raise
@@ -243,6 +245,12 @@ class RecordingReader:
     @property
     def complete(self) -> bool:
         return self.footer is not None
+
+    def identity(self) -> tuple[int, int]:
+        """(device, inode) of the file opened: what was read, whatever its
+        name has become since."""
+        st = os.fstat(self._fd)
+        return st.st_dev, st.st_ino
 
     def close(self):
         if self._fd >= 0:

@@ -18,7 +18,10 @@ as the agent enforces it, so that a client can follow it line by line:
 - `explain`: `pids`, a list of 1..MAX_EXPLAIN_PIDS pids; optional
   `window`, [start_ns, end_ns] with end after start and at most
   MAX_EXPLAIN_NS apart, or `last_s`, a number in 1..3600 (the seconds
-  before now); answered with the diagnosis (`mmtrace explain --pid`).
+  before now); answered with the diagnosis (`mmtrace explain --pid`);
+- `series`: `name`, a latency series' name (`runq_delay{pid=1234}`), and
+  optional `window_s`, a number in 1..MAX_SERIES_S (default 10); answered
+  with its percentiles over the last window_s seconds (`mmtrace mcp`).
 Names are non-empty strings of at most MAX_NAME printable characters (no
 control or format character, no lone surrogate: every output can encode
 them); `head` is an int in 0..MAX_HEAD; entropy values are finite
@@ -48,9 +51,11 @@ MAX_VALUE_MS = 3_600_000.0  # one hour: the P99 detector's largest value
 PID_MAX = 4_194_304         # the kernel's PID_MAX_LIMIT
 TS_LIMIT = 2 ** 63
 VALUE_NOISE = 1e-6          # an entropy this far outside 0..1 is float noise
-CLIENT_TYPES = ("hello", "sample", "entropy", "subscribe", "status", "dump", "explain")
+CLIENT_TYPES = ("hello", "sample", "entropy", "subscribe", "status", "dump", "explain",
+                "series")
 MAX_EXPLAIN_PIDS = 16
 MAX_EXPLAIN_NS = 3600 * 10**9
+MAX_SERIES_S = 3600.0
 
 
 class ProtocolError(ValueError):
@@ -158,6 +163,10 @@ def validate(msg) -> dict:
             out["window"] = [start, end]
         if "last_s" in msg:
             out["last_s"] = _number(msg, "last_s", kind, 1.0, 3600.0)
+    elif kind == "series":
+        out["name"] = _name(msg, "name", kind)
+        out["window_s"] = _number(msg, "window_s", kind, 1.0, MAX_SERIES_S) \
+            if "window_s" in msg else 10.0
     return out
 
 

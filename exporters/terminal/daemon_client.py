@@ -61,3 +61,24 @@ def ask(path: Path, kind: str, timeout_s: float = 2.0, **fields) -> dict:
             raise ValueError(f"the daemon on {path} refused the {kind} request: "
                              f"{msg.get('message')}")
     raise ValueError(f"expected a {kind} reply from {path}, got {bytes(buf[:200])!r}")
+
+
+MAX_LIVE_EXPLAIN_NS = 3600 * 10**9     # what the daemon explains at most (its rings hold less)
+
+
+def explain(path: Path, pids: list[int], span: tuple[int, int] | None, last_s: float) -> dict:
+    """The daemon's diagnosis of `pids` over `span` (CLOCK_MONOTONIC ns), or
+    the last `last_s` seconds: `mmtrace explain --pid`'s answer. NoDaemon or
+    ValueError as ask(), ValueError for a window longer than the daemon
+    explains."""
+    if span and span[1] - span[0] > MAX_LIVE_EXPLAIN_NS:
+        raise ValueError(f"window: the daemon explains at most "
+                         f"{MAX_LIVE_EXPLAIN_NS // 10**9} s, got {(span[1] - span[0]) / 1e9:g} s")
+    request = {"pids": pids, "last_s": last_s}
+    if span:
+        request["window"] = list(span)
+    reply = ask(path, "explain", 10.0, **request)
+    if not isinstance(reply.get("processes"), list):
+        raise ValueError(f"expected processes in the daemon's explain reply, got "
+                         f"{str(reply)[:80]}")
+    return reply

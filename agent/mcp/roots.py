@@ -1,0 +1,167 @@
+"""Where the MCP server may read recordings: the state directory, and the
+files and directories named on its command line. An assistant names a
+path; it is read only when it lies under one of those roots once every
+link in it is followed, is a regular file (a FIFO would block the reader,
+a device never end), and is the very file checked when it is opened."""
+
+import os
+import stat
+from datetime import datetime, timezone
+from pathlib import Path
+
+from mmtrace.agent.errors import MmtraceError
+from mmtrace.agent.recording.file_format import RecordingError, RecordingReader
+from mmtrace.agent.safe_files import file_kind
+
+MAX_PATH_CHARS = 4096
+MAX_LISTED = 100            # recordings a listing names, newest first
+MAX_SCANNED = 10_000        # entries of one directory looked at: a listing's cost is bounded
+SUFFIX = ".mmtr"
+
+
+class RecordingRoots:
+    def __init__(self, state_dir: Path, named: list[Path] = ()):
+        self.state_dir = Path(os.path.abspath(state_dir))
+        self.roots = [self.state_dir] + [Path(os.path.abspath(p)) for p in named]
+
+    def describe(self) -> str:
+        return ", ".join(str(r) for r in self.roots)
+
+    def resolve(self, text) -> Path:
+        """The real path of the recording `text` names (relative: to the state
+        directory); MmtraceError unless it is a regular file under a root."""
+        if not isinstance(text, str) or not text or len(text) > MAX_PATH_CHARS \
+                or "\0" in text:
+            shown = f"{len(text)} characters" if isinstance(text, str) and text else repr(text)
+            raise MmtraceError(f"path: expected a recording's path of 1..{MAX_PATH_CHARS} "
+                               f"characters without NUL, got {shown}")
+        if ".." in Path(text).parts:
+            raise MmtraceError(f"path: expected a path without '..' components, got "
+                               f"{text[:200]!r}")
+        asked = Path(text) if os.path.isabs(text) else self.state_dir / text
+        real = Path(os.path.realpath(asked))
+        if not any(_within(real, root) for root in self.roots):
+            via = "" if real == asked else f" (it leads to {real})"
+            raise MmtraceError(f"path: expected a recording under {self.describe()}, got "
+                               f"{text[:200]}{via}; start the server with --recordings PATH "
+                               "to allow more")
+        try:
+            st = os.lstat(real)
+        except FileNotFoundError:
+            raise MmtraceError(f"path: no such recording: {text[:200]}") from None
+        except OSError as exc:
+            raise MmtraceError(f"path: cannot read {text[:200]}: {exc.strerror}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise MmtraceError(f"path: expected a regular recording file, got {file_kind(st.st_mode)}: "
+                               f"{text[:200]}")
+        return real
+
+    def open(self, text, scan: bool = True) -> RecordingReader:
+        """The recording `text` names, opened; a link or directory swapped in
+        between the check and the open is refused, not read."""
+        real = self.resolve(text)
+        before = os.lstat(real)
+        try:
+            rec = RecordingReader(real, scan=scan)
+        except RecordingError as exc:
+            raise MmtraceError(str(exc)) from None
+        if rec.identity() != (before.st_dev, before.st_ino):
+            rec.close()
+            raise MmtraceError(f"path: {text[:200]} changed while it was opened; not read")
+        return rec
+
+    def recordings(self, limit: int = MAX_LISTED) -> list[dict]:
+        """The recordings held under the roots (the directories' own *.mmtr
+        files, not their subdirectories; a named file itself), newest first:
+        path, size, when modified, and what the header says made it."""
+        found = {}
+        for root in self.roots:
+            for path, st in _regular_files(root):
+                found.setdefault(str(path), (st.st_mtime_ns, path, st))
+        out = []
+        for mtime_ns, path, st in sorted(found.values(), key=lambda f: f[0], reverse=True):
+            if len(out) >= limit:
+                break
+            out.append(_listing(path, st))
+        return out
+
+    def unreadable(self) -> list[str]:
+        """Why a root could not be listed (a root's state directory is the
+        daemon's, 0700): said beside an empty listing."""
+        out = []
+        for root in self.roots:
+            try:
+                if root.is_dir():
+                    os.listdir(root)
+                elif not root.exists():
+                    out.append(f"{root}: does not exist")
+            except OSError as exc:
+                out.append(f"{root}: {exc.strerror}")
+        return out
+
+
+def _within(real: Path, root: Path) -> bool:
+    root = Path(os.path.realpath(root))
+    return real == root or root in real.parents
+
+
+def _regular_files(root: Path):
+    real = Path(os.path.realpath(root))
+    try:
+        st = os.lstat(real)
+    except OSError:
+        return
+    if stat.S_ISREG(st.st_mode):
+        yield real, st
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        return
+    try:
+        with os.scandir(real) as scan:
+            entries = [e for _, e in zip(range(MAX_SCANNED), scan)]
+    except OSError:
+        return
+    for entry in entries:
+        if not entry.name.endswith(SUFFIX):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)     # a link is passed over, not followed
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            yield real / entry.name, st
+
+
+def _listing(path: Path, st: os.stat_result) -> dict:
+    row = {"path": str(path), "size_bytes": st.st_size,
+           "modified_utc": datetime.fromtimestamp(st.st_mtime, timezone.utc)
+           .isoformat(timespec="seconds"),
+           "flight_recording": False, "trigger": None, "started_utc": None, "problem": None}
+    try:
+        with RecordingReader(path, scan=False) as rec:
+            header = rec.header
+    except RecordingError as exc:
+        row["problem"] = str(exc)
+        return row
+    row["flight_recording"] = bool(header.get("flight_recorder"))
+    row["trigger"] = _trigger(header)
+    created = header.get("created_unix_s")
+    if isinstance(created, (int, float)):
+        row["started_utc"] = datetime.fromtimestamp(created, timezone.utc) \
+            .isoformat(timespec="seconds")
+    return row
+
+
+def _trigger(header: dict) -> dict | None:
+    """What made a flight recording: the anomaly that fired, or a dump."""
+    anomaly = header.get("anomaly")
+    if isinstance(anomaly, dict):
+        evidence = anomaly.get("evidence") if isinstance(anomaly.get("evidence"), dict) else {}
+        return {"kind": "anomaly", "detector": anomaly.get("detector"),
+                "what": anomaly.get("series") or anomaly.get("kind"),
+                "ts_ns": anomaly.get("ts_ns"), "verdict": evidence.get("verdict")}
+    trigger = header.get("trigger")
+    if isinstance(trigger, dict):
+        return {"kind": str(trigger.get("kind")), "reason": trigger.get("reason")}
+    return None
+

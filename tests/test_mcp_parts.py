@@ -1,0 +1,265 @@
+"""`mmtrace mcp`'s parts, without root or a daemon: where recordings may be
+read from, how a bad call is answered, the answer's bounds, and the tools
+over a synthetic recording through the SDK's own client (in-process)."""
+
+import json
+import os
+import threading
+import time
+
+import anyio
+import numpy as np
+import pytest
+from mcp import Client
+
+from mcp_session import McpSession
+from test_diagnosis import write_launcher_recording
+
+from mmtrace.agent.errors import MmtraceError
+from mmtrace.agent.ingest import latency_series as ls
+from mmtrace.agent.ingest.series_window import SeriesWindow
+from mmtrace.agent.recording import file_format as recording
+from mmtrace.agent.recording.explain import explain_recording
+from mmtrace.agent.recording.report import summarize
+from mmtrace.agent.socket.hint_protocol import ProtocolError, validate
+from mmtrace.agent.mcp.arguments import Arguments
+from mmtrace.agent.mcp.roots import RecordingRoots
+from mmtrace.agent.mcp.schemas import TOOLS
+from mmtrace.agent.mcp.server import build
+from mmtrace.agent.mcp.tools import Investigation
+
+
+@pytest.fixture
+def roots(tmp_path):
+    state, other = tmp_path / "state", tmp_path / "incidents"
+    state.mkdir()
+    other.mkdir()
+    for name in ("a.mmtr", "b.mmtr"):
+        write_launcher_recording(state / name, 3)
+    write_launcher_recording(other / "c.mmtr", 3)
+    return RecordingRoots(state, [other])
+
+
+# ------------------------------------------------------------------ roots
+
+def test_a_name_is_read_in_the_state_directory_and_a_path_under_a_root(roots, tmp_path):
+    assert roots.resolve("a.mmtr") == tmp_path / "state" / "a.mmtr"
+    assert roots.resolve(str(tmp_path / "incidents" / "c.mmtr")) == \
+        tmp_path / "incidents" / "c.mmtr"
+
+
+@pytest.mark.parametrize("path, words", [
+    ("../incidents/c.mmtr", "'..'"),              # even where it lands within a root
+    ("/etc/passwd", "expected a recording under"),
+    ("", "1..4096 characters"),
+    ("a" * 5000, "5000 characters"),
+    ("a\0b", "without NUL"),
+    ("nothing.mmtr", "no such recording"),
+])
+def test_paths_outside_the_roots_or_malformed_are_refused(roots, path, words):
+    with pytest.raises(MmtraceError, match=words.replace(".", r"\.").replace("(", r"\(")):
+        roots.resolve(path)
+
+
+def test_a_sibling_that_shares_the_root_s_prefix_is_outside(roots, tmp_path):
+    (tmp_path / "state2").mkdir()
+    write_launcher_recording(tmp_path / "state2" / "x.mmtr", 3)
+    with pytest.raises(MmtraceError, match="expected a recording under"):
+        roots.resolve(str(tmp_path / "state2" / "x.mmtr"))
+
+
+def test_links_out_of_the_roots_are_refused_and_links_within_followed(roots, tmp_path):
+    state = tmp_path / "state"
+    outside = tmp_path / "outside.mmtr"
+    write_launcher_recording(outside, 3)
+    os.symlink(outside, state / "out.mmtr")
+    os.symlink(tmp_path, state / "up")               # a directory link out
+    os.symlink(tmp_path / "incidents" / "c.mmtr", state / "in.mmtr")
+    with pytest.raises(MmtraceError, match=f"leads to {outside}"):
+        roots.resolve("out.mmtr")
+    with pytest.raises(MmtraceError, match="expected a recording under"):
+        roots.resolve("up/outside.mmtr")
+    assert roots.resolve("in.mmtr") == tmp_path / "incidents" / "c.mmtr"
+
+
+def test_a_fifo_or_a_directory_is_refused_without_blocking(roots, tmp_path):
+    os.mkfifo(tmp_path / "state" / "pipe.mmtr")
+    (tmp_path / "state" / "dir.mmtr").mkdir()
+    errors = []
+
+    def ask():
+        for name in ("pipe.mmtr", "dir.mmtr"):
+            try:
+                roots.open(name)
+            except MmtraceError as exc:
+                errors.append(exc.message)
+    asking = threading.Thread(target=ask, daemon=True)
+    asking.start()
+    asking.join(10)
+    assert not asking.is_alive(), "opening a FIFO blocked"
+    assert "got a FIFO" in errors[0] and "got a directory" in errors[1]
+
+
+def test_a_named_file_is_a_root_of_itself_alone(tmp_path):
+    write_launcher_recording(tmp_path / "one.mmtr", 3)
+    write_launcher_recording(tmp_path / "two.mmtr", 3)
+    roots = RecordingRoots(tmp_path / "state", [tmp_path / "one.mmtr"])
+    assert roots.resolve(str(tmp_path / "one.mmtr")) == tmp_path / "one.mmtr"
+    with pytest.raises(MmtraceError, match="expected a recording under"):
+        roots.resolve(str(tmp_path / "two.mmtr"))
+    assert [r["path"] for r in roots.recordings()] == [str(tmp_path / "one.mmtr")]
+
+
+def test_recordings_are_listed_newest_first_with_their_trigger(roots, tmp_path):
+    state = tmp_path / "state"
+    writer = recording.RecordingWriter(state / "flight-x.mmtr", {}, info={
+        "flight_recorder": True, "anomaly": {"detector": "starvation", "kind": "cpu_starved",
+                                             "ts_ns": 5, "evidence": {"verdict": "cpu_starved"}}})
+    writer.close({})
+    (state / "damaged.mmtr").write_bytes(b"MMTRACE" + b"\0" * 64)
+    os.symlink(tmp_path / "incidents" / "c.mmtr", state / "link.mmtr")   # passed over
+    os.mkfifo(state / "pipe.mmtr")                                      # passed over
+    now = time.time()
+    for age, name in enumerate(["flight-x.mmtr", "damaged.mmtr", "a.mmtr", "b.mmtr"]):
+        os.utime(state / name, (now - age, now - age))
+    os.utime(tmp_path / "incidents" / "c.mmtr", (now - 10, now - 10))
+    listed = roots.recordings()
+    assert [os.path.basename(r["path"]) for r in listed] == \
+        ["flight-x.mmtr", "damaged.mmtr", "a.mmtr", "b.mmtr", "c.mmtr"]
+    assert listed[0]["trigger"] == {"kind": "anomaly", "detector": "starvation",
+                                    "what": "cpu_starved", "ts_ns": 5, "verdict": "cpu_starved"}
+    assert listed[0]["flight_recording"] and not listed[2]["flight_recording"]
+    assert "damaged" in listed[1]["problem"] and listed[2]["problem"] is None
+    assert len(roots.recordings(limit=2)) == 2
+    assert RecordingRoots(tmp_path / "none").unreadable() == [f"{tmp_path / 'none'}: does not exist"]
+
+
+# -------------------------------------------------------------- arguments
+
+@pytest.mark.parametrize("tool, arguments, message", [
+    ("series", {"name": "x" * (1 << 20)},
+     "name: expected at most 200 characters, got a string of 1,048,576 characters"),
+    ("explain", {"pid": True}, "pid: expected an integer, got the boolean true"),
+    ("explain", {"pid": 0}, "pid: expected at least 1, got 0"),
+    ("series", {"name": "runq_delay{pid=1}", "window_s": 1e9},
+     "window_s: expected at most 3600, got 1000000000.0"),
+    ("anomalies", {"limit": [1] * 1000}, "limit: expected an integer, got a list of 1,000 items"),
+    ("report", {"path": "a", "pth": "b"}, "unexpected argument 'pth'; expected only path"),
+    ("report", {}, "missing argument; 'path' is a required property"),
+])
+def test_a_bad_argument_names_what_was_expected_and_what_arrived(tool, arguments, message):
+    with pytest.raises(MmtraceError) as caught:
+        Arguments(TOOLS).check(tool, arguments)
+    assert caught.value.message == message
+
+
+def test_series_names_and_the_socket_s_series_request_are_checked():
+    assert validate({"v": 1, "type": "series", "name": "runq_delay{pid=1}"})["window_s"] == 10.0
+    for bad in ({"name": "", "window_s": 5}, {"name": "x", "window_s": 1e9},
+                {"name": "x", "window_s": "5"}):
+        with pytest.raises(ProtocolError, match="series"):
+            validate({"v": 1, "type": "series", **bad})
+    with pytest.raises(ValueError, match="expected a series name such as runq_delay"):
+        SeriesWindow("latency", 0)
+
+
+# ------------------------------------------------------- series, by hand
+
+def test_a_series_window_holds_the_detector_s_values_of_that_series_only():
+    runq = np.zeros(6, np.dtype(
+        [("ts_ns", "<u8"), ("delay_ns", "<u8"), ("pid", "<u4"), ("tid", "<u4")]))
+    runq["ts_ns"] = [1, 2, 3, 4, 5, 6]
+    runq["delay_ns"] = [1e6, 2e6, 3e6, 4e6, 50e6, 60e6]
+    runq["pid"] = [10, 10, 10, 10, 11, 10]
+    runq["tid"] = [100, 101, 100, 102, 110, 100]
+    submitters = ls.Submitters()
+    submitters._tids = np.array([100, 101, 110], np.uint32)     # 102 made no device call
+    window = SeriesWindow("runq_delay{pid=10}", start_ns=2)
+    window.add_runq(runq, submitters)
+    out = window.summary()
+    assert out["count"] == 3 and (out["first_ns"], out["last_ns"]) == (2, 6)
+    assert out["max_ms"] == pytest.approx(60.0)
+    assert out["p50_ms"] == pytest.approx(3.0)
+    assert out["p99_ms"] == pytest.approx(np.percentile([2, 3, 60], 99))
+
+
+# --------------------------------------------------------- the server
+
+def _run(investigation, *calls):
+    """Calls through the SDK's own client, connected to the server in-process."""
+    async def session():
+        async with Client(build(investigation)) as client:
+            return [await client.call_tool(name, arguments) for name, arguments in calls]
+    return anyio.run(session)
+
+
+def test_the_tools_over_a_recording_answer_what_the_cli_s_code_does(roots, tmp_path):
+    inv = Investigation(tmp_path / "no.sock", roots)
+    report, explained, series, nothing = _run(
+        inv, ("report", {"path": "a.mmtr"}), ("explain", {"path": "a.mmtr"}),
+        ("series", {"name": "runq_delay{pid=100}", "window_s": 2, "path": "a.mmtr"}),
+        ("status", {}))
+    rec = recording.read_recording(tmp_path / "state" / "a.mmtr")
+    assert report.structured_content == json.loads(json.dumps(summarize(rec)))
+    assert explained.structured_content == json.loads(json.dumps(explain_recording(rec)))
+    runq = rec.events["cpu.runq"]
+    end = max(hi for _, hi in rec.ts_range.values())
+    recent = runq[(runq["pid"] == 100) & (runq["ts_ns"] >= end + 1 - 2 * 10**9)]
+    assert series.structured_content["count"] == len(recent) > 0
+    assert nothing.is_error and "no mmtrace daemon is running" in nothing.content[0].text
+
+
+class OffSchema(Investigation):
+    def status(self):
+        return {"processes": "none"}
+
+
+def test_the_client_checks_each_answer_against_the_tool_s_output_schema(tmp_path):
+    async def session():
+        async with Client(build(OffSchema(tmp_path / "no.sock", RecordingRoots(tmp_path)))) \
+                as client:
+            await client.list_tools()
+            await client.call_tool("status", {})
+    with pytest.raises(BaseExceptionGroup) as caught:
+        anyio.run(session)
+    assert caught.group_contains(RuntimeError, depth=None,
+                                 match="(?s)Invalid structured content returned by tool status"
+                                       ".*'daemon_pid' is a required property")
+
+
+class Broken(Investigation):
+    def status(self):
+        raise RuntimeError("a bug")
+
+    def recordings(self, limit=20):
+        return {"roots": ["x" * (2 << 20)], "recordings": [], "unreadable": []}
+
+    def hints(self, path=None):
+        return {"source": "daemon", "hints": [{"value": float("nan")}]}
+
+
+def test_a_failing_or_oversized_answer_is_a_tool_error_and_the_next_call_is_served(tmp_path):
+    inv = Broken(tmp_path / "no.sock", RecordingRoots(tmp_path))
+    bug, big, nan, after = _run(inv, ("status", {}), ("recordings", {}), ("hints", {}),
+                                ("dump", {}))
+    assert bug.is_error and "internal error (RuntimeError: a bug)" in bug.content[0].text
+    assert big.is_error and "more than the 1,048,576" in big.content[0].text
+    assert nan.structured_content["hints"] == [{"value": None}]
+    assert after.is_error and "--allow-dump" in after.content[0].text
+
+
+def test_the_socket_and_state_directory_are_read_as_run_reads_them(tmp_path):
+    """MMTRACE_STATE_DIR and MMTRACE_SOCKET, as `run` reads them, and its
+    flags over them; through the SDK's stdio client, as an assistant starts it."""
+    env = {"MMTRACE_STATE_DIR": str(tmp_path / "env-state"),
+           "MMTRACE_SOCKET": str(tmp_path / "env.sock")}
+    for args, state in (([], tmp_path / "env-state"),
+                        (["--state-dir", tmp_path / "flag-state"], tmp_path / "flag-state")):
+        session = McpSession(args, tmp_path / "mcp.log", env=env)
+        try:
+            listed = session.call("recordings").structured_content
+            status = session.call("status")
+        finally:
+            session.close()
+        assert listed["roots"] == [str(state)]
+        assert status.is_error and str(tmp_path / "env.sock") in status.content[0].text
