@@ -249,6 +249,10 @@ class ThreadNames:
             self.tid, self.pid, self.comm, self.seen = (
                 a[order] for a in (self.tid, self.pid, self.comm, self.seen))
 
+    def known(self, tids: np.ndarray) -> np.ndarray:
+        """Which of `tids` have a name."""
+        return self._find(np.asarray(tids, np.int64))[1]
+
     def get(self, tid: int) -> ThreadInfo | None:
         at, hit = self._find(np.array([tid], np.int64))
         if not hit[0]:
@@ -437,6 +441,24 @@ class TimeSplit:
         lo = start_ns // step * step
         hi = max(lo + step, -(-end_ns // step) * step)
         return lo, hi
+
+    def name_holders(self, since_ns: int, limit: int = 256) -> int:
+        """Name the threads that held a launcher's CPU since `since_ns` and
+        no record named, through `resolve` (the live daemon's /proc), while
+        they still run: a hog that has exited by the time someone asks
+        would stay nameless. At most `limit` a call; how many were named."""
+        rows = self.culprit_table.rows()
+        holders = np.unique(rows["holder"][key_slice(rows["key"]) >= since_ns // self.slice_ns]
+                            .astype(np.int64))
+        named = 0
+        for tid in holders[~self.names.known(holders)][:limit].tolist():
+            info = self.resolve(tid)
+            if info is not None:
+                self.names.learn({"tid": np.array([tid]), "pid": np.array([info.pid]),
+                                  "comm": np.array([info.comm.encode()[:16]], "S16"),
+                                  "ts_ns": np.array([since_ns])})
+                named += 1
+        return named
 
     def forget_before(self, ts_ns: int):
         """Drop every slice that ends before ts_ns (a live daemon's reach)."""

@@ -11,7 +11,7 @@ from mmtrace.bpf import device as device_stream
 from mmtrace.bpf.sched import RUNQ_EVENT
 from mmtrace.detectors.diagnosis import DiagnosisRules, diagnose, window_shares
 from mmtrace.detectors.starvation import Starvation
-from mmtrace.detectors.time_split import TimeSplit, split_intervals
+from mmtrace.detectors.time_split import ThreadInfo, TimeSplit, split_intervals
 
 from mmtrace.agent.errors import MmtraceError
 from mmtrace.agent.recording.explain import device_roles, entropy_windows
@@ -149,6 +149,23 @@ def test_culprits_are_the_threads_that_held_the_cpu_named_by_their_own_records()
     assert process["culprits"] == [{"pid": 899, "tid": 900, "comm": "cpu_hog", "share": 1.0}]
     assert any("cpu_hog" in link for link in process["chain"])
     assert any("pid 899 (cpu_hog)" in fix for fix in process["fixes"])
+
+
+def test_a_holder_named_while_it_ran_keeps_its_name_after_it_exits():
+    """Live, the holders no record names are read from /proc each window,
+    while they run; asked later, a hog that has exited is still named."""
+    split = fresh()
+    alive = {900: ThreadInfo(899, "cpu_hog")}
+    split.resolve = alive.get
+    launcher(split, 10, 3, runnable_ms=500, holder=900)
+    assert split.name_holders(12 * S) == 1
+    assert split.name_holders(12 * S) == 0          # named once
+    alive.clear()                                   # the hog exits
+    process = diagnose(split, 10 * S, 13 * S)["processes"][0]
+    assert process["culprits"] == [{"pid": 899, "tid": 900, "comm": "cpu_hog", "share": 1.0}]
+    gone = fresh()
+    launcher(gone, 10, 3, runnable_ms=500, holder=900)
+    assert diagnose(gone, 10 * S, 13 * S)["processes"][0]["culprits"][0]["comm"] is None
 
 
 def test_an_npu_launchers_sync_waits_are_its_queue():

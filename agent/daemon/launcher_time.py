@@ -76,6 +76,8 @@ class LauncherTime:
                     pid: (split[watch.part], lived, comm)
                     for pid, (split, lived, comm) in shares.items()}, disturbed)
             self.next_window_ns += self.window_ns
+            # The window's CPU holders, named while they still run.
+            self.split.name_holders(end - self.window_ns)
         if found or self.split.first_ns is not None and \
                 self.split.first_ns < now_ns - self.reach_ns - 2 * self.split.slice_ns:
             self.split.forget_before(now_ns - self.reach_ns)
