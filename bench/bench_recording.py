@@ -92,6 +92,17 @@ def real_recording(path: Path, seconds: int, pairs: int) -> dict[str, int]:
         return {name: sum(len(p) for p in reader.pieces(name)) for name in reader.schemas}
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """The run of median CPU time (a failed one, if any failed), with every
+    round's CPU and the highest peak RSS."""
+    failed = [x for x in runs if x["exit"] != 0]
+    runs = sorted(runs, key=lambda x: x["cpu_s"])
+    r = dict(failed[0] if failed else runs[len(runs) // 2])
+    r.update(rounds_cpu_s=[x["cpu_s"] for x in runs],
+             peak_rss_mb=max(x["peak_rss_mb"] for x in runs))
+    return r
+
+
 def run_commands(opts, envs, path: Path, counts: dict, label: str, baseline: bool,
                  results: list):
     events = sum(counts.values())
@@ -100,11 +111,16 @@ def run_commands(opts, envs, path: Path, counts: dict, label: str, baseline: boo
           f"({counts.get('dev.event', 0):,} GPU)", flush=True)
     for name in opts.commands:
         template = COMMANDS[name]
-        for which, env in envs.items():
-            if which == "baseline" and not baseline:
-                continue
-            args = [a.replace("{file}", str(path)) for a in template]
-            r = measure(mmtrace(*args), env)
+        args = [a.replace("{file}", str(path)) for a in template]
+        which_envs = {w: e for w, e in envs.items() if w != "baseline" or baseline}
+        # Interleaved rounds, each implementation's median (a shared host's
+        # noise moves both alike).
+        rounds = {w: [] for w in which_envs}
+        for _ in range(opts.rounds):
+            for which, env in which_envs.items():
+                rounds[which].append(measure(mmtrace(*args), env))
+        for which, runs in rounds.items():
+            r = _median_run(runs)
             r.update(command=name, implementation=which, recording=label,
                      file_mib=round(size / 2**20), events=events,
                      events_per_s=round(events / r["wall_s"]),
@@ -133,6 +149,8 @@ def main():
     ap.add_argument("--real-s", type=int, default=0,
                     help="first a real recording of this many seconds (root; 0: none)")
     ap.add_argument("--pairs", type=int, default=1, help="ping-pong pairs of --real-s")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="interleaved runs of each command, the median's figures (default 1)")
     opts = ap.parse_args()
     opts.dir.mkdir(parents=True, exist_ok=True)
     envs = {"this": dict(os.environ)}
