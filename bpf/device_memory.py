@@ -63,10 +63,11 @@ def read_counters(table) -> dict[str, int]:
     return {name: int(sum(table[table.Key(i)])) for i, name in enumerate(MEMORY_COUNTERS)}
 
 
-def forget_process(table, pid: int) -> int:
-    """Drop an exited process's live allocations from the kernel's map (its
+def forget_processes(table, pids) -> int:
+    """Drop exited processes' live allocations from the kernel's map (their
     entries would hold the map's room for ever); how many went."""
-    keys = [k for k in table.keys() if k.pid == pid]
+    pids = set(pids)
+    keys = [k for k in table.keys() if k.pid in pids]
     for k in keys:
         try:
             del table[k]

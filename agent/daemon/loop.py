@@ -253,6 +253,7 @@ class Daemon:
         self.alarms.act(self.p99.advance(now_ns - int(self.config.p99.window_s * 1e9 / 4)))
         self.alarms.act(self.streams.failures.tick(now_ns))
         self.alarms.act(self.streams.launchers.tick(now_ns))
+        self.alarms.act(self.streams.memory.tick(now_ns, self.probes.loaded))
         self.sample_devices(now_ns)
         self.steering.inputs.device_weights = self.monitors.gpu_weights()
         self.steering.deliver(now_ns, self.server, self.messages.hint_scope)
@@ -282,6 +283,7 @@ class Daemon:
         which no resolved record will end."""
         for name in self.streams.forget_exited(self.proc_root, time.monotonic_ns()):
             self.steering.inputs.forget(("series", name))
+        self.streams.memory.forget_exited(self.proc_root, time.monotonic_ns(), self.probes.loaded)
         self.steering.inputs.forget_exited(self.proc_root)
 
     # -------------------------------------------------------------- status

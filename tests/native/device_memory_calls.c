@@ -54,18 +54,22 @@ static void *hang_npu(void *stream)
     return NULL;
 }
 
-/* Allocates 1 MiB every 10 ms for `ms`; frees the previous one when `balanced`. */
+/* Allocates 1 MiB every 10 ms for `ms`, on a fixed schedule from the
+ * start (a late wake-up catches up), so that what it holds at any moment
+ * is known from the clock; frees the previous one when `balanced`. */
 static void grow(long ms, int balanced)
 {
     void *previous = NULL;
-    long end = now_ns() + ms * 1000000L;
-    while (now_ns() < end) {
+    long start = now_ns(), end = start + ms * 1000000L;
+    for (long k = 0; start + k * 10000000L < end; k++) {
+        long wait = start + k * 10000000L - now_ns();
+        if (wait > 0)
+            usleep(wait / 1000);
         void *ptr = NULL;
         cudaMalloc(&ptr, MIB);
         if (balanced && previous)
             cudaFree(previous);
         previous = ptr;
-        usleep(10000);
     }
     if (balanced && previous)
         cudaFree(previous);

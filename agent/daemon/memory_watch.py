@@ -1,0 +1,89 @@
+"""Device memory and hangs, live: the memory ledger fed by the ingest
+path's device batches, the leak detector over it and over NVML's used
+memory, and the hang detector over the calls in flight in the kernel.
+Streams feeds it; the daemon's tick asks it for anomalies."""
+
+import logging
+from pathlib import Path
+
+from mmtrace.bpf import device_memory as dm
+from mmtrace.detectors.device_hang import DeviceHang
+from mmtrace.detectors.memory_leak import MemoryLeak
+
+from mmtrace.agent.config.settings import DaemonConfig
+from mmtrace.agent.ingest.memory_ledger import MemoryLedger
+from mmtrace.agent.kernel import calls_in_flight
+
+log = logging.getLogger("mmtrace.daemon")
+
+
+class MemoryWatch:
+    def __init__(self, config: DaemonConfig, infos: dict):
+        self.infos = infos
+        self.ledger = MemoryLedger(infos)
+        self.leak = MemoryLeak.of(config.memory)
+        self.hang = DeviceHang.of(config.hangs)
+        self.check_ns = int(config.hangs.check_s * 1e9)
+        self._blocking = calls_in_flight.blocking_ids(infos)
+        self._next_check = 0
+        self.stuck: list[dict] = []         # the blocking calls past the threshold, last check
+        self.kernel_forgotten = 0           # live allocations of exited processes dropped
+
+    def on_device(self, events):
+        self.ledger.feed(events)
+
+    def on_gpu_states(self, states: list, now_ns: int) -> list[dict]:
+        """NVML's samples: each GPU's used memory against what live traced
+        processes hold on it, and those that exited less than grow_s ago
+        (the driver frees a dead process's memory as it tears its context
+        down, not at once)."""
+        held = self.ledger.outstanding()
+        for left in self.ledger.at_exit:
+            if now_ns - left["exit_ns"] < self.leak.grow_ns:
+                for where, n in left["holdings"].items():
+                    stream, device = where.split(":")
+                    held[(stream, int(device))] = held.get((stream, int(device)), 0) + n
+        out = []
+        for s in states:
+            out += self.leak.observe_used(s.index, s.memory_used_bytes,
+                                          held.get(("gpu", s.index), 0), now_ns,
+                                          self.ledger.at_exit)
+        return out
+
+    def tick(self, now_ns: int, loaded) -> list[dict]:
+        """Every check_s: the hangs (calls in flight) and the leaks."""
+        if now_ns < self._next_check:
+            return []
+        self._next_check = now_ns + self.check_ns
+        out = self.leak.check(self.ledger, now_ns)
+        table = loaded.device_table(calls_in_flight.MAP) if loaded is not None else None
+        if table is not None:
+            calls = calls_in_flight.blocking_calls(table, self.infos, self._blocking)
+            self.stuck = self.hang.stuck(calls, now_ns)
+            out += self.hang.check(calls, now_ns)
+        return out
+
+    def forget_exited(self, proc_root: Path, now_ns: int, loaded) -> list[dict]:
+        """Processes gone: what they still held is kept (ledger.at_exit), and
+        their live allocations leave the kernel's map."""
+        gone = [pid for pid in self.ledger.processes if not (proc_root / str(pid)).exists()]
+        table = loaded.device_table(dm.ALLOCATIONS_MAP) if loaded is not None and gone else None
+        left = []
+        for pid in gone:
+            held = self.ledger.forget(pid, now_ns)
+            if held is not None:
+                left.append(held)
+                log.info("pid %d exited holding %d bytes of device memory", pid,
+                         held["outstanding_bytes"])
+        if table is not None:
+            self.kernel_forgotten += dm.forget_processes(table, gone)
+        return left
+
+    def snapshot(self) -> dict:
+        """For the metrics: outstanding bytes by (stream, device), calls
+        stuck by stream, and the ledger's counts by stream."""
+        stuck: dict[str, int] = {"gpu": 0, "npu": 0}
+        for call in self.stuck:
+            stuck[call["stream"]] = stuck.get(call["stream"], 0) + 1
+        return {"outstanding": self.ledger.outstanding(), "stuck": stuck,
+                "totals": self.ledger.totals()}
