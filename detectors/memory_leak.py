@@ -15,10 +15,17 @@
 Both are checked with `check(ledger, now_ns)`; the devices' samples come
 in with `observe_used(device, used_bytes, ts_ns)`."""
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 DETECTOR = "memory_leak"
 MIB = 1 << 20
+# NVML and the traced allocations are two views that do not move at the
+# same instant: a process's exit shows in NVML's used memory before the
+# agent forgets what it held, a burst of allocations shows in the ledger
+# before NVML's next sample. A level must hold for SETTLE_S to count: the
+# baseline is the lowest of the levels' highs, the level now is their low.
+SETTLE_S = 3.0
 
 
 @dataclass
@@ -33,18 +40,21 @@ class _Growth:
 class _Unaccounted:
     low_bytes: int
     low_ns: int
-    last_bytes: int = 0
+    last_bytes: int = 0             # the level now: the least of the last settle_s
     last_ns: int = 0
     firing: bool = False
+    recent: deque = field(default_factory=deque)    # (ts_ns, unaccounted) of the last settle_s
 
 
 class MemoryLeak:
-    def __init__(self, grow_s: float = 300.0, min_growth_bytes: int = 256 * MIB):
+    def __init__(self, grow_s: float = 300.0, min_growth_bytes: int = 256 * MIB,
+                 settle_s: float = SETTLE_S):
         if grow_s <= 0 or min_growth_bytes <= 0:
             raise ValueError(f"expected grow_s > 0 and min_growth_bytes > 0, got {grow_s} "
                              f"and {min_growth_bytes}")
         self.grow_ns = int(grow_s * 1e9)
         self.min_growth = int(min_growth_bytes)
+        self.settle_ns = int(settle_s * 1e9)
         self.growth: dict[int, _Growth] = {}
         self.devices: dict[int, _Unaccounted] = {}      # GPU ordinal -> its unaccounted memory
 
@@ -110,10 +120,14 @@ class MemoryLeak:
         u = self.devices.get(device)
         if u is None:
             u = self.devices[device] = _Unaccounted(unaccounted, ts_ns)
-        u.last_bytes, u.last_ns = unaccounted, ts_ns
-        if unaccounted < u.low_bytes:
-            u.low_bytes, u.low_ns = unaccounted, ts_ns
-        grown = unaccounted - u.low_bytes
+        u.recent.append((ts_ns, unaccounted))
+        while ts_ns - u.recent[0][0] > self.settle_ns:
+            u.recent.popleft()
+        values = [v for _, v in u.recent]
+        u.last_bytes, u.last_ns = min(values), ts_ns
+        if ts_ns - u.recent[0][0] >= self.settle_ns / 2 and max(values) < u.low_bytes:
+            u.low_bytes, u.low_ns = max(values), ts_ns
+        grown = u.last_bytes - u.low_bytes
         if not u.firing and grown >= self.min_growth and ts_ns - u.low_ns >= self.grow_ns:
             u.firing = True
             return [self._device(device, u, used_bytes, held_bytes, "firing", ts_ns, exited)]

@@ -124,14 +124,15 @@ def live(tmp_path_factory):
             procs.append(proc)
             found["truth"][mode] = truth
         start = time.monotonic()
-        leak_start_ns = found["truth"]["leak"]["start_ns"]
+        gpu0_holder = [procs[0], found["truth"]["leak"]["start_ns"]]   # the GPU 0 leaker now
         stop = threading.Event()
 
         def nvml_writer():
             while not stop.wait(0.05):
                 t = time.monotonic() - start
-                held = min(time.monotonic_ns() - leak_start_ns, PHASE_MS * 10**6) // 10**7 + 1
-                if procs[0].poll() is not None:
+                proc, since_ns = gpu0_holder
+                held = min(time.monotonic_ns() - since_ns, PHASE_MS * 10**6) // 10**7 + 1
+                if proc.poll() is not None:
                     held = 0            # the driver frees what the leaker held at its exit
                 gpu0.used_bytes = GPU0_BASE + held * MIB
                 gpu1.used_bytes = GPU1_BASE + int(min(t, 4.0) * 400 * MIB)
@@ -145,20 +146,21 @@ def live(tmp_path_factory):
         found["metrics"] = _scrape(port)
         for proc in procs:
             proc.wait(timeout=30)
-        stop.set()
-        writer.join()
         watch.poll()
         found["phase1"] = dict(watch.seen)
         found["phase1_at"] = dict(watch.seen_at)
         # Phase 2: the seed's chain, in one process.
         proc, truth = _start([calls, "chain", PHASE_MS], hang_env)
         procs.append(proc)
+        gpu0_holder[:] = [proc, truth["start_ns"]]
         found["truth"]["chain"] = truth
         chain = truth["pid"]
         watch.until(lambda: len(watch.of(chain)) >= 2, 20)
         proc.wait(timeout=30)
         watch.poll()
         found["watch"] = watch
+        stop.set()
+        writer.join()
         found["flights"] = {f: recording.read_recording(f).footer.get("anomaly") or {}
                             for f in sorted(state.glob("flight-*.mmtr"))}
     finally:
@@ -172,10 +174,10 @@ def live(tmp_path_factory):
 
 def test_each_scenario_gets_its_anomaly_and_verdict_and_no_other(live):
     truth, seen = live["truth"], live["phase1"]
-    ours = {t["pid"] for t in truth.values()} | {None}     # the host runs others' work too
+    ours = {t["pid"] for t in truth.values()}      # the host runs others' work too
     by_pid = {}
     for (detector, what), a in seen.items():
-        if a["pid"] in ours:
+        if a["pid"] in ours or a["pid"] is None and detector in ("memory_leak", "device_hang"):
             by_pid.setdefault(a["pid"], []).append((detector, a["verdict"]))
     assert by_pid.get(truth["leak"]["pid"]) == [("memory_leak", "memory_leak")], by_pid
     assert truth["balanced"]["pid"] not in by_pid, by_pid
@@ -203,8 +205,10 @@ def test_a_hang_is_reported_within_twice_its_threshold_naming_the_call(live):
 
 def test_the_leak_names_what_grew_and_the_metrics_show_it(live):
     pid = live["truth"]["leak"]["pid"]
-    (flight,) = [a for a in live["flights"].values()
-                 if a.get("detector") == "memory_leak" and a.get("pid") == pid]
+    leaks = [a for a in live["flights"].values()
+             if a.get("detector") == "memory_leak" and a.get("pid") == pid]
+    assert len(leaks) == 1, [(a["state"], a["ts_ns"], a["evidence"]) for a in leaks]
+    (flight,) = leaks
     ev = flight["evidence"]
     assert ev["kind"] == "process" and ev["grown_bytes"] >= MIN_GROWTH_MIB * MIB
     assert (flight["ts_ns"] - ev["since_ns"]) / 1e9 >= GROW_S
@@ -220,3 +224,28 @@ def test_the_leak_names_what_grew_and_the_metrics_show_it(live):
                       if (a.get("evidence") or {}).get("kind") == "unaccounted"]
     u = unaccounted["evidence"]
     assert u["device"] == 1 and u["held_bytes"] == 0 and u["grown_bytes"] >= MIN_GROWTH_MIB * MIB
+
+
+def test_the_seed_chain_explained_from_its_flight_recording(live, mmtrace_cli):
+    """The hang's flight recording, explained: the hung NPU stream, the GPU
+    memory that grew on another device in the same window, and the fixes."""
+    pid = live["truth"]["chain"]["pid"]
+    seen = live["watch"].of(pid)
+    assert sorted((a["detector"], a["verdict"]) for a in seen) == [
+        ("device_hang", "npu_hang"), ("memory_leak", "memory_leak")]
+    flights = [f for f, a in live["flights"].items()
+               if a.get("pid") == pid and a.get("detector") == "memory_leak"]
+    # The leak fires after the hang: its recording holds both.
+    answer = json.loads(mmtrace_cli("explain", flights[0], "--json").stdout)
+    (p,) = [p for p in answer["processes"] if p["pid"] == pid]
+    assert p["verdict"] == "npu_hang"
+    assert [c["verdict"] for c in p["causes"]][:2] == ["npu_hang", "memory_leak"]
+    chain = " | ".join(p["chain"])
+    assert "aclrtSynchronizeStream on NPU 1 stream 0x7700" in chain, chain
+    assert f"pid {pid} holds" in chain and "on GPU 0" in chain and "with no free" in chain
+    assert "skips the callbacks that free device memory" in chain
+    fixes = " | ".join(p["fixes"])
+    assert f"restart the worker pid {pid}" in fixes and "npu-smi set -t reset -d 1" in fixes
+    assert "prefer_device" in fixes
+    text = mmtrace_cli("explain", flights[0])
+    assert text.returncode == 0 and "NPU_HANG" in text.stdout

@@ -15,11 +15,13 @@ from mmtrace.agent.ingest.memory_ledger import MemoryLedger
 from mmtrace.agent.kernel import calls_in_flight
 
 log = logging.getLogger("mmtrace.daemon")
+MAX_META_PROCESSES = 32         # the processes holding most, in a flight recording
 
 
 class MemoryWatch:
-    def __init__(self, config: DaemonConfig, infos: dict):
+    def __init__(self, config: DaemonConfig, infos: dict, proc_root: Path = Path("/proc")):
         self.infos = infos
+        self.proc_root = proc_root
         self.ledger = MemoryLedger(infos)
         self.leak = MemoryLeak.of(config.memory)
         self.hang = DeviceHang.of(config.hangs)
@@ -28,6 +30,7 @@ class MemoryWatch:
         self._next_check = 0
         self.stuck: list[dict] = []         # the blocking calls past the threshold, last check
         self.kernel_forgotten = 0           # live allocations of exited processes dropped
+        self._kernel_pending: set[int] = set()  # exited, their kernel entries not yet dropped
 
     def on_device(self, events):
         self.ledger.feed(events)
@@ -36,7 +39,9 @@ class MemoryWatch:
         """NVML's samples: each GPU's used memory against what live traced
         processes hold on it, and those that exited less than grow_s ago
         (the driver frees a dead process's memory as it tears its context
-        down, not at once)."""
+        down, not at once). Exits are looked for first: NVML sees them
+        before the sweep would."""
+        self.forget_exited(self.proc_root, now_ns, None)
         held = self.ledger.outstanding()
         for left in self.ledger.at_exit:
             if now_ns - left["exit_ns"] < self.leak.grow_ns:
@@ -50,24 +55,38 @@ class MemoryWatch:
                                           self.ledger.at_exit)
         return out
 
+    def calls_now(self, loaded) -> list[dict]:
+        """The blocking calls in flight now (for a flight recording's meta)."""
+        table = loaded.device_table(calls_in_flight.MAP) if loaded is not None else None
+        return calls_in_flight.blocking_calls(table, self.infos, self._blocking) \
+            if table is not None else []
+
+    def meta(self, loaded, now_ns: int) -> dict:
+        """What a flight recording carries of this: the calls in flight when
+        it was written, and what each process held then."""
+        return {"calls_in_flight": {"now_ns": int(now_ns), "calls": self.calls_now(loaded)},
+                "device_memory": [self.ledger.summary(pid) for pid in sorted(
+                    self.ledger.processes, key=lambda p: -self.ledger.processes[p].outstanding)
+                    [:MAX_META_PROCESSES]],
+                "device_memory_at_exit": list(self.ledger.at_exit)}
+
     def tick(self, now_ns: int, loaded) -> list[dict]:
         """Every check_s: the hangs (calls in flight) and the leaks."""
         if now_ns < self._next_check:
             return []
         self._next_check = now_ns + self.check_ns
         out = self.leak.check(self.ledger, now_ns)
-        table = loaded.device_table(calls_in_flight.MAP) if loaded is not None else None
-        if table is not None:
-            calls = calls_in_flight.blocking_calls(table, self.infos, self._blocking)
+        if loaded is not None and loaded.device_table(calls_in_flight.MAP) is not None:
+            calls = self.calls_now(loaded)
             self.stuck = self.hang.stuck(calls, now_ns)
             out += self.hang.check(calls, now_ns)
         return out
 
     def forget_exited(self, proc_root: Path, now_ns: int, loaded) -> list[dict]:
         """Processes gone: what they still held is kept (ledger.at_exit), and
-        their live allocations leave the kernel's map."""
+        their live allocations leave the kernel's map (when `loaded` is
+        given; until then they wait)."""
         gone = [pid for pid in self.ledger.processes if not (proc_root / str(pid)).exists()]
-        table = loaded.device_table(dm.ALLOCATIONS_MAP) if loaded is not None and gone else None
         left = []
         for pid in gone:
             held = self.ledger.forget(pid, now_ns)
@@ -75,8 +94,11 @@ class MemoryWatch:
                 left.append(held)
                 log.info("pid %d exited holding %d bytes of device memory", pid,
                          held["outstanding_bytes"])
-        if table is not None:
-            self.kernel_forgotten += dm.forget_processes(table, gone)
+        self._kernel_pending.update(gone)
+        table = loaded.device_table(dm.ALLOCATIONS_MAP) if loaded is not None else None
+        if table is not None and self._kernel_pending:
+            self.kernel_forgotten += dm.forget_processes(table, self._kernel_pending)
+            self._kernel_pending.clear()
         return left
 
     def snapshot(self) -> dict:

@@ -5,6 +5,7 @@ report's aggregates, so `report` carries the verdict table for little more."""
 
 import numpy as np
 
+from mmtrace.detectors.device_faults import fault_end, merge as merge_faults
 from mmtrace.detectors.diagnosis import DiagnosisRules, diagnose
 from mmtrace.bpf import device as device_stream
 from mmtrace.detectors.time_split import CULPRIT_FLOOR_NS, DeviceRoles, TimeSplit
@@ -136,15 +137,17 @@ def explain_split(split: TimeSplit, window=None, pids=None, anomalies=(),
         answer = {"processes": [], "window": None, "reference": None,
                   "note": "no run-queue or GPU/NPU events to explain"}
         return answer
-    start, end = window or (split.first_ns, split.last_ns + 1)
+    anomalies = list(anomalies)
+    # By default, up to the last hang or leak too: a stuck thread leaves no events.
+    start, end = window or (split.first_ns, max(split.last_ns, fault_end(anomalies)) + 1)
     held = {"start_ns": int(split.first_ns), "end_ns": int(split.last_ns)}
     if end <= split.first_ns or start > split.last_ns:
         raise MmtraceError(f"--window {start / 1e9:.3f}:{end / 1e9:.3f} s is outside what "
                            f"there is to explain: {held['start_ns'] / 1e9:.3f} .. "
                            f"{held['end_ns'] / 1e9:.3f} s")
-    anomalies = list(anomalies)
     shifted = entropy_windows(anomalies, entropy_until_ns or split.last_ns)
-    answer = diagnose(split, start, end, rules, pids, shifted, symptoms(anomalies))
+    answer = merge_faults(diagnose(split, start, end, rules, pids, shifted, symptoms(anomalies)),
+                          anomalies, pids)
     answer["held"] = held
     missing = sorted(set(pids or ()) - {p["pid"] for p in answer["processes"]})
     if missing:

@@ -1,0 +1,160 @@
+"""Verdicts from device faults: a hung device (`gpu_hang`, `npu_hang`, from
+device_hang anomalies) and leaking memory (`memory_leak`). They outrank
+any time share: a launcher whose sync never returns is not slow, it is
+stuck. Added to a diagnosis answer (detectors/diagnosis.py diagnose) from
+the anomalies of its window, with evidence, fixes, and the chain that
+joins a hang on one device with memory growing on another in the same
+window: a hung NPU can take the PCIe link down, the GPU driver takes that
+for a device reset and skips the callbacks that free device memory."""
+
+MIB = 1 << 20
+
+FIXES = {
+    "npu_hang": ["restart the worker {who}: its stream will not drain on its own",
+                 "reset NPU {device} (npu-smi set -t reset -d {device}) once no process "
+                 "uses it; check its health first (npu-smi info)",
+                 "drain NPU {device}: a prefer_device hint sends new work to the other "
+                 "devices while it is stuck"],
+    "gpu_hang": ["restart the worker {who}: its stream will not drain on its own",
+                 "reset GPU {device} (nvidia-smi --gpu-reset -i {device}) once no process "
+                 "uses it; look for Xid errors in the kernel log",
+                 "drain GPU {device}: a prefer_device hint sends new work to the other "
+                 "devices while it is stuck"],
+    "memory_leak": ["restart the worker {who} to give the memory back; then find the "
+                    "allocation that is never freed (the largest live ones are listed)",
+                    "cap what it may hold (PYTORCH_CUDA_ALLOC_CONF, a per-process memory "
+                    "fraction) so that it fails before the device is full"],
+    "unaccounted": ["memory on GPU {device} is held by no live traced process: the driver "
+                    "kept a dead process's memory, or an untraced one holds it "
+                    "(nvidia-smi --query-compute-apps=pid,used_memory --format=csv)",
+                    "reset GPU {device} (nvidia-smi --gpu-reset -i {device}) once its "
+                    "workers are drained (prefer_device hints away from it)"],
+}
+
+
+def _in(anomaly: dict, start_ns: int, end_ns: int) -> bool:
+    ev = anomaly.get("evidence") or {}
+    since = ev.get("since_ns", anomaly.get("ts_ns", 0))
+    return isinstance(since, int) and since < end_ns and int(anomaly.get("ts_ns", 0)) >= start_ns
+
+
+def _firing(anomalies, detector: str, start_ns: int, end_ns: int) -> list[dict]:
+    return [a for a in anomalies if a.get("detector") == detector
+            and a.get("state") == "firing" and isinstance(a.get("evidence"), dict)
+            and _in(a, start_ns, end_ns)]
+
+
+def _mib(n) -> str:
+    return f"{n / MIB:,.0f} MiB"
+
+
+def _hang_line(a: dict) -> str:
+    e = a["evidence"]
+    return (f"pid {e['pid']} ({e.get('comm') or '?'}) tid {e['tid']}: {e['api']} on "
+            f"{e['stream'].upper()} {e['device']} stream {e['stream_handle']:#x} had not "
+            f"returned after {e['waited_s']:.1f} s")
+
+
+def _leak_line(a: dict) -> str:
+    e = a["evidence"]
+    if e.get("kind") == "unaccounted":
+        return (f"GPU {e['device']}: {_mib(e['unaccounted_bytes'])} in use that no live "
+                f"traced process holds, grown by {_mib(e['grown_bytes'])} "
+                f"({_mib(e['growth_bytes_per_s'])}/s)")
+    where = ", ".join(f"{h['stream'].upper()} {h['device']}" for h in e.get("holdings", []))
+    return (f"pid {e['pid']} holds {_mib(e['outstanding_bytes'])} on {where or 'its devices'}, "
+            f"grown by {_mib(e['grown_bytes'])} with no free"
+            + (f" ({_mib(e['growth_bytes_per_s'])}/s)" if e.get("growth_bytes_per_s") else ""))
+
+
+def _elsewhere(leak: dict, hang: dict) -> bool:
+    """The leak grew while the call hung, on another device (or in no
+    process's hands)."""
+    le, he = leak["evidence"], hang["evidence"]
+    if le["since_ns"] > hang["ts_ns"] or leak["ts_ns"] < he["since_ns"]:
+        return False
+    if le.get("kind") == "unaccounted":
+        return not (he["stream"] == "gpu" and he["device"] == le["device"])
+    return any((h["stream"], h["device"]) != (he["stream"], he["device"])
+               for h in le.get("holdings", []))
+
+
+def fault_end(anomalies) -> int:
+    """When the last hang or leak anomaly was raised (0: none)."""
+    return max((int(a.get("ts_ns", 0)) for a in anomalies
+                if a.get("detector") in ("device_hang", "memory_leak")), default=0)
+
+
+def faults(anomalies, start_ns: int, end_ns: int) -> dict[int, dict]:
+    """pid -> {"causes", "chain", "fixes", "comm"} of the hangs and leaks
+    that name it in [start, end). A hang's chain takes in the leaks on
+    other devices in the same window, whoever holds them."""
+    hangs = _firing(anomalies, "device_hang", start_ns, end_ns)
+    leaks = _firing(anomalies, "memory_leak", start_ns, end_ns)
+    span = max(1, end_ns - start_ns)
+    out: dict[int, dict] = {}
+    for a in hangs:
+        e = a["evidence"]
+        verdict = "npu_hang" if e["stream"] == "npu" else "gpu_hang"
+        share = min(1.0, (end_ns - max(start_ns, e["since_ns"])) / span)
+        p = out.setdefault(e["pid"], {"causes": [], "chain": [], "fixes": [],
+                                      "comm": e.get("comm")})
+        p["causes"].append({"verdict": verdict, "share": round(share, 4), "evidence": e})
+        p["chain"].append(_hang_line(a))
+        joined = [leak for leak in leaks if _elsewhere(leak, a)]
+        for leak in joined:
+            p["chain"].append("in the same window, " + _leak_line(leak))
+        if joined:
+            p["chain"].append(f"a hung {e['stream'].upper()} can take the PCIe link down; the "
+                              "GPU driver takes that for a device reset and skips the "
+                              "callbacks that free device memory")
+        who = f"pid {e['pid']} ({e.get('comm') or '?'})"
+        p["fixes"] += [f.format(who=who, device=e["device"]) for f in FIXES[verdict]]
+        for leak in joined:
+            le = leak["evidence"]
+            if le.get("kind") == "unaccounted":
+                p["fixes"] += [f.format(device=le["device"]) for f in FIXES["unaccounted"]]
+    for a in leaks:
+        e = a["evidence"]
+        if e.get("kind") != "process":
+            continue
+        share = min(1.0, (end_ns - max(start_ns, e["since_ns"])) / span)
+        p = out.setdefault(e["pid"], {"causes": [], "chain": [], "fixes": [], "comm": None})
+        p["causes"].append({"verdict": "memory_leak", "share": round(share, 4), "evidence": e})
+        line = _leak_line(a)
+        if line not in " ".join(p["chain"]):
+            p["chain"].append(line)
+        p["fixes"] += [f.format(who=f"pid {e['pid']}") for f in FIXES["memory_leak"]]
+    return out
+
+
+def merge(answer: dict, anomalies, pids=None) -> dict:
+    """Put the fault verdicts into a diagnosis answer: a process they name
+    takes the fault as its verdict (a hang first), its time-share causes
+    kept after; one the window did not hold (its only thread is stuck in
+    the call) is added."""
+    window = answer.get("window")
+    if not window:
+        return answer
+    found = faults(anomalies, window["start_ns"], window["end_ns"])
+    rows = {p["pid"]: p for p in answer["processes"]}
+    for pid, f in found.items():
+        if pids and pid not in pids:
+            continue
+        causes = sorted(f["causes"], key=lambda c: (c["verdict"] == "memory_leak", -c["share"]))
+        row = rows.get(pid)
+        if row is None:
+            row = rows[pid] = {"pid": pid, "comm": f["comm"] or "?", "window": dict(window),
+                               "verdict": "healthy", "shares": {}, "causes": [],
+                               "culprits": [], "chain": [], "fixes": [], "threads": [],
+                               "calls": 0, "submissions": 0, "failed_calls": 0,
+                               "copy_bytes": 0, "cpu_measured": False, "reference": None}
+            answer["processes"].append(row)
+        was_healthy = row["verdict"] == "healthy"
+        row["causes"] = causes + row["causes"]
+        row["verdict"] = causes[0]["verdict"]
+        row["chain"] = f["chain"] + ([] if was_healthy else row["chain"])
+        row["fixes"] = f["fixes"] + row["fixes"]
+    answer["processes"].sort(key=lambda r: r["verdict"] not in ("npu_hang", "gpu_hang",
+                                                                "memory_leak"))
+    return answer

@@ -1,0 +1,134 @@
+"""The memory ledger, the leak and hang detectors and the fault verdicts on
+records built here (the layouts bpf/device_memory.c writes): simulated
+time, so that ten minutes of a balanced allocator cost a fraction of a
+second. The same detectors run on real eBPF in test_memory_hangs_bpf.py."""
+
+import numpy as np
+
+from mmtrace.bpf import device as device_stream
+from mmtrace.bpf import device_memory as dm
+from mmtrace.detectors.device_faults import merge
+from mmtrace.detectors.device_hang import DeviceHang
+from mmtrace.detectors.memory_leak import MemoryLeak
+
+from mmtrace.agent.ingest.memory_ledger import MemoryLedger
+
+MIB = 1 << 20
+CUDA_MALLOC, CUDA_FREE, CUDA_SYNC, ACL_SYNC = 26, 29, 13, 111
+
+
+def records(rows) -> np.ndarray:
+    """(kind, api, pid, ts_ns, ptr, bytes, ret[, flags]) -> returned device records."""
+    out = np.zeros(len(rows), device_stream.DEV_EVENT)
+    for i, (kind, api, pid, ts, ptr, size, ret, *flags) in enumerate(rows):
+        out[i]["kind"], out[i]["api"], out[i]["pid"], out[i]["ts_ns"] = kind, api, pid, ts
+        out[i]["handle"], out[i]["bytes"], out[i]["ret"] = ptr, size, ret
+        out[i]["flags"] = device_stream.FLAG_RETURNED | (flags[0] if flags else 0)
+    return out
+
+
+def allocator(pid, seconds, every_ms, balanced, start_ns=0, size=MIB):
+    """Batches of a second: an allocation each `every_ms`, the one before
+    freed when `balanced`."""
+    ptr, previous = 0x1000, None
+    for s in range(seconds):
+        rows = []
+        for k in range(1000 // every_ms):
+            ts = start_ns + s * 10**9 + k * every_ms * 10**6
+            ptr += size
+            rows.append((dm.ALLOC, CUDA_MALLOC, pid, ts, ptr, size, 0))
+            if balanced and previous:
+                rows.append((dm.FREE, CUDA_FREE, pid, ts + 1000, previous, size, 0))
+            previous = ptr
+        yield records(rows), start_ns + (s + 1) * 10**9
+
+
+def test_a_balanced_allocator_raises_no_alarm_over_ten_minutes():
+    ledger, leak = MemoryLedger(), MemoryLeak(grow_s=60, min_growth_bytes=64 * MIB)
+    found = []
+    for batch, now in allocator(7, 600, 10, balanced=True):
+        ledger.feed(batch)
+        found += leak.check(ledger, now)
+        held = ledger.outstanding()[("gpu", 0)]
+        found += leak.observe_used(0, (1 << 30) + held, held, now)
+    assert found == []
+    assert ledger.outstanding() == {("gpu", 0): MIB}
+    assert ledger.totals()["allocs"]["gpu"] == 60_000 == ledger.totals()["frees"]["gpu"] + 1
+
+
+def test_a_steady_leak_fires_once_after_grow_s_and_a_free_resolves_it():
+    ledger, leak = MemoryLedger(), MemoryLeak(grow_s=2, min_growth_bytes=64 * MIB)
+    fired = []
+    for batch, now in allocator(9, 5, 10, balanced=False):
+        ledger.feed(batch)
+        fired += [(a["state"], now) for a in leak.check(ledger, now)]
+    assert fired == [("firing", 3 * 10**9)]        # 2 s of growth from the first allocation
+    ledger.feed(records([(dm.FREE, CUDA_FREE, 9, 6 * 10**9, 0x1000 + MIB, MIB, 0)]))
+    (resolved,) = leak.check(ledger, 6 * 10**9)
+    assert resolved["state"] == "resolved" and resolved["pid"] == 9
+    newest = {"bytes": MIB, "stream": "gpu", "device": 0, "api": "cudaMalloc"}
+    assert ledger.largest(9, 2) == [
+        dict(newest, ptr=0x1000 + 500 * MIB, ts_ns=4_990_000_000),
+        dict(newest, ptr=0x1000 + 499 * MIB, ts_ns=4_980_000_000)]
+
+
+def test_failed_and_untracked_allocations_hold_nothing():
+    ledger = MemoryLedger()
+    ledger.feed(records([(dm.ALLOC, CUDA_MALLOC, 3, 1, 0, 4096, 35),
+                         (dm.ALLOC, CUDA_MALLOC, 3, 2, 0x10, 4096, 0, dm.FLAG_ALLOC_UNTRACKED),
+                         (dm.FREE, CUDA_FREE, 3, 3, 0x99, 0, 0, dm.FLAG_FREE_UNMATCHED)]))
+    summary = ledger.summary(3)
+    assert summary["outstanding_bytes"] == 0 and summary["holdings"] == []
+    assert summary["failed"] == [{"api": "cudaMalloc", "ret": 35, "count": 1}]
+    assert ledger.unmatched_frees == 1
+
+
+def test_unaccounted_memory_fires_on_growth_and_not_on_an_exit_dip():
+    leak = MemoryLeak(grow_s=2, min_growth_bytes=64 * MIB)
+    s = 10**9
+    # A process holding 500 MiB exits: NVML drops before the ledger forgets it.
+    dip = [(t, (1 << 30) + 500 * MIB, 500 * MIB) for t in range(0, 5)] + \
+        [(5, 1 << 30, 500 * MIB), (6, 1 << 30, 0)] + [(t, 1 << 30, 0) for t in range(7, 20)]
+    assert [a for t, used, held in dip for a in leak.observe_used(0, used, held, t * s)] == []
+    growth = [(t, (1 << 30) + (t - 20) * 100 * MIB, 0) for t in range(20, 30)]
+    fired = [a for t, used, held in growth for a in leak.observe_used(0, used, held, t * s)]
+    assert [(a["state"], a["evidence"]["device"], a["pid"]) for a in fired] == [
+        ("firing", 0, None)]
+    assert fired[0]["ts_ns"] - fired[0]["evidence"]["since_ns"] >= 2 * s
+
+
+def test_a_hang_fires_once_past_its_threshold_and_resolves_when_the_call_returns():
+    hang = DeviceHang(after_s=1.0)
+    call = {"pid": 5, "tid": 6, "comm": "w", "api_id": ACL_SYNC, "api": "aclrtSynchronizeStream",
+            "stream": "npu", "stream_handle": 0x77, "device": 1, "ts_ns": 10**9}
+    assert hang.check([call], int(1.9e9)) == []
+    (fired,) = hang.check([call], int(2.0e9))
+    assert fired["state"] == "firing" and fired["evidence"]["verdict"] == "npu_hang"
+    assert fired["evidence"]["waited_s"] == 1.0
+    assert hang.check([call], int(3e9)) == []
+    (resolved,) = hang.check([], int(4e9))
+    assert resolved["state"] == "resolved" and resolved["evidence"]["waited_s"] == 3.0
+
+
+def test_the_chain_joins_a_hang_with_growth_on_another_device_in_its_window():
+    hang = {"detector": "device_hang", "state": "firing", "ts_ns": 5 * 10**9, "pid": 5,
+            "evidence": {"pid": 5, "tid": 6, "comm": "w", "api": "aclrtSynchronizeStream",
+                         "stream": "npu", "stream_handle": 0x77, "device": 1,
+                         "since_ns": 3 * 10**9, "waited_s": 2.0, "verdict": "npu_hang"}}
+    grew = {"detector": "memory_leak", "state": "firing", "ts_ns": 6 * 10**9, "pid": None,
+            "evidence": {"kind": "unaccounted", "stream": "gpu", "device": 0,
+                         "unaccounted_bytes": 900 * MIB, "grown_bytes": 800 * MIB,
+                         "growth_bytes_per_s": 200 * MIB, "since_ns": 2 * 10**9,
+                         "verdict": "memory_leak"}}
+    before = dict(grew, ts_ns=10**9, evidence=dict(grew["evidence"], since_ns=0))
+    window = {"start_ns": 0, "end_ns": 7 * 10**9}
+    (p,) = merge({"processes": [], "window": window}, [hang, grew])["processes"]
+    assert p["verdict"] == "npu_hang" and p["pid"] == 5
+    assert p["chain"][0].startswith("pid 5 (w) tid 6: aclrtSynchronizeStream on NPU 1 "
+                                    "stream 0x77 had not returned after 2.0 s")
+    assert "GPU 0: 900 MiB in use that no live traced process holds" in p["chain"][1]
+    assert any("nvidia-smi --gpu-reset -i 0" in f for f in p["fixes"])
+    assert any("npu-smi set -t reset -d 1" in f for f in p["fixes"])
+    # Growth that ended before the hang began is no part of its chain.
+    (alone,) = merge({"processes": [], "window": window}, [hang, before])["processes"]
+    assert len(alone["chain"]) == 1
