@@ -3,6 +3,8 @@ records built here (the layouts bpf/device_memory.c writes): simulated
 time, so that ten minutes of a balanced allocator cost a fraction of a
 second. The same detectors run on real eBPF in test_memory_hangs_bpf.py."""
 
+import json
+
 import numpy as np
 
 from mmtrace.bpf import device as device_stream
@@ -132,3 +134,38 @@ def test_the_chain_joins_a_hang_with_growth_on_another_device_in_its_window():
     # Growth that ended before the hang began is no part of its chain.
     (alone,) = merge({"processes": [], "window": window}, [hang, before])["processes"]
     assert len(alone["chain"]) == 1
+
+
+def test_a_recording_carries_allocations_to_report_and_perfetto_counters(tmp_path):
+    """Allocation records in a recording: report finds the leak offline,
+    and the Perfetto export draws what the process holds."""
+    from click.testing import CliRunner
+    from test_perfetto import decoded
+    from mmtrace.agent.cli import cli
+    from mmtrace.agent.recording import file_format
+    from mmtrace.exporters.files import perfetto_fields as proto
+    path = tmp_path / "leak.mmtr"
+    w = file_format.RecordingWriter(path, {"dev.event": device_stream.DEV_EVENT})
+    w.write_meta({"apis": device_stream.default_table().to_json(),
+                  "config": {"memory": {"grow_s": 2.0, "min_growth_mib": 64.0}}})
+    for batch, _ in allocator(11, 4, 10, balanced=False, start_ns=10**9):
+        w.write_events("dev.event", batch)
+    w.write_events("dev.event", records([(dm.FREE, CUDA_FREE, 11, 6 * 10**9, 0x1000 + MIB,
+                                          MIB, 0)]))
+    w.close({})
+    report = CliRunner().invoke(cli, ["report", str(path), "--json"])
+    assert report.exit_code == 0, report.output
+    leaks = [a for a in json.loads(report.output)["anomalies"] if a["detector"] == "memory_leak"]
+    assert [(a["state"], a["pid"]) for a in leaks] == [("firing", 11), ("resolved", 11)]
+    (held,) = json.loads(report.output)["device_memory"]["processes"]
+    assert (held["pid"], held["outstanding_bytes"]) == (11, 399 * MIB)
+    text = CliRunner().invoke(cli, ["report", str(path)])
+    assert "gpu0                 11      399.0      400        1  -" in text.output, text.output
+    out = tmp_path / "leak.pftrace"
+    result = CliRunner().invoke(cli, ["export", str(path), "--format", "perfetto", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    tracks, events = decoded(out.read_bytes())
+    (uuid,) = [u for u, d in tracks.items() if d.get(proto.TD_NAME) == [b"device memory held"]]
+    values = [e[proto.TE_COUNTER_VALUE][0] for _, e in events
+              if e.get(proto.TE_TRACK_UUID) == [uuid]]
+    assert values[:2] == [MIB, 2 * MIB] and values[-1] == 399 * MIB and len(values) == 401

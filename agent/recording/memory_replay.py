@@ -43,6 +43,15 @@ class MemoryReplay:
         self.found += self._hangs()
         return self.found
 
+    def summary(self, limit: int = 20) -> dict:
+        """After finish(): what each process held at the end of the
+        recording (those holding most first), and its failed allocations."""
+        ledger = self.ledger
+        pids = sorted(ledger.processes, key=lambda p: -ledger.processes[p].outstanding)
+        return {"processes": [ledger.summary(pid) for pid in pids[:limit]],
+                "unmatched_frees": ledger.unmatched_frees,
+                "live_overflow": ledger.live_overflow}
+
     def _gpu_samples(self) -> np.ndarray:
         if "gpu.state" not in self.rec.schemas:
             return np.zeros(0)

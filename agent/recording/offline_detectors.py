@@ -235,8 +235,9 @@ class Detectors:
     def __init__(self, rec):
         cfg = settings_of(rec)
         self.p99 = P99Replay(rec, cfg.p99)
+        self.memory = MemoryReplay(rec, cfg)
         self.parts = [self.p99, EntropyReplay(rec, cfg.entropy), FailuresReplay(cfg.failures),
-                      MemoryReplay(rec, cfg)]
+                      self.memory]
 
     def feed(self, step: Step):
         for part in self.parts:
