@@ -7,6 +7,8 @@ joins a hang on one device with memory growing on another in the same
 window: a hung NPU can take the PCIe link down, the GPU driver takes that
 for a device reset and skips the callbacks that free device memory."""
 
+from mmtrace.detectors.diagnosis import STATES
+
 MIB = 1 << 20
 
 FIXES = {
@@ -32,16 +34,23 @@ FIXES = {
 }
 
 
-def _in(anomaly: dict, start_ns: int, end_ns: int) -> bool:
-    ev = anomaly.get("evidence") or {}
-    since = ev.get("since_ns", anomaly.get("ts_ns", 0))
-    return isinstance(since, int) and since < end_ns and int(anomaly.get("ts_ns", 0)) >= start_ns
-
-
 def _firing(anomalies, detector: str, start_ns: int, end_ns: int) -> list[dict]:
-    return [a for a in anomalies if a.get("detector") == detector
-            and a.get("state") == "firing" and isinstance(a.get("evidence"), dict)
-            and _in(a, start_ns, end_ns)]
+    """The `detector`'s alarms that were firing at some time in [start, end):
+    raised before its end and not resolved before its start (a hang raised
+    a minute ago is still a hang now)."""
+    out, resolved = [], {}
+    for a in anomalies:
+        if a.get("detector") == detector and a.get("state") == "resolved":
+            resolved.setdefault(a.get("series"), []).append(int(a.get("ts_ns", 0)))
+    for a in anomalies:
+        if a.get("detector") != detector or a.get("state") != "firing" \
+                or not isinstance(a.get("evidence"), dict):
+            continue
+        raised = int(a.get("ts_ns", 0))
+        ended = min((t for t in resolved.get(a.get("series"), ()) if t >= raised), default=None)
+        if raised < end_ns and (ended is None or ended >= start_ns):
+            out.append(a)
+    return out
 
 
 def _mib(n) -> str:
@@ -85,6 +94,13 @@ def fault_end(anomalies) -> int:
                 if a.get("detector") in ("device_hang", "memory_leak")), default=0)
 
 
+def fault_start(anomalies) -> int:
+    """When the first hang or leak began (its evidence's since_ns)."""
+    return min((int((a.get("evidence") or {}).get("since_ns", a.get("ts_ns", 0)))
+                for a in anomalies if a.get("detector") in ("device_hang", "memory_leak")),
+               default=0)
+
+
 def faults(anomalies, start_ns: int, end_ns: int) -> dict[int, dict]:
     """pid -> {"causes", "chain", "fixes", "comm"} of the hangs and leaks
     that name it in [start, end). A hang's chain takes in the leaks on
@@ -120,11 +136,12 @@ def faults(anomalies, start_ns: int, end_ns: int) -> dict[int, dict]:
             continue
         share = min(1.0, (end_ns - max(start_ns, e["since_ns"])) / span)
         p = out.setdefault(e["pid"], {"causes": [], "chain": [], "fixes": [], "comm": None})
+        hung = bool(p["causes"])        # its hang's fixes restart it already
         p["causes"].append({"verdict": "memory_leak", "share": round(share, 4), "evidence": e})
         line = _leak_line(a)
         if line not in " ".join(p["chain"]):
             p["chain"].append(line)
-        p["fixes"] += [f.format(who=f"pid {e['pid']}") for f in FIXES["memory_leak"]]
+        p["fixes"] += [f.format(who=f"pid {e['pid']}") for f in FIXES["memory_leak"][hung:]]
     return out
 
 
@@ -145,7 +162,8 @@ def merge(answer: dict, anomalies, pids=None) -> dict:
         row = rows.get(pid)
         if row is None:
             row = rows[pid] = {"pid": pid, "comm": f["comm"] or "?", "window": dict(window),
-                               "verdict": "healthy", "shares": {}, "causes": [],
+                               "verdict": "healthy", "shares": dict.fromkeys(STATES, 0.0),
+                               "causes": [],
                                "culprits": [], "chain": [], "fixes": [], "threads": [],
                                "calls": 0, "submissions": 0, "failed_calls": 0,
                                "copy_bytes": 0, "cpu_measured": False, "reference": None}

@@ -18,6 +18,7 @@ import json
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -141,9 +142,9 @@ def live(tmp_path_factory):
         writer = threading.Thread(target=nvml_writer, daemon=True)
         writer.start()
         pids = {m: t["pid"] for m, t in found["truth"].items()}
-        watch.until(lambda: watch.of(pids["leak"]) and watch.of(pids["npu_hang"])
-                    and watch.of(what="memory_unaccounted"), 20)
-        found["metrics"] = _scrape(port)
+        watch.until(lambda: watch.of(pids["leak"]) and watch.of(pids["npu_hang"]), 20)
+        found["metrics"] = _scrape(port)        # while the leaker and the hang last
+        watch.until(lambda: watch.of(what="memory_unaccounted"), 20)
         for proc in procs:
             proc.wait(timeout=30)
         watch.poll()
@@ -156,6 +157,9 @@ def live(tmp_path_factory):
         found["truth"]["chain"] = truth
         chain = truth["pid"]
         watch.until(lambda: len(watch.of(chain)) >= 2, 20)
+        found["live_explain"] = subprocess.run(
+            [sys.executable, "-m", "mmtrace.agent", "explain", "--pid", str(chain), "--last", "3",
+             "--socket", str(sock), "--json"], capture_output=True, text=True, timeout=60)
         proc.wait(timeout=30)
         watch.poll()
         found["watch"] = watch
@@ -192,8 +196,10 @@ def test_each_scenario_gets_its_anomaly_and_verdict_and_no_other(live):
 
 def test_a_hang_is_reported_within_twice_its_threshold_naming_the_call(live):
     pid = live["truth"]["npu_hang"]["pid"]
-    (flight,) = [a for a in live["flights"].values()
-                 if a.get("detector") == "device_hang" and a.get("pid") == pid]
+    hangs = [a for a in live["flights"].values()
+             if a.get("detector") == "device_hang" and a.get("pid") == pid]
+    assert len(hangs) == 1, hangs
+    (flight,) = hangs
     ev = flight["evidence"]
     assert (ev["api"], ev["stream"], ev["device"], ev["stream_handle"]) == (
         "aclrtSynchronizeStream", "npu", 1, 0x7700)
@@ -220,8 +226,10 @@ def test_the_leak_names_what_grew_and_the_metrics_show_it(live):
                   'device="0",stream="gpu"') >= MIN_GROWTH_MIB * MIB
     assert _gauge(text, "mmtrace_device_calls_stuck", 'stream="npu"') == 1
     assert _gauge(text, "mmtrace_device_calls_stuck", 'stream="gpu"') == 0
-    (unaccounted,) = [a for a in live["flights"].values()
-                      if (a.get("evidence") or {}).get("kind") == "unaccounted"]
+    unaccounted = [a for a in live["flights"].values()
+                   if (a.get("evidence") or {}).get("kind") == "unaccounted"]
+    assert len(unaccounted) == 1, [(a["series"], a["ts_ns"], a["evidence"]) for a in unaccounted]
+    (unaccounted,) = unaccounted
     u = unaccounted["evidence"]
     assert u["device"] == 1 and u["held_bytes"] == 0 and u["grown_bytes"] >= MIN_GROWTH_MIB * MIB
 
@@ -249,3 +257,12 @@ def test_the_seed_chain_explained_from_its_flight_recording(live, mmtrace_cli):
     assert "prefer_device" in fixes
     text = mmtrace_cli("explain", flights[0])
     assert text.returncode == 0 and "NPU_HANG" in text.stdout
+
+
+def test_live_explain_tells_the_hang_while_it_lasts(live):
+    out = live["live_explain"]
+    assert out.returncode == 0, out.stderr
+    pid = live["truth"]["chain"]["pid"]
+    (p,) = [p for p in json.loads(out.stdout)["processes"] if p["pid"] == pid]
+    assert p["verdict"] == "npu_hang" and "memory_leak" in [c["verdict"] for c in p["causes"]]
+    assert "aclrtSynchronizeStream on NPU 1 stream 0x7700" in p["chain"][0]

@@ -5,7 +5,7 @@ report's aggregates, so `report` carries the verdict table for little more."""
 
 import numpy as np
 
-from mmtrace.detectors.device_faults import fault_end, merge as merge_faults
+from mmtrace.detectors.device_faults import fault_end, fault_start, merge as merge_faults
 from mmtrace.detectors.diagnosis import DiagnosisRules, diagnose
 from mmtrace.bpf import device as device_stream
 from mmtrace.detectors.time_split import CULPRIT_FLOOR_NS, DeviceRoles, TimeSplit
@@ -133,11 +133,19 @@ def explain_split(split: TimeSplit, window=None, pids=None, anomalies=(),
     `entropy_until_ns`: the last attention-entropy sample."""
     rules = rules or DiagnosisRules()
     clock = clock or WallClock(None)
+    anomalies = list(anomalies)
     if split.first_ns is None:
         answer = {"processes": [], "window": None, "reference": None,
                   "note": "no run-queue or GPU/NPU events to explain"}
+        end = fault_end(anomalies)
+        if end:         # a stuck thread and a leak leave no events to split
+            answer["note"] = ("no run-queue or GPU/NPU events to split: the verdicts are "
+                              "the hangs' and leaks' alone")
+            start, end = window or (fault_start(anomalies), end + 1)
+            answer["window"] = {"start_ns": int(start), "end_ns": int(end),
+                                "started": clock.stamp(start), "ended": clock.stamp(end)}
+            merge_faults(answer, anomalies, pids)
         return answer
-    anomalies = list(anomalies)
     # By default, up to the last hang or leak too: a stuck thread leaves no events.
     start, end = window or (split.first_ns, max(split.last_ns, fault_end(anomalies)) + 1)
     held = {"start_ns": int(split.first_ns), "end_ns": int(split.last_ns)}
@@ -175,6 +183,19 @@ def explain_split(split: TimeSplit, window=None, pids=None, anomalies=(),
     return answer
 
 
+def with_recorded_faults(rec, found: list[dict]) -> list[dict]:
+    """The detectors' anomalies, and the hang or leak that made a flight
+    recording when the replay does not find it again: the daemon saw it
+    (a leak measured from before the recording's reach, a hang it read in
+    flight)."""
+    from mmtrace.exporters.files.perfetto_anomalies import recorded_anomalies
+    known = {(a.get("detector"), a.get("series")) for a in found if a.get("state") == "firing"}
+    return found + [a for a in recorded_anomalies(rec)
+                    if a.get("detector") in ("device_hang", "memory_leak")
+                    and a.get("state") == "firing"
+                    and (a.get("detector"), a.get("series")) not in known]
+
+
 def explain_recording(rec, window=None, pids=None, rules=None, timeline_s: float = 5.0) -> dict:
     """One replay of `rec`: its time split and its detectors' anomalies."""
     from mmtrace.agent.recording.offline_detectors import Detectors, settings_of
@@ -185,7 +206,7 @@ def explain_recording(rec, window=None, pids=None, rules=None, timeline_s: float
     for step in replay(rec):
         diagnosis.feed(step)
         detectors.feed(step)
-    answer = explain_split(diagnosis.split, window, pids, detectors.finish(), rules,
-                           WallClock.of(rec), timeline_s, diagnosis.last_entropy_ns)
+    answer = explain_split(diagnosis.split, window, pids, with_recorded_faults(rec, detectors.finish()),
+                           rules, WallClock.of(rec), timeline_s, diagnosis.last_entropy_ns)
     answer["file"] = str(rec.path)
     return answer
