@@ -59,9 +59,11 @@ def _mib(n) -> str:
 
 def _hang_line(a: dict) -> str:
     e = a["evidence"]
+    behind = e.get("unretired")
     return (f"pid {e['pid']} ({e.get('comm') or '?'}) tid {e['tid']}: {e['api']} on "
             f"{e['stream'].upper()} {e['device']} stream {e['stream_handle']:#x} had not "
-            f"returned after {e['waited_s']:.1f} s")
+            f"returned after {e['waited_s']:.1f} s"
+            + (f", {behind} submissions behind it unretired" if behind else ""))
 
 
 def _leak_line(a: dict) -> str:

@@ -48,6 +48,9 @@ class DeviceHang:
                     "since_ns": int(call["ts_ns"]), "waited_s": waited_s,
                     "after_s": self.after_ns / 1e9,
                     "verdict": "npu_hang" if call["stream"] == "npu" else "gpu_hang"}
+        if "unretired" in call:     # what the device has stopped retiring behind it
+            evidence["unretired"] = call["unretired"]
+            evidence["oldest_unretired_ns"] = call.get("oldest_unretired_ns")
         return {"detector": DETECTOR, "state": state, "ts_ns": int(now_ns),
                 "series": f"device_hang{{pid={call['pid']},tid={call['tid']}}}",
                 "pid": call["pid"], "comm": call.get("comm", ""), "evidence": evidence}

@@ -33,12 +33,23 @@ def memory_natives(tmp_path_factory):
     others = [build_library("cuda_driver_standin.c", real, "libcuda.so.1"),
               build_library("ascendcl_standin.c", real, "libascendcl.so")]
     real_calls = build_program("device_memory_calls.c", real, [cudart_path(), *others])
-    return {"libs": libs, "calls": calls, "real_calls": real_calls}
+    # A runtime whose allocations call the driver's, as NVIDIA's does.
+    nested = out / "nested"
+    nested.mkdir()
+    driver = build_library("cuda_driver_standin.c", nested, "libcuda.so.1")
+    nested_libs = [build_library("cudart_standin.c", nested, "libcudart.so.12",
+                                 ["-DMMTRACE_STANDIN_NESTED", "-Wl,--no-as-needed", str(driver),
+                                  f"-Wl,-rpath,{nested}"]),
+                   driver, build_library("ascendcl_standin.c", nested, "libascendcl.so")]
+    nested_calls = build_program("device_memory_calls.c", nested, nested_libs)
+    return {"libs": libs, "calls": calls, "real_calls": real_calls,
+            "nested_libs": nested_libs, "nested_calls": nested_calls}
 
 
 @pytest.fixture(scope="module")
 def session(memory_natives):
-    s = DeviceSession([*memory_natives["libs"], cudart_path()])
+    s = DeviceSession([*memory_natives["libs"], cudart_path(),
+                       *memory_natives["nested_libs"][:2]])
     yield s
     s.close()
 
@@ -81,3 +92,16 @@ def test_real_libcudart_without_a_driver_counts_failed_never_held(session, memor
     assert allocs["ret"].tolist() == [out["alloc_rc"]] and allocs["bytes"].tolist() == [4096]
     assert dm.failed_allocations(allocs).all() and not dm.held(allocs).any()
     assert allocs["handle"].tolist() == [0]
+
+
+def test_a_runtime_allocation_made_through_the_driver_counts_once(session, memory_natives):
+    from mmtrace.bpf import device_memory as dm
+    table = session.loaded.device_table(dm.COUNTERS_MAP)
+    nested_before = dm.read_counters(table)["nested_calls"]
+    out = session.run([memory_natives["nested_calls"], "runtime", 300])
+    assert (out["alloc_rc"], out["free_rc"]) == (0, 0)
+    ev = session.events(out["pid"])
+    ev = ev[np.isin(ev["kind"], [dm.ALLOC, dm.FREE])]
+    assert api_names(ev) == ["cudaMalloc", "cudaFree"]     # the driver's inner calls: not again
+    assert ev["bytes"].tolist() == [4096, 4096] and ev["handle"][0] == ev["handle"][1] != 0
+    assert dm.read_counters(table)["nested_calls"] - nested_before == 2

@@ -204,6 +204,7 @@ def test_a_hang_is_reported_within_twice_its_threshold_naming_the_call(live):
     assert (ev["api"], ev["stream"], ev["device"], ev["stream_handle"]) == (
         "aclrtSynchronizeStream", "npu", 1, 0x7700)
     assert ev["tid"] != pid and ev["comm"] == "device_memory_c"
+    assert ev["unretired"] == 2         # its two copies: the device retires nothing
     delay_s = (flight["ts_ns"] - ev["since_ns"]) / 1e9
     assert HANG_AFTER_S <= delay_s <= 2 * HANG_AFTER_S, delay_s
     assert ev["waited_s"] == pytest.approx(delay_s, abs=0.01)

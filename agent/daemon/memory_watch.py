@@ -19,8 +19,12 @@ MAX_META_PROCESSES = 32         # the processes holding most, in a flight record
 
 
 class MemoryWatch:
-    def __init__(self, config: DaemonConfig, infos: dict, proc_root: Path = Path("/proc")):
+    def __init__(self, config: DaemonConfig, infos: dict, proc_root: Path = Path("/proc"),
+                 unretired=None):
+        """`unretired(pid, stream_handle)`: the process's submissions not yet
+        retired on that stream and the oldest one's time (the aligner's)."""
         self.infos = infos
+        self.unretired = unretired
         self.proc_root = proc_root
         self.ledger = MemoryLedger(infos)
         self.leak = MemoryLeak.of(config.memory)
@@ -79,6 +83,11 @@ class MemoryWatch:
         if loaded is not None and loaded.device_table(calls_in_flight.MAP) is not None:
             calls = self.calls_now(loaded)
             self.stuck = self.hang.stuck(calls, now_ns)
+            for call in self.stuck if self.unretired is not None else ():
+                scope = self.infos[call["api_id"]].sync_scope
+                n, oldest = self.unretired(call["pid"], call["stream_handle"]
+                                           if scope == "stream" else None)
+                call["unretired"], call["oldest_unretired_ns"] = n, oldest
             out += self.hang.check(calls, now_ns)
         return out
 

@@ -73,7 +73,7 @@ class Streams:
         self.forgotten_series = 0
         self.otlp = otlp                # live.otlp.OtlpTraces, when configured
         self.launchers = LauncherTime(config.diagnosis, infos, config.ring_seconds)
-        self.memory = MemoryWatch(config, infos)
+        self.memory = MemoryWatch(config, infos, unretired=self.aligner.unretired)
 
     # ---------------------------------------------------------- the sink
 

@@ -68,11 +68,25 @@ static void *device_range(size_t size)
     return ptr;
 }
 
+#ifdef MMTRACE_STANDIN_NESTED
+/* As NVIDIA's runtime does: its allocations go through the driver's. */
+extern int cuMemAlloc_v2(unsigned long long *dptr, size_t bytesize);
+extern int cuMemFree_v2(unsigned long long dptr);
+
+cudaError_t cudaMalloc(void **devPtr, size_t size)
+{
+    unsigned long long ptr = 0;
+    int rc = cuMemAlloc_v2(&ptr, size);
+    *devPtr = (void *)(uintptr_t)ptr;
+    return rc;
+}
+#else
 cudaError_t cudaMalloc(void **devPtr, size_t size)
 {
     *devPtr = device_range(size);
     return 0;
 }
+#endif
 
 cudaError_t cudaMallocAsync(void **devPtr, size_t size, cudaStream_t hStream)
 {
@@ -82,6 +96,10 @@ cudaError_t cudaMallocAsync(void **devPtr, size_t size, cudaStream_t hStream)
 
 cudaError_t cudaFree(void *devPtr)
 {
+#ifdef MMTRACE_STANDIN_NESTED
+    if (devPtr != (void *)1)
+        return cuMemFree_v2((unsigned long long)(uintptr_t)devPtr);
+#endif
     return devPtr == (void *)1 ? 1 /* cudaErrorInvalidValue */ : 0;
 }
 

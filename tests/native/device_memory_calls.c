@@ -10,8 +10,9 @@
  *   leak         every 10 ms allocates 1 MiB on the GPU and frees nothing,
  *                for ARG ms
  *   balanced     every 10 ms allocates 1 MiB and frees the one before, for ARG ms
- *   npu_hang     an NPU stream sync that never returns (the stand-in's
- *                MMTRACE_STANDIN_SYNC_FOREVER=1), on a thread of its own
+ *   npu_hang     two copies on an NPU stream, then its sync, which never
+ *                returns (the stand-in's MMTRACE_STANDIN_SYNC_FOREVER=1), on
+ *                a thread of its own
  *   chain        the seed's failure: the NPU sync hangs while GPU memory
  *                grows without frees, for ARG ms
  *   loop         ARG cudaMalloc/cudaFree pairs as fast as they go; prints
@@ -49,7 +50,10 @@ static void started(void)
 
 static void *hang_npu(void *stream)
 {
+    static char buf[64];
     aclrtSetDevice(1);
+    aclrtMemcpyAsync(buf, sizeof(buf), buf, sizeof(buf), 1 /* host to device */, stream);
+    aclrtMemcpyAsync(buf, sizeof(buf), buf, sizeof(buf), 2 /* device to host */, stream);
     aclrtSynchronizeStream(stream);
     return NULL;
 }
