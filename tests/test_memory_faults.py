@@ -169,3 +169,13 @@ def test_a_recording_carries_allocations_to_report_and_perfetto_counters(tmp_pat
     values = [e[proto.TE_COUNTER_VALUE][0] for _, e in events
               if e.get(proto.TE_TRACK_UUID) == [uuid]]
     assert values[:2] == [MIB, 2 * MIB] and values[-1] == 399 * MIB and len(values) == 401
+
+
+def test_a_gpu_with_a_stuck_call_is_drained_from_the_device_weights():
+    from mmtrace.agent.config.settings import DaemonConfig
+    from mmtrace.agent.daemon.memory_watch import MemoryWatch
+    watch = MemoryWatch(DaemonConfig(), device_stream.default_infos())
+    weights = {"0": 0.9, "1": 0.8}
+    assert watch.drained(weights) == weights and watch.drained(None) is None
+    watch.stuck = [{"stream": "gpu", "device": 1}, {"stream": "npu", "device": 0}]
+    assert watch.drained(weights) == {"0": 0.9, "1": 0.0}

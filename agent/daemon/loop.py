@@ -255,7 +255,8 @@ class Daemon:
         self.alarms.act(self.streams.launchers.tick(now_ns))
         self.alarms.act(self.streams.memory.tick(now_ns, self.probes.loaded))
         self.sample_devices(now_ns)
-        self.steering.inputs.device_weights = self.monitors.gpu_weights()
+        self.steering.inputs.device_weights = self.streams.memory.drained(
+            self.monitors.gpu_weights())
         self.steering.deliver(now_ns, self.server, self.messages.hint_scope)
 
     def sample_devices(self, now_ns: int):

@@ -110,6 +110,15 @@ class MemoryWatch:
             self._kernel_pending.clear()
         return left
 
+    def drained(self, weights: dict | None) -> dict | None:
+        """The GPUs' weights with each GPU that has a call stuck set to 0: the
+        policy's prefer_device hint then sends new work elsewhere while it
+        is hung (the weights are NVML's; without NVML there are none)."""
+        if not weights:
+            return weights
+        stuck = {str(c["device"]) for c in self.stuck if c["stream"] == "gpu"}
+        return {d: (0.0 if d in stuck else w) for d, w in weights.items()}
+
     def snapshot(self) -> dict:
         """For the metrics: outstanding bytes by (stream, device), calls
         stuck by stream, and the ledger's counts by stream."""
