@@ -5,6 +5,11 @@ addresses from a simulated range, and NVIDIA's real libcudart.so.12 from
 PyPI, which without a driver fails every call: its allocations must count
 as failed, never as memory held."""
 
+import json
+import os
+import subprocess
+import time
+
 import numpy as np
 import pytest
 
@@ -105,3 +110,38 @@ def test_a_runtime_allocation_made_through_the_driver_counts_once(session, memor
     assert api_names(ev) == ["cudaMalloc", "cudaFree"]     # the driver's inner calls: not again
     assert ev["bytes"].tolist() == [4096, 4096] and ev["handle"][0] == ev["handle"][1] != 0
     assert dm.read_counters(table)["nested_calls"] - nested_before == 2
+
+
+def _until(condition, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = condition()
+        if found:
+            return found
+        time.sleep(0.05)
+    return condition()
+
+
+def test_a_sync_that_never_returns_is_read_from_the_calls_in_flight(session, memory_natives):
+    """What record writes at its end and the daemon reads every check_s."""
+    from mmtrace.agent.kernel import calls_in_flight
+    from mmtrace.bpf import device
+    table = session.loaded.device_table(calls_in_flight.MAP)
+    infos = device.default_infos()
+    proc = subprocess.Popen([str(memory_natives["calls"]), "npu_hang", "60000"],
+                            stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, MMTRACE_STANDIN_SYNC_FOREVER="1"))
+    try:
+        pid = json.loads(proc.stdout.readline())["pid"]
+        mine = lambda: [c for c in calls_in_flight.blocking_calls(table, infos)  # noqa: E731
+                        if c["pid"] == pid]
+        (call,) = _until(mine)
+        assert (call["api"], call["stream"], call["stream_handle"], call["device"]) == (
+            "aclrtSynchronizeStream", "npu", 0x7700, 1)
+        assert call["tid"] != pid and call["comm"] == "device_memory_c"
+        assert 0 < time.monotonic_ns() - call["ts_ns"] < 10e9
+    finally:
+        proc.kill()
+        proc.wait()
+    # The thread is freed: its call leaves the map (sched_process_free).
+    assert _until(lambda: not mine()), mine()

@@ -7,7 +7,7 @@ Read, never written: the programs own the map."""
 from mmtrace.bpf import device as device_stream
 
 MAP = "calls_in_flight"
-SYNC = device_stream.KIND_IDS["sync"]
+MAX_CALLS = 1024        # a meta document's worth; a host rarely has more threads stuck
 
 
 def blocking_ids(infos: dict) -> frozenset:
@@ -16,11 +16,14 @@ def blocking_ids(infos: dict) -> frozenset:
     return frozenset(i for i, info in infos.items() if info.kind == "sync" or info.blocking)
 
 
-def blocking_calls(table, infos: dict, ids: frozenset | None = None) -> list[dict]:
-    """The blocking calls in `table` (the map, as bcc gives it)."""
+def blocking_calls(table, infos: dict, ids: frozenset | None = None,
+                   limit: int = MAX_CALLS) -> list[dict]:
+    """The blocking calls in `table` (the map, as bcc gives it), at most `limit`."""
     ids = blocking_ids(infos) if ids is None else ids
     out = []
     for _, ev in table.items():
+        if len(out) >= limit:
+            break
         api = int(ev.api)
         if api not in ids:
             continue
