@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from gpu_fixtures import DeviceSession, api_names, build_library, build_program, cudart_path
+from test_socket_storm import wait_for
 
 pytestmark = pytest.mark.bpf
 
@@ -112,16 +113,6 @@ def test_a_runtime_allocation_made_through_the_driver_counts_once(session, memor
     assert dm.read_counters(table)["nested_calls"] - nested_before == 2
 
 
-def _until(condition, timeout_s: float = 10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = condition()
-        if found:
-            return found
-        time.sleep(0.05)
-    return condition()
-
-
 def test_a_sync_that_never_returns_is_read_from_the_calls_in_flight(session, memory_natives):
     """What record writes at its end and the daemon reads every check_s."""
     from mmtrace.agent.kernel import calls_in_flight
@@ -135,7 +126,7 @@ def test_a_sync_that_never_returns_is_read_from_the_calls_in_flight(session, mem
         pid = json.loads(proc.stdout.readline())["pid"]
         mine = lambda: [c for c in calls_in_flight.blocking_calls(table, infos)  # noqa: E731
                         if c["pid"] == pid]
-        (call,) = _until(mine)
+        (call,) = wait_for(mine, 10, "the sync in the calls in flight")
         assert (call["api"], call["stream"], call["stream_handle"], call["device"]) == (
             "aclrtSynchronizeStream", "npu", 0x7700, 1)
         assert call["tid"] != pid and call["comm"] == "device_memory_c"
@@ -144,4 +135,4 @@ def test_a_sync_that_never_returns_is_read_from_the_calls_in_flight(session, mem
         proc.kill()
         proc.wait()
     # The thread is freed: its call leaves the map (sched_process_free).
-    assert _until(lambda: not mine()), mine()
+    wait_for(lambda: not mine(), 10, "the freed thread's call to leave the map")

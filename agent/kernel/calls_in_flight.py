@@ -4,7 +4,6 @@ until its return. A sync that never returns stays there; the hang
 detector (detectors/device_hang.py) reads it without any return probe.
 Read, never written: the programs own the map."""
 
-from mmtrace.bpf import device as device_stream
 
 MAP = "calls_in_flight"
 MAX_CALLS = 1024        # a meta document's worth; a host rarely has more threads stuck
