@@ -58,34 +58,37 @@ class MemoryLedger:
         self.at_exit: list[dict] = []       # what exited processes still held (last 64)
 
     def feed(self, events: np.ndarray):
-        """A batch of device records; only allocations and frees count."""
+        """A batch of device records; only allocations and frees count. The
+        columns are read out once: a record's fields one by one cost ten
+        times more."""
         mine = events[np.isin(events["kind"], (dm.ALLOC, dm.FREE))]
         if not len(mine):
             return
         held, released = dm.held(mine), dm.released(mine)
-        failed = dm.failed_allocations(mine)
-        for i in np.flatnonzero(held | released | failed).tolist():
-            self._one(mine[i], bool(held[i]), bool(released[i]))
+        at = np.flatnonzero(held | released | dm.failed_allocations(mine))
+        columns = [mine[f][at].tolist() for f in ("pid", "api", "ret", "bytes", "ts_ns",
+                                                  "handle", "device")]
+        for row in zip(*columns, held[at].tolist(), released[at].tolist()):
+            self._one(*row)
         self.unmatched_frees += int(((mine["flags"] & dm.FLAG_FREE_UNMATCHED) != 0).sum())
 
-    def _one(self, ev, held: bool, released: bool):
-        pid = int(ev["pid"])
+    def _one(self, pid, api_id, ret, size, ts, ptr, device, held: bool, released: bool):
         proc = self.processes.get(pid)
         if proc is None:
             if len(self.processes) >= self.max_processes:
                 self.skipped += 1
                 return
             proc = self.processes[pid] = Process()
-        info = self.infos.get(int(ev["api"]))
+        info = self.infos.get(api_id)
         stream = info.stream if info is not None else "gpu"
-        api = info.api if info is not None else str(int(ev["api"]))
+        api = info.api if info is not None else str(api_id)
         if not held and not released:
-            proc.failed[(api, int(ev["ret"]))] += 1
-            proc.failed_bytes += int(ev["bytes"])
+            proc.failed[(api, ret)] += 1
+            proc.failed_bytes += size
             return
-        key = (stream, int(ev["device"]))
-        h = proc.holdings.setdefault(key, Holding())
-        size, ts, ptr = int(ev["bytes"]), int(ev["ts_ns"]), int(ev["handle"])
+        h = proc.holdings.get((stream, device))
+        if h is None:
+            h = proc.holdings[(stream, device)] = Holding()
         if held:
             proc.first_alloc_ns = proc.first_alloc_ns or ts
             h.outstanding += size
@@ -93,7 +96,7 @@ class MemoryLedger:
             h.allocated_bytes += size
             h.last_alloc_ns = ts
             if len(self.live) < self.max_live:
-                self.live[(pid, ptr)] = (size, ts, stream, int(ev["device"]), api)
+                self.live[(pid, ptr)] = (size, ts, stream, device, api)
             else:
                 self.live_overflow += 1
         else:
