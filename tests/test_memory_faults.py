@@ -179,3 +179,29 @@ def test_a_gpu_with_a_stuck_call_is_drained_from_the_device_weights():
     assert watch.drained(weights) == weights and watch.drained(None) is None
     watch.stuck = [{"stream": "gpu", "device": 1}, {"stream": "npu", "device": 0}]
     assert watch.drained(weights) == {"0": 0.9, "1": 0.0}
+
+
+def test_metrics_say_what_is_held_per_device_and_zero_where_nothing_is():
+    from collections import Counter
+    from prometheus_client import CollectorRegistry, generate_latest
+    from mmtrace.exporters.devices.device_state import DeviceState
+    from mmtrace.exporters.live import prometheus
+    from mmtrace.exporters.live.event_counts import EventCounts
+    memory = {"outstanding": {("gpu", 0): 5 * MIB}, "stuck": {"gpu": 0, "npu": 1},
+              "totals": {"allocs": Counter(gpu=7), "frees": Counter(gpu=2), "failed": Counter()}}
+    snapshot = prometheus.DaemonSnapshot(
+        counts=EventCounts(device_stream.default_infos()).snapshot(), device_memory=memory,
+        gpus=[DeviceState(i, "g", f"0000:0{i}:00.0", 0, 0, 0, 80 << 30, 40, 100, 0, 0)
+              for i in (0, 1)], npus=None)
+    registry = CollectorRegistry()
+    registry.register(prometheus.DaemonCollector(lambda: snapshot))
+    lines = [line for line in generate_latest(registry).decode().splitlines()
+             if line.startswith(("mmtrace_device_memory", "mmtrace_device_calls_stuck",
+                                 "mmtrace_device_allocations", "mmtrace_device_frees"))]
+    assert lines == [
+        'mmtrace_device_memory_outstanding_bytes{device="0",stream="gpu"} 5.24288e+06',
+        'mmtrace_device_memory_outstanding_bytes{device="1",stream="gpu"} 0.0',
+        'mmtrace_device_allocations_total{stream="gpu"} 7.0',
+        'mmtrace_device_frees_total{stream="gpu"} 2.0',
+        'mmtrace_device_calls_stuck{stream="gpu"} 0.0',
+        'mmtrace_device_calls_stuck{stream="npu"} 1.0']

@@ -199,7 +199,7 @@ class DaemonCollector:
         yield from self._p99_levels(workloads, d.p99_levels)
         yield from self._device(d.counts)
         if d.device_memory is not None:
-            yield from _device_memory(d.device_memory)
+            yield from _device_memory(d.device_memory, d.gpus, d.npus)
         yield from self._probes(d.program_states, d.device_probes, d.device_held)
         yield from self._detectors(_detector_rows(d), d.entropy_latest, d.anomalies, d.hints)
         yield from self._devices(d)
@@ -491,14 +491,19 @@ class DaemonCollector:
                 yield from _device_gauges(kind, devices)
 
 
-def _device_memory(memory: dict):
-    """What traced processes hold, their allocation counts, and the calls
-    stuck past the hang threshold (agent/daemon/memory_watch.py)."""
+def _device_memory(memory: dict, gpus: list | None, npus: list | None):
+    """What traced processes hold (0 on each device NVML or npu-smi knows
+    where they hold nothing), their allocation counts, and the calls stuck
+    past the hang threshold (agent/daemon/memory_watch.py)."""
     held = GaugeMetricFamily("mmtrace_device_memory_outstanding_bytes",
                              "Device memory that live traced processes hold (allocated and "
                              "not freed; failed allocations hold nothing).",
                              labels=["stream", "device"])
-    for (stream, device), n in sorted(memory["outstanding"].items()):
+    outstanding = dict(memory["outstanding"])
+    for stream, devices in (("gpu", gpus), ("npu", npus)):
+        for dev in devices or ():
+            outstanding.setdefault((stream, dev.index), 0)
+    for (stream, device), n in sorted(outstanding.items()):
         held.add_metric([stream, str(device)], n)
     yield held
     for name, key, doc in (("mmtrace_device_allocations_total", "allocs",
