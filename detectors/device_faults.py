@@ -177,4 +177,12 @@ def merge(answer: dict, anomalies, pids=None) -> dict:
         row["fixes"] = f["fixes"] + row["fixes"]
     answer["processes"].sort(key=lambda r: r["verdict"] not in ("npu_hang", "gpu_hang",
                                                                 "memory_leak"))
+    # Memory no live process holds belongs to no process: said per device.
+    devices = [{"stream": "gpu", "device": a["evidence"]["device"], "verdict": "memory_leak",
+                "line": _leak_line(a), "evidence": a["evidence"],
+                "fixes": [f.format(device=a["evidence"]["device"]) for f in FIXES["unaccounted"]]}
+               for a in _firing(anomalies, "memory_leak", window["start_ns"], window["end_ns"])
+               if a["evidence"].get("kind") == "unaccounted"]
+    if devices:
+        answer["devices"] = devices
     return answer

@@ -131,6 +131,14 @@ def test_the_chain_joins_a_hang_with_growth_on_another_device_in_its_window():
     assert "GPU 0: 900 MiB in use that no live traced process holds" in p["chain"][1]
     assert any("nvidia-smi --gpu-reset -i 0" in f for f in p["fixes"])
     assert any("npu-smi set -t reset -d 1" in f for f in p["fixes"])
+    # The memory no process holds is said for its GPU too.
+    answer = merge({"processes": [], "window": window}, [grew])
+    assert answer["processes"] == []
+    (gpu,) = answer["devices"]
+    assert (gpu["stream"], gpu["device"], gpu["verdict"]) == ("gpu", 0, "memory_leak")
+    from mmtrace.exporters.terminal.explain_view import format_text
+    text = format_text(answer)
+    assert "GPU 0: MEMORY_LEAK" in text and "nvidia-smi --gpu-reset -i 0" in text
     # Growth that ended before the hang began is no part of its chain.
     (alone,) = merge({"processes": [], "window": window}, [hang, before])["processes"]
     assert len(alone["chain"]) == 1
