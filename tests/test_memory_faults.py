@@ -213,3 +213,21 @@ def test_metrics_say_what_is_held_per_device_and_zero_where_nothing_is():
         'mmtrace_device_frees_total{stream="gpu"} 2.0',
         'mmtrace_device_calls_stuck{stream="gpu"} 0.0',
         'mmtrace_device_calls_stuck{stream="npu"} 1.0']
+
+
+def test_explain_answers_from_the_faults_where_the_window_holds_no_events():
+    """Live, a hung launcher may make no call in the window asked for."""
+    from mmtrace.agent.recording.explain import explain_split
+    from mmtrace.detectors.time_split import TimeSplit
+    from mmtrace.agent.recording.explain import device_roles
+    hang = {"detector": "device_hang", "state": "firing", "ts_ns": 5 * 10**9, "pid": 5,
+            "series": "device_hang{pid=5,tid=6}",
+            "evidence": {"pid": 5, "tid": 6, "comm": "w", "api": "cudaStreamSynchronize",
+                         "stream": "gpu", "stream_handle": 0x77, "device": 0,
+                         "since_ns": 3 * 10**9, "waited_s": 2.0, "verdict": "gpu_hang"}}
+    split = TimeSplit(device_roles(device_stream.default_infos()))
+    answer = explain_split(split, (6 * 10**9, 9 * 10**9), [5], [hang])
+    (p,) = answer["processes"]
+    assert p["verdict"] == "gpu_hang" and "nvidia-smi --gpu-reset -i 0" in " ".join(p["fixes"])
+    resolved = dict(hang, state="resolved", ts_ns=7 * 10**9)
+    assert explain_split(split, (8 * 10**9, 9 * 10**9), None, [hang, resolved])["processes"] == []

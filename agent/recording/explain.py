@@ -5,7 +5,8 @@ report's aggregates, so `report` carries the verdict table for little more."""
 
 import numpy as np
 
-from mmtrace.detectors.device_faults import fault_end, fault_start, merge as merge_faults
+from mmtrace.detectors.device_faults import fault_end, fault_start, faults
+from mmtrace.detectors.device_faults import merge as merge_faults
 from mmtrace.detectors.diagnosis import DiagnosisRules, diagnose
 from mmtrace.bpf import device as device_stream
 from mmtrace.detectors.time_split import CULPRIT_FLOOR_NS, DeviceRoles, TimeSplit
@@ -135,21 +136,17 @@ def explain_split(split: TimeSplit, window=None, pids=None, anomalies=(),
     clock = clock or WallClock(None)
     anomalies = list(anomalies)
     if split.first_ns is None:
-        answer = {"processes": [], "window": None, "reference": None,
-                  "note": "no run-queue or GPU/NPU events to explain"}
-        end = fault_end(anomalies)
-        if end:         # a stuck thread and a leak leave no events to split
-            answer["note"] = ("no run-queue or GPU/NPU events to split: the verdicts are "
-                              "the hangs' and leaks' alone")
-            start, end = window or (fault_start(anomalies), end + 1)
-            answer["window"] = {"start_ns": int(start), "end_ns": int(end),
-                                "started": clock.stamp(start), "ended": clock.stamp(end)}
-            merge_faults(answer, anomalies, pids)
-        return answer
+        if not fault_end(anomalies):
+            return {"processes": [], "window": None, "reference": None,
+                    "note": "no run-queue or GPU/NPU events to explain"}
+        return _faults_only(anomalies, window or (fault_start(anomalies),
+                                                  fault_end(anomalies) + 1), pids, clock)
     # By default, up to the last hang or leak too: a stuck thread leaves no events.
     start, end = window or (split.first_ns, max(split.last_ns, fault_end(anomalies)) + 1)
     held = {"start_ns": int(split.first_ns), "end_ns": int(split.last_ns)}
     if end <= split.first_ns or start > split.last_ns:
+        if faults(anomalies, start, end):
+            return _faults_only(anomalies, (start, end), pids, clock, held)
         raise MmtraceError(f"--window {start / 1e9:.3f}:{end / 1e9:.3f} s is outside what "
                            f"there is to explain: {held['start_ns'] / 1e9:.3f} .. "
                            f"{held['end_ns'] / 1e9:.3f} s")
@@ -181,6 +178,18 @@ def explain_split(split: TimeSplit, window=None, pids=None, anomalies=(),
         for p in answer["processes"]:
             p["timeline"] = by_pid[p["pid"]]
     return answer
+
+
+def _faults_only(anomalies, window, pids, clock: WallClock, held=None) -> dict:
+    """The answer where no events fall in the window, but hangs or leaks
+    do: a stuck thread and a leak leave no events to split."""
+    start, end = window
+    answer = {"processes": [], "reference": None, "held": held,
+              "note": "no run-queue or GPU/NPU events in the window: the verdicts are the "
+                      "hangs' and leaks' alone",
+              "window": {"start_ns": int(start), "end_ns": int(end),
+                         "started": clock.stamp(start), "ended": clock.stamp(end)}}
+    return merge_faults(answer, anomalies, pids)
 
 
 def with_recorded_faults(rec, found: list[dict]) -> list[dict]:
