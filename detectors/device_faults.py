@@ -26,12 +26,21 @@ FIXES = {
                     "allocation that is never freed (the largest live ones are listed)",
                     "cap what it may hold (PYTORCH_CUDA_ALLOC_CONF, a per-process memory "
                     "fraction) so that it fails before the device is full"],
-    "unaccounted": ["memory on GPU {device} is held by no live traced process: the driver "
-                    "kept a dead process's memory, or an untraced one holds it "
-                    "(nvidia-smi --query-compute-apps=pid,used_memory --format=csv)",
-                    "reset GPU {device} (nvidia-smi --gpu-reset -i {device}) once its "
-                    "workers are drained (prefer_device hints away from it)"],
+    "unaccounted_gpu": ["memory on GPU {device} is held by no live traced process: the "
+                        "driver kept a dead process's memory, or an untraced one holds it "
+                        "(nvidia-smi --query-compute-apps=pid,used_memory --format=csv)",
+                        "reset GPU {device} (nvidia-smi --gpu-reset -i {device}) once its "
+                        "workers are drained (prefer_device hints away from it)"],
+    "unaccounted_npu": ["memory on NPU {device} is held by no live traced process: the "
+                        "driver kept a dead process's memory, or an untraced one holds it "
+                        "(npu-smi info shows the processes on each NPU)",
+                        "reset NPU {device} (npu-smi set -t reset -d {device}) once its "
+                        "workers are drained"],
 }
+
+
+def _unaccounted_fixes(e: dict) -> list[str]:
+    return [f.format(device=e["device"]) for f in FIXES[f"unaccounted_{e['stream']}"]]
 
 
 def _firing(anomalies, detector: str, start_ns: int, end_ns: int) -> list[dict]:
@@ -69,8 +78,8 @@ def _hang_line(a: dict) -> str:
 def _leak_line(a: dict) -> str:
     e = a["evidence"]
     if e.get("kind") == "unaccounted":
-        return (f"GPU {e['device']}: {_mib(e['unaccounted_bytes'])} in use that no live "
-                f"traced process holds, grown by {_mib(e['grown_bytes'])} "
+        return (f"{e['stream'].upper()} {e['device']}: {_mib(e['unaccounted_bytes'])} in use "
+                f"that no live traced process holds, grown by {_mib(e['grown_bytes'])} "
                 f"({_mib(e['growth_bytes_per_s'])}/s)")
     where = ", ".join(f"{h['stream'].upper()} {h['device']}" for h in e.get("holdings", []))
     return (f"pid {e['pid']} holds {_mib(e['outstanding_bytes'])} on {where or 'its devices'}, "
@@ -85,7 +94,7 @@ def _elsewhere(leak: dict, hang: dict) -> bool:
     if le["since_ns"] > hang["ts_ns"] or leak["ts_ns"] < he["since_ns"]:
         return False
     if le.get("kind") == "unaccounted":
-        return not (he["stream"] == "gpu" and he["device"] == le["device"])
+        return (he["stream"], he["device"]) != (le["stream"], le["device"])
     return any((h["stream"], h["device"]) != (he["stream"], he["device"])
                for h in le.get("holdings", []))
 
@@ -131,7 +140,7 @@ def faults(anomalies, start_ns: int, end_ns: int) -> dict[int, dict]:
         for leak in joined:
             le = leak["evidence"]
             if le.get("kind") == "unaccounted":
-                p["fixes"] += [f.format(device=le["device"]) for f in FIXES["unaccounted"]]
+                p["fixes"] += _unaccounted_fixes(le)
     for a in leaks:
         e = a["evidence"]
         if e.get("kind") != "process":
@@ -178,9 +187,9 @@ def merge(answer: dict, anomalies, pids=None) -> dict:
     answer["processes"].sort(key=lambda r: r["verdict"] not in ("npu_hang", "gpu_hang",
                                                                 "memory_leak"))
     # Memory no live process holds belongs to no process: said per device.
-    devices = [{"stream": "gpu", "device": a["evidence"]["device"], "verdict": "memory_leak",
-                "line": _leak_line(a), "evidence": a["evidence"],
-                "fixes": [f.format(device=a["evidence"]["device"]) for f in FIXES["unaccounted"]]}
+    devices = [{"stream": a["evidence"]["stream"], "device": a["evidence"]["device"],
+                "verdict": "memory_leak", "line": _leak_line(a), "evidence": a["evidence"],
+                "fixes": _unaccounted_fixes(a["evidence"])}
                for a in _firing(anomalies, "memory_leak", window["start_ns"], window["end_ns"])
                if a["evidence"].get("kind") == "unaccounted"]
     if devices:

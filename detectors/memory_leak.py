@@ -6,7 +6,8 @@
   free (or its first allocation), and the allocation that completes it
   must come `grow_s` after that. A free resolves it. A balanced allocator
   frees, and a caching allocator that stops growing never completes it;
-- a device whose used memory, less what live traced processes hold on it,
+- a device whose used memory (NVML for a GPU, npu-smi for an NPU), less
+  what live traced processes hold on it,
   grows by `min_growth_bytes` over at least `grow_s` from its lowest
   point: memory that no live allocation accounts for (held by the driver,
   or by a process that died), the seed's case. It resolves when that
@@ -56,7 +57,7 @@ class MemoryLeak:
         self.min_growth = int(min_growth_bytes)
         self.settle_ns = int(settle_s * 1e9)
         self.growth: dict[int, _Growth] = {}
-        self.devices: dict[int, _Unaccounted] = {}      # GPU ordinal -> its unaccounted memory
+        self.devices: dict[tuple, _Unaccounted] = {}    # (stream, ordinal) -> its unaccounted memory
 
     @classmethod
     def of(cls, settings) -> "MemoryLeak":
@@ -112,14 +113,14 @@ class MemoryLeak:
     # ---------------------------------------------------- per device
 
     def observe_used(self, device: int, used_bytes: int, held_bytes: int,
-                     ts_ns: int, exited: list | None = None) -> list[dict]:
+                     ts_ns: int, exited: list | None = None, stream: str = "gpu") -> list[dict]:
         """One sample of a GPU's used memory and what the live traced
         processes hold on it; `exited`: what processes held at their exit
         (evidence of where the memory went)."""
         unaccounted = max(0, int(used_bytes) - int(held_bytes))
-        u = self.devices.get(device)
+        u = self.devices.get((stream, device))
         if u is None:
-            u = self.devices[device] = _Unaccounted(unaccounted, ts_ns)
+            u = self.devices[(stream, device)] = _Unaccounted(unaccounted, ts_ns)
         u.recent.append((ts_ns, unaccounted))
         while ts_ns - u.recent[0][0] > self.settle_ns:
             u.recent.popleft()
@@ -130,17 +131,19 @@ class MemoryLeak:
         grown = u.last_bytes - u.low_bytes
         if not u.firing and grown >= self.min_growth and ts_ns - u.low_ns >= self.grow_ns:
             u.firing = True
-            return [self._device(device, u, used_bytes, held_bytes, "firing", ts_ns, exited)]
+            return [self._device(stream, device, u, used_bytes, held_bytes, "firing", ts_ns,
+                                 exited)]
         if u.firing and grown < self.min_growth / 2:
             u.firing = False
-            return [self._device(device, u, used_bytes, held_bytes, "resolved", ts_ns, exited)]
+            return [self._device(stream, device, u, used_bytes, held_bytes, "resolved", ts_ns,
+                                 exited)]
         return []
 
-    def _device(self, device, u: _Unaccounted, used, held, state, ts_ns, exited) -> dict:
+    def _device(self, stream, device, u: _Unaccounted, used, held, state, ts_ns, exited) -> dict:
         seconds = max(1e-9, (ts_ns - u.low_ns) / 1e9)
-        return {"detector": DETECTOR, "series": f"memory_unaccounted{{gpu={device}}}",
+        return {"detector": DETECTOR, "series": f"memory_unaccounted{{{stream}={device}}}",
                 "state": state, "ts_ns": int(ts_ns), "pid": None,
-                "evidence": {"kind": "unaccounted", "verdict": "memory_leak", "stream": "gpu",
+                "evidence": {"kind": "unaccounted", "verdict": "memory_leak", "stream": stream,
                              "device": device,
                              "used_bytes": int(used), "held_bytes": int(held),
                              "unaccounted_bytes": u.last_bytes,

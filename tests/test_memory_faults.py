@@ -97,6 +97,11 @@ def test_unaccounted_memory_fires_on_growth_and_not_on_an_exit_dip():
     assert [(a["state"], a["evidence"]["device"], a["pid"]) for a in fired] == [
         ("firing", 0, None)]
     assert fired[0]["ts_ns"] - fired[0]["evidence"]["since_ns"] >= 2 * s
+    # An NPU's (npu-smi's HBM in use) is judged apart, under its own name.
+    npu = [a for t, used, held in growth
+           for a in leak.observe_used(0, used, held, t * s, stream="npu")]
+    assert [(a["series"], a["evidence"]["stream"]) for a in npu] == [
+        ("memory_unaccounted{npu=0}", "npu")]
 
 
 def test_a_hang_fires_once_past_its_threshold_and_resolves_when_the_call_returns():

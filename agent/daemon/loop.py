@@ -260,8 +260,11 @@ class Daemon:
         self.steering.deliver(now_ns, self.server, self.messages.hint_scope)
 
     def sample_devices(self, now_ns: int):
-        """NVML's latest state into the flight recorder's ring, once a second."""
+        """NVML's latest state into the flight recorder's ring, once a second;
+        npu-smi's to the leak detector (its NPUs' used memory)."""
         self.streams.sample_gpus(self.monitors.gpu_sample_due(now_ns), now_ns)
+        self.alarms.act(self.streams.memory.on_device_states(
+            "npu", self.monitors.npu_sample_due(now_ns), now_ns))
 
     def _act(self, anomalies: list[dict]):
         """What the detectors said, to the alarms (the parts' one way back)."""

@@ -39,8 +39,9 @@ class MemoryWatch:
     def on_device(self, events):
         self.ledger.feed(events)
 
-    def on_gpu_states(self, states: list, now_ns: int) -> list[dict]:
-        """NVML's samples: each GPU's used memory against what live traced
+    def on_device_states(self, stream: str, states: list, now_ns: int) -> list[dict]:
+        """NVML's samples ("gpu") or npu-smi's ("npu"): each device's used
+        memory against what live traced
         processes hold on it, and those that exited less than grow_s ago
         (the driver frees a dead process's memory as it tears its context
         down, not at once). Exits are looked for first: NVML sees them
@@ -55,8 +56,8 @@ class MemoryWatch:
         out = []
         for s in states:
             out += self.leak.observe_used(s.index, s.memory_used_bytes,
-                                          held.get(("gpu", s.index), 0), now_ns,
-                                          self.ledger.at_exit)
+                                          held.get((stream, s.index), 0), now_ns,
+                                          self.ledger.at_exit, stream)
         return out
 
     def calls_now(self, loaded) -> list[dict]:

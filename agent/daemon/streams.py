@@ -127,7 +127,7 @@ class Streams:
     def sample_gpus(self, states: list, now_ns: int):
         if states:
             self.gpu_state_ring.push(state_records(states, now_ns))
-            self.act(self.memory.on_gpu_states(states, now_ns))
+            self.act(self.memory.on_device_states("gpu", states, now_ns))
 
     # -------------------------------------------------------- the exited
 
