@@ -10,6 +10,7 @@ HANDLE, STREAM, GRID, BLOCK, SHARED_MEM, BYTES, DIRECTION = (
     "handle", "stream_handle", "grid", "block", "shared_mem_bytes", "bytes", "direction")
 LAUNCH_FIELDS = frozenset({HANDLE, STREAM, GRID, BLOCK, SHARED_MEM})
 MEMCPY_FIELDS = frozenset({STREAM, BYTES, DIRECTION})
+ALLOC_FIELDS = frozenset({HANDLE, STREAM, BYTES})   # handle: the device pointer
 
 
 @dataclass(frozen=True)

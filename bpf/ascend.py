@@ -5,7 +5,7 @@ Which library defines the aclrt* symbols varies across CANN releases
 attachment follows whichever file defines the symbol.
 """
 
-from mmtrace.bpf.api import (BYTES, DIRECTION, GRID, HANDLE, MEMCPY_FIELDS, STREAM, Api)
+from mmtrace.bpf.api import (ALLOC_FIELDS, BYTES, DIRECTION, GRID, HANDLE, MEMCPY_FIELDS, STREAM, Api)
 
 SOURCE = "ascend.c"
 
@@ -58,4 +58,9 @@ APIS = (
          **_DEVICE_SYNC),
     _npu(115, "aclrtSetDevice", "set_device", "ascendcl", "set_device",
          return_impl="set_device_return"),
+    # device memory (decoders: bpf/device_memory.c)
+    _npu(116, "aclrtMalloc", "alloc", "ascendcl", "alloc_call", return_impl="memory_return",
+         fields=ALLOC_FIELDS),
+    _npu(117, "aclrtFree", "free", "ascendcl", "free_call", return_impl="memory_return",
+         fields=ALLOC_FIELDS),
 )

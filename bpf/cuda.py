@@ -6,7 +6,8 @@ every kernel launch traps into the kernel, graph launches, copies and syncs
 are orders of magnitude rarer.
 """
 
-from mmtrace.bpf.api import (BYTES, DIRECTION, HANDLE, LAUNCH_FIELDS, MEMCPY_FIELDS, STREAM, Api)
+from mmtrace.bpf.api import (ALLOC_FIELDS, BYTES, DIRECTION, HANDLE, LAUNCH_FIELDS, MEMCPY_FIELDS,
+                             STREAM, Api)
 
 SOURCE = "cuda.c"
 
@@ -29,6 +30,7 @@ _GRAPH = dict(return_impl="timed_return", fields=frozenset({HANDLE, STREAM}))
 _RECORD = dict(return_impl="timed_return", fields=frozenset({HANDLE, STREAM}))
 _ASYNC_COPY = dict(return_impl="timed_return", fields=MEMCPY_FIELDS)
 _ALIAS = dict(return_impl="handle_out_return")
+_MEMORY = dict(return_impl="memory_return", fields=ALLOC_FIELDS)
 
 APIS = (
     # runtime (libcudart, or linked statically into an executable)
@@ -62,6 +64,13 @@ APIS = (
     # and 13.0, shared and static): probed there, so counted once.
     _runtime(24, "__cudaGetKernel", "function_name", "get_alias", **_ALIAS),
     _runtime(25, "cudaGetKernel", "function_name", "get_alias", **_ALIAS),
+    # device memory (decoders: bpf/device_memory.c)
+    _runtime(26, "cudaMalloc", "alloc", "alloc_call", **_MEMORY),
+    _runtime(27, "cudaMallocAsync", "alloc", "alloc_async_call", **_MEMORY),
+    _runtime(28, "cudaMallocAsync_ptsz", "alloc", "alloc_async_call", **_MEMORY),
+    _runtime(29, "cudaFree", "free", "free_call", **_MEMORY),
+    _runtime(30, "cudaFreeAsync", "free", "free_async_call", **_MEMORY),
+    _runtime(31, "cudaFreeAsync_ptsz", "free", "free_async_call", **_MEMORY),
     # driver (libcuda.so.1: Triton, cuBLAS, and maybe the runtime itself)
     _driver(40, "cuLaunchKernel", "launch", "launch_driver", **_LAUNCH),
     _driver(41, "cuLaunchKernel_ptsz", "launch", "launch_driver", **_LAUNCH),
@@ -91,4 +100,10 @@ APIS = (
     _driver(59, "cuKernelGetFunction", "function_name", "get_alias", **_ALIAS),
     _driver(60, "cuFuncGetName", "function_name", "func_get_name",
             return_impl="func_get_name_return"),
+    _driver(61, "cuMemAlloc_v2", "alloc", "alloc_call", **_MEMORY),
+    _driver(62, "cuMemAllocAsync", "alloc", "alloc_async_call", **_MEMORY),
+    _driver(63, "cuMemAllocAsync_ptsz", "alloc", "alloc_async_call", **_MEMORY),
+    _driver(64, "cuMemFree_v2", "free", "free_call", **_MEMORY),
+    _driver(65, "cuMemFreeAsync", "free", "free_async_call", **_MEMORY),
+    _driver(66, "cuMemFreeAsync_ptsz", "free", "free_async_call", **_MEMORY),
 )

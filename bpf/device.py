@@ -81,7 +81,8 @@ DEV_NAMED = np.dtype(DEV_RECORD.descr + [(name, DEV_EVENT.fields[name][0])
 
 # enum dev_kind
 KINDS = {1: "launch", 2: "graph_launch", 3: "memcpy", 4: "sync", 5: "model_exec",
-         6: "event_record", 7: "function_name", 8: "thread"}
+         6: "event_record", 7: "function_name", 8: "thread",
+         9: "alloc", 10: "free"}     # the last two: bpf/device_memory.c
 KIND_IDS = {name: kid for kid, name in KINDS.items()}
 # Kinds the interface exports as jsonl events; the others feed alignment and
 # names ("thread": a comm on the names ring, consumed as the ring is read).

@@ -30,12 +30,13 @@ def launch_phases():
                                 flags=[str(cudart), f"-Wl,-rpath,{cudart.parent}"])
 
 
-def start_daemon(args: list, log: list[str], timeout_s: float = 60) -> subprocess.Popen:
+def start_daemon(args: list, log: list[str], timeout_s: float = 60,
+                 env: dict | None = None) -> subprocess.Popen:
     """`mmtrace run ARGS` kept to CPU 0 (the tests contend CPU 1), returned
     once it traces; its output so far is appended to `log`."""
     daemon = subprocess.Popen(
         ["taskset", "-c", "0", sys.executable, "-m", "mmtrace.agent", "run", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         line = daemon.stdout.readline()

@@ -63,7 +63,8 @@ BAD = [
                                   "0.000001..86400)"),
     ("bogus = 1", "unknown key 'bogus' (expected one of adaptive_launches, "),
     ("[p99]\nbogus = 1", "[p99] unknown key 'bogus' (expected one of baseline_windows, "),
-    ("[nope]\nx = 1", "unknown section [nope] (expected [p99], [entropy], [failures], [diagnosis], [otlp], [policy])"),
+    ("[nope]\nx = 1", "unknown section [nope] (expected [p99], [entropy], [failures], [memory], [hangs], "
+     "[diagnosis], [otlp], [policy])"),
     ("p99 = 3", "p99 = 3: p99 is a section; write it as [p99]"),
     ("ring_capacity = " + "9" * 5000, "not valid TOML"),
     ("a = " + "[" * 5000 + "]" * 5000, "not valid TOML: nested too deeply"),

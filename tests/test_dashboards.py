@@ -39,7 +39,8 @@ def test_dashboard_answers_the_designs_questions():
                    "mmtrace_device_submit_to_retire_seconds", "mmtrace_device_memcpy_bytes_total",
                    "mmtrace_gpu_device_weight", "mmtrace_anomalies_total",
                    "mmtrace_events_lost_total", "mmtrace_launcher_time_share",
-                   "mmtrace_launcher_runnable_threshold"):
+                   "mmtrace_launcher_runnable_threshold", "mmtrace_device_memory_outstanding_bytes",
+                   "mmtrace_device_calls_stuck"):
         assert any(m.startswith(metric) for m in used), metric
 
 
@@ -74,4 +75,4 @@ def test_every_alert_has_test_cases():
     assert tested == set(rule_exprs()) == {
         "MmtraceP99DriftFiring", "MmtraceEntropyDrift", "MmtraceEventsLost", "MmtraceProbeDown",
         "MmtraceAgentDown", "MmtraceNvmlMissing", "MmtraceCallFailures",
-        "MmtraceLauncherStarved"}
+        "MmtraceLauncherStarved", "MmtraceDeviceHang", "MmtraceDeviceMemoryLeak"}

@@ -2,7 +2,8 @@
 together: defaults, the file, the environment (load_layers).
 
 MMTRACE_<KEY> sets a top-level key and MMTRACE_<SECTION>_<KEY> a key of
-[p99], [entropy], [failures], [diagnosis], [otlp] or [policy], the key's name upper-cased:
+[p99], [entropy], [failures], [memory], [hangs], [diagnosis], [otlp] or [policy],
+the key's name upper-cased:
 MMTRACE_TICK_S=0.05, MMTRACE_POLICY_DRY_RUN=true. A value is read by its
 key's type: numbers as written in TOML, true/false (or 1/0, yes/no, on/off)
 for switches, strings and paths as they are, lists as comma-separated

@@ -175,6 +175,25 @@ class FailureSettings:
 
 
 @dataclass
+class MemorySettings:
+    """When device memory leaks (detectors/memory_leak.py): a process's
+    outstanding memory that grows for grow_s without a free, by at least
+    min_growth_mib; or a device's used memory (NVML) that no live traced
+    allocation accounts for, growing as much for as long."""
+    grow_s: float = _seconds(300.0, DAY_S, low=0.1)
+    min_growth_mib: float = _setting(256.0, Number(0.0, 1 << 24, low_open=True))
+
+
+@dataclass
+class HangSettings:
+    """When a device has hung (detectors/device_hang.py): a sync, blocking
+    copy or blocking model execution still in flight after after_s. Checked
+    every check_s from the calls in flight in the kernel: no return needed."""
+    after_s: float = _seconds(10.0, DAY_S, low=0.01)
+    check_s: float = _seconds(0.5, 60.0, low=0.01)
+
+
+@dataclass
 class DiagnosisSettings:
     """What makes a verdict (detectors/diagnosis.py) and when the live
     daemon calls a launcher starved (detectors/starvation.py): shares of a
@@ -254,12 +273,15 @@ class DaemonConfig:
     p99: P99Settings = field(default_factory=P99Settings)
     entropy: EntropySettings = field(default_factory=EntropySettings)
     failures: FailureSettings = field(default_factory=FailureSettings)
+    memory: MemorySettings = field(default_factory=MemorySettings)
+    hangs: HangSettings = field(default_factory=HangSettings)
     diagnosis: DiagnosisSettings = field(default_factory=DiagnosisSettings)
     otlp: OtlpSettings = field(default_factory=OtlpSettings)
     policy: PolicySettings = field(default_factory=PolicySettings)
 
 
 SECTIONS = {"p99": P99Settings, "entropy": EntropySettings, "failures": FailureSettings,
+            "memory": MemorySettings, "hangs": HangSettings,
             "diagnosis": DiagnosisSettings, "otlp": OtlpSettings,
             "policy": PolicySettings}
 

@@ -114,6 +114,7 @@ class Alarms:
             "op_names": self.streams.op_names,
             **self.messages.samples.tables(),
             "hint_audit": self.steering.audit(),
+            **self.streams.memory.meta(self.probes.loaded, time.monotonic_ns()),
             "host": platform.node(), "daemon_pid": os.getpid(),
             "config": _jsonable(asdict(self.config))})]
 

@@ -12,7 +12,7 @@ class DeviceMonitors:
     def __init__(self):
         self.nvml = None                    # DeviceMonitor of the GPUs
         self.npu = None                     # ... of the Ascend NPUs, where npu-smi is
-        self._next_gpu_sample = 0
+        self._next_gpu_sample = self._next_npu_sample = 0
 
     def start(self, interval_s: float):
         if interval_s <= 0:
@@ -39,6 +39,13 @@ class DeviceMonitors:
             return []
         self._next_gpu_sample = now_ns + GPU_SAMPLE_INTERVAL_NS
         return self.nvml.devices()
+
+    def npu_sample_due(self, now_ns: int) -> list:
+        """npu-smi's latest states, once a second (else none)."""
+        if self.npu is None or now_ns < self._next_npu_sample:
+            return []
+        self._next_npu_sample = now_ns + GPU_SAMPLE_INTERVAL_NS
+        return self.npu.devices()
 
     def gpu_weights(self) -> dict | None:
         """The GPUs' weights by ordinal (the gpu label of the metrics), where NVML answers."""

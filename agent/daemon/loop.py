@@ -253,13 +253,18 @@ class Daemon:
         self.alarms.act(self.p99.advance(now_ns - int(self.config.p99.window_s * 1e9 / 4)))
         self.alarms.act(self.streams.failures.tick(now_ns))
         self.alarms.act(self.streams.launchers.tick(now_ns))
+        self.alarms.act(self.streams.memory.tick(now_ns, self.probes.loaded))
         self.sample_devices(now_ns)
-        self.steering.inputs.device_weights = self.monitors.gpu_weights()
+        self.steering.inputs.device_weights = self.streams.memory.drained(
+            self.monitors.gpu_weights())
         self.steering.deliver(now_ns, self.server, self.messages.hint_scope)
 
     def sample_devices(self, now_ns: int):
-        """NVML's latest state into the flight recorder's ring, once a second."""
+        """NVML's latest state into the flight recorder's ring, once a second;
+        npu-smi's to the leak detector (its NPUs' used memory)."""
         self.streams.sample_gpus(self.monitors.gpu_sample_due(now_ns), now_ns)
+        self.alarms.act(self.streams.memory.on_device_states(
+            "npu", self.monitors.npu_sample_due(now_ns), now_ns))
 
     def _act(self, anomalies: list[dict]):
         """What the detectors said, to the alarms (the parts' one way back)."""
@@ -282,6 +287,7 @@ class Daemon:
         which no resolved record will end."""
         for name in self.streams.forget_exited(self.proc_root, time.monotonic_ns()):
             self.steering.inputs.forget(("series", name))
+        self.streams.memory.forget_exited(self.proc_root, time.monotonic_ns(), self.probes.loaded)
         self.steering.inputs.forget_exited(self.proc_root)
 
     # -------------------------------------------------------------- status

@@ -19,6 +19,7 @@ from mmtrace.exporters.live.event_counts import EventCounts
 
 from mmtrace.agent.config.settings import DaemonConfig, FailureSettings
 from mmtrace.agent.daemon.launcher_time import LauncherTime
+from mmtrace.agent.daemon.memory_watch import MemoryWatch
 from mmtrace.agent.ingest import block_codec
 from mmtrace.agent.ingest import latency_series as ls
 from mmtrace.agent.ingest.align import Aligner, ApiRoles
@@ -73,6 +74,7 @@ class Streams:
         self.forgotten_series = 0
         self.otlp = otlp                # live.otlp.OtlpTraces, when configured
         self.launchers = LauncherTime(config.diagnosis, infos, config.ring_seconds)
+        self.memory = MemoryWatch(config, infos, unretired=self.aligner.unretired)
 
     # ---------------------------------------------------------- the sink
 
@@ -96,6 +98,7 @@ class Streams:
         aligned = self.aligner.push(batch)
         self.counts.on_device(aligned, self.aligner.last_retired)
         self.launchers.on_device(aligned)
+        self.memory.on_device(aligned)
         self.act(self.failures.feed(*ls.failure_calls(aligned, self.infos)))
         self.observe(ls.sync_series(self.series_id, aligned))
         self.observe(ls.retire_series(self.series_id, self.aligner.last_retired))
@@ -125,6 +128,7 @@ class Streams:
     def sample_gpus(self, states: list, now_ns: int):
         if states:
             self.gpu_state_ring.push(state_records(states, now_ns))
+            self.act(self.memory.on_device_states("gpu", states, now_ns))
 
     def series_window(self, name: str, window_s: float, now_ns: int) -> dict:
         """The percentiles of the series `name` over the last `window_s`

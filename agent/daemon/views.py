@@ -30,6 +30,7 @@ def metrics_snapshot(daemon) -> DaemonSnapshot:
         anomalies = dict(daemon.alarms.counts)
         hints = dict(daemon.steering.sent)
         program_states = list(probes.probe_states)
+        device_memory = streams.memory.snapshot()
     otlp, nvml, npu = daemon.otlp, daemon.monitors.nvml, daemon.monitors.npu
     return DaemonSnapshot(
         kernel=kernel, counts=counts, p99_series=series, p99_levels=levels,
@@ -41,7 +42,8 @@ def metrics_snapshot(daemon) -> DaemonSnapshot:
         gpu_up=nvml is not None and nvml.up, gpus=nvml.devices() if nvml is not None else None,
         npu_up=npu.up if npu is not None else None,
         npus=npu.devices() if npu is not None else None,
-        otlp_stats=copy.copy(otlp.stats) if otlp is not None else None)
+        otlp_stats=copy.copy(otlp.stats) if otlp is not None else None,
+        device_memory=device_memory)
 
 
 def status(daemon, now: int, span_s: float) -> dict:

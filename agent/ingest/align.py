@@ -317,6 +317,16 @@ class Aligner:
         self._remember(new, first_seq, keep_pending=~settled)
         return new
 
+    def unretired(self, pid: int, stream_handle: int | None = None) -> tuple[int, int | None]:
+        """A process's submissions still waiting for a sync (on one stream,
+        or on all when None), and when the oldest was made: what a hung
+        device has stopped retiring."""
+        mine = self._pending["pid"] == pid
+        if stream_handle is not None:
+            mine &= self._pending["stream_handle"] == stream_handle
+        ts = self._pending["ts_ns"][mine]
+        return int(mine.sum()), (int(ts.min()) if len(ts) else None)
+
     @property
     def oldest_pending(self) -> int | None:
         """Number of the oldest submission still waiting for its sync."""

@@ -12,6 +12,7 @@ import numpy as np
 
 from mmtrace import bpf as bpf_sources
 from mmtrace.bpf import ascend as ascend_stream
+from mmtrace.bpf import device_memory as memory_stream
 from mmtrace.bpf import counters as bpf_counters
 from mmtrace.bpf import cuda as cuda_stream
 from mmtrace.bpf import device as device_stream
@@ -177,6 +178,13 @@ class LoadedProbes:
     def counters(self) -> dict[str, int]:
         return bpf_counters.read_counters(self.bpf["counters"])
 
+    def device_table(self, name: str):
+        """A map of the GPU/NPU programs (bpf/device_memory.py's, calls in
+        flight), or None before they are wired."""
+        if self.device is None:
+            return None
+        return self.bpf[name]
+
     def runq_hist(self) -> list[int]:
         return sched_stream.hist_from_table(self.bpf[sched_stream.HIST_MAP])
 
@@ -280,6 +288,7 @@ def _device_programs(options: ProbeOptions) -> str:
     multi = attach_mode(options) == "multi"
     return "\n".join([bpf_sources.source(cuda_stream.SOURCE),
                       bpf_sources.source(ascend_stream.SOURCE),
+                      bpf_sources.source(memory_stream.SOURCE),
                       device_stream.default_table().generated_programs(
                           multi=multi, sessions=launch_sessions(options))])
 

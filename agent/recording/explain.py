@@ -5,6 +5,8 @@ report's aggregates, so `report` carries the verdict table for little more."""
 
 import numpy as np
 
+from mmtrace.detectors.device_faults import fault_end, fault_start, faults
+from mmtrace.detectors.device_faults import merge as merge_faults
 from mmtrace.detectors.diagnosis import DiagnosisRules, diagnose
 from mmtrace.bpf import device as device_stream
 from mmtrace.detectors.time_split import CULPRIT_FLOOR_NS, DeviceRoles, TimeSplit
@@ -143,19 +145,25 @@ def explain_split(split: TimeSplit, window=None, pids=None, anomalies=(),
     `entropy_until_ns`: the last attention-entropy sample."""
     rules = rules or DiagnosisRules()
     clock = clock or WallClock(None)
+    anomalies = list(anomalies)
     if split.first_ns is None:
-        answer = {"processes": [], "window": None, "reference": None,
-                  "note": "no run-queue or GPU/NPU events to explain"}
-        return answer
-    start, end = window or (split.first_ns, split.last_ns + 1)
+        if not fault_end(anomalies):
+            return {"processes": [], "window": None, "reference": None,
+                    "note": "no run-queue or GPU/NPU events to explain"}
+        return _faults_only(anomalies, window or (fault_start(anomalies),
+                                                  fault_end(anomalies) + 1), pids, clock)
+    # By default, up to the last hang or leak too: a stuck thread leaves no events.
+    start, end = window or (split.first_ns, max(split.last_ns, fault_end(anomalies)) + 1)
     held = {"start_ns": int(split.first_ns), "end_ns": int(split.last_ns)}
     if end <= split.first_ns or start > split.last_ns:
+        if faults(anomalies, start, end):
+            return _faults_only(anomalies, (start, end), pids, clock, held)
         raise MmtraceError(f"--window {start / 1e9:.3f}:{end / 1e9:.3f} s is outside what "
                            f"there is to explain: {held['start_ns'] / 1e9:.3f} .. "
                            f"{held['end_ns'] / 1e9:.3f} s")
-    anomalies = list(anomalies)
     shifted = entropy_windows(anomalies, entropy_until_ns or split.last_ns)
-    answer = diagnose(split, start, end, rules, pids, shifted, symptoms(anomalies))
+    answer = merge_faults(diagnose(split, start, end, rules, pids, shifted, symptoms(anomalies)),
+                          anomalies, pids)
     answer["held"] = held
     missing = sorted(set(pids or ()) - {p["pid"] for p in answer["processes"]})
     if missing:
@@ -183,6 +191,31 @@ def explain_split(split: TimeSplit, window=None, pids=None, anomalies=(),
     return answer
 
 
+def _faults_only(anomalies, window, pids, clock: WallClock, held=None) -> dict:
+    """The answer where no events fall in the window, but hangs or leaks
+    do: a stuck thread and a leak leave no events to split."""
+    start, end = window
+    answer = {"processes": [], "reference": None, "held": held,
+              "note": "no run-queue or GPU/NPU events in the window: the verdicts are the "
+                      "hangs' and leaks' alone",
+              "window": {"start_ns": int(start), "end_ns": int(end),
+                         "started": clock.stamp(start), "ended": clock.stamp(end)}}
+    return merge_faults(answer, anomalies, pids)
+
+
+def with_recorded_faults(rec, found: list[dict]) -> list[dict]:
+    """The detectors' anomalies, and the hang or leak that made a flight
+    recording when the replay does not find it again: the daemon saw it
+    (a leak measured from before the recording's reach, a hang it read in
+    flight)."""
+    from mmtrace.exporters.files.perfetto_anomalies import recorded_anomalies
+    known = {(a.get("detector"), a.get("series")) for a in found if a.get("state") == "firing"}
+    return found + [a for a in recorded_anomalies(rec)
+                    if a.get("detector") in ("device_hang", "memory_leak")
+                    and a.get("state") == "firing"
+                    and (a.get("detector"), a.get("series")) not in known]
+
+
 def explain_recording(rec, window=None, pids=None, rules=None, timeline_s: float = 5.0) -> dict:
     """One replay of `rec`: its time split and its detectors' anomalies."""
     from mmtrace.agent.recording.offline_detectors import Detectors, settings_of
@@ -193,7 +226,7 @@ def explain_recording(rec, window=None, pids=None, rules=None, timeline_s: float
     for step in replay(rec):
         diagnosis.feed(step)
         detectors.feed(step)
-    answer = explain_split(diagnosis.split, window, pids, detectors.finish(), rules,
-                           WallClock.of(rec), timeline_s, diagnosis.last_entropy_ns)
+    answer = explain_split(diagnosis.split, window, pids, with_recorded_faults(rec, detectors.finish()),
+                           rules, WallClock.of(rec), timeline_s, diagnosis.last_entropy_ns)
     answer["file"] = str(rec.path)
     return answer

@@ -13,6 +13,7 @@ from mmtrace.agent.ingest import latency_series as ls
 from mmtrace.agent.config.settings import (DaemonConfig, EntropySettings, FailureSettings,
                                           P99Settings, build)
 from mmtrace.agent.errors import MmtraceError
+from mmtrace.agent.recording.memory_replay import MemoryReplay
 from mmtrace.agent.recording.replay import Step, replay
 from mmtrace.agent.recording.report_telemetry import latest_list, latest_table, name_at
 from mmtrace.agent.ingest.series_keys import SeriesKey
@@ -40,7 +41,7 @@ def settings_of(rec) -> DaemonConfig:
     return DaemonConfig()
 
 
-DETECTOR_SECTIONS = ("p99", "entropy", "failures", "diagnosis")
+DETECTOR_SECTIONS = ("p99", "entropy", "failures", "memory", "hangs", "diagnosis")
 
 
 def _finite(series: ls.Series) -> ls.Series:
@@ -234,7 +235,9 @@ class Detectors:
     def __init__(self, rec):
         cfg = settings_of(rec)
         self.p99 = P99Replay(rec, cfg.p99)
-        self.parts = [self.p99, EntropyReplay(rec, cfg.entropy), FailuresReplay(cfg.failures)]
+        self.memory = MemoryReplay(rec, cfg)
+        self.parts = [self.p99, EntropyReplay(rec, cfg.entropy), FailuresReplay(cfg.failures),
+                      self.memory]
 
     def feed(self, step: Step):
         for part in self.parts:

@@ -12,6 +12,7 @@ from mmtrace.bpf import sched as sched_stream
 
 from mmtrace.agent import heap
 from mmtrace.agent.ingest.wakeups import Waiter
+from mmtrace.agent.kernel import calls_in_flight
 from mmtrace.agent.kernel import probes as probe_loader
 from mmtrace.agent.kernel.device_compile import DeviceCompile, device_programs_failed
 from mmtrace.agent.kernel.device_sources import DeviceSources, attach_and_release
@@ -268,6 +269,7 @@ class _Recording:
         """The footer written (after a refused write, as far as the disk
         takes it), and the file checked to be still where it was made."""
         writer, output, events = self.writer, self.output, self.events
+        self._write_calls_in_flight()
         delta = bpf_counters.since(self.loaded.counters(), self.start_counters)
         lost = bpf_counters.total_lost(delta)
         elapsed = time.monotonic() - self.started
@@ -291,6 +293,17 @@ class _Recording:
                                f"{events:,} events recorded are lost with it")
         return RecordResult(events, lost, elapsed, stop.reason or "duration",
                             bpf_counters.describe_losses(delta))
+
+    def _write_calls_in_flight(self):
+        """The blocking calls still in flight at the end: a sync that never
+        returned left no record of its own (report and explain read it as a
+        hang, agent/recording/memory_replay.py)."""
+        table = self.loaded.device_table(calls_in_flight.MAP)
+        if table is None or self.writer.failed is not None:
+            return
+        calls = calls_in_flight.blocking_calls(table, device_stream.default_infos())
+        self.writer.write_meta({"calls_in_flight": {"now_ns": time.monotonic_ns(),
+                                                    "calls": calls}})
 
     def close(self):
         """What is still open: the compiling thread waited for, the socket,

@@ -250,6 +250,7 @@ def summarize(rec) -> dict:
         "launch_return_codes": device.launch_return_codes(),
         "device_probes": device_probes(rec),
         "anomalies": anomalies,
+        "device_memory": detectors.memory.summary(),
         "p99_baselines": detectors.p99.baselines(),
         "detector_notes": detector_notes(rec, detectors),
         "diagnosis": verdicts,
@@ -286,6 +287,7 @@ def format_text(summary: dict) -> str:
                          f"{t['total_ms']:>10.3f}")
     lines.extend(device_lines(summary))
     lines.extend(verdict_lines(summary.get("diagnosis") or {}))
+    lines.extend(memory_lines(summary.get("device_memory") or {}))
     lines.append("")
     lines.append(f"anomalies: {len(summary['anomalies'])}")
     for note in summary.get("detector_notes") or []:
@@ -299,6 +301,23 @@ def format_text(summary: dict) -> str:
                   f"{b['threshold_s'] * 1e3:>13.3f}" for b in learnt[:10]]
     lines.extend(telemetry_lines(summary["telemetry"]))
     return "\n".join(lines)
+
+
+def memory_lines(memory: dict) -> list[str]:
+    """Device memory each process held at the end, and its failed allocations."""
+    rows = memory.get("processes") or []
+    if not rows:
+        return []
+    lines = ["", f"{'device memory':<14} {'pid':>8} {'held MiB':>10} {'allocs':>8} "
+                 f"{'frees':>8}  failed"]
+    for p in rows:
+        allocs = sum(h["allocs"] for h in p["holdings"])
+        frees = sum(h["frees"] for h in p["holdings"])
+        failed = ", ".join(f"{f['api']} {f['ret']} x{f['count']}" for f in p["failed"]) or "-"
+        where = " ".join(f"{h['stream']}{h['device']}" for h in p["holdings"]) or "-"
+        lines.append(f"{where:<14} {p['pid']:>8} {p['outstanding_bytes'] / 2**20:>10,.1f} "
+                     f"{allocs:>8,} {frees:>8,}  {failed}")
+    return lines
 
 
 def detector_notes(rec, detectors) -> list[str]:

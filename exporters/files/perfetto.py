@@ -5,7 +5,8 @@ a duration becomes a slice on its thread's track. Each GPU/NPU stream gets a
 track too, where a submission is a slice from its call to its retirement,
 with a flow from the submission's call to the sync that retired it; each
 process that copies gets a counter track of the bytes it has copied, and
-each GPU sampled by NVML counter tracks of its utilisations. Field
+each GPU sampled by NVML counter tracks of its utilisations, and each
+process that allocates device memory a counter track of what it holds. Field
 numbers are those of Perfetto's trace_packet.proto / track_event.proto /
 track_descriptor.proto / counter_descriptor.proto.
 """
@@ -20,7 +21,8 @@ from mmtrace.exporters.files.perfetto_anomalies import anomaly_packets, recorded
 from mmtrace.exporters.files.perfetto_device import DeviceEncoder
 from mmtrace.exporters.files.perfetto_events import gpu_state_packets
 from mmtrace.exporters.files.perfetto_fields import (ANOMALY_SEQUENCE, HINT_SEQUENCE,
-                                                    sequence_start, trace_start)
+                                                    MEMORY_SEQUENCE, sequence_start, trace_start)
+from mmtrace.exporters.files.perfetto_memory import memory_packets
 from mmtrace.exporters.files.perfetto_order import PacketOrder, on_sequence
 from mmtrace.exporters.files.perfetto_rows import labels, paired, slice_rows_apart
 from mmtrace.exporters.files.perfetto_telemetry import Telemetry, hint_packets
@@ -138,7 +140,8 @@ def write_recording(steps, out, source=None, detectors=None) -> int:
         found = [{**a, "source": "replay"} for a in detectors.finish()] if detectors else []
         for sequence, packets in ((ANOMALY_SEQUENCE,
                                    anomaly_packets(recorded_anomalies(source) + found)),
-                                  (HINT_SEQUENCE, hint_packets(source))):
+                                  (HINT_SEQUENCE, hint_packets(source)),
+                                  (MEMORY_SEQUENCE, memory_packets(source, writer.tracks))):
             _write_sequence(out, sequence, packets)
     return writer.slices
 

@@ -58,11 +58,13 @@ BUILTIN_CLOCK_REALTIME = 1
 BUILTIN_CLOCK_MONOTONIC = 3
 
 # Sequences: the tracks' events (in time order, perfetto_order.py), the
-# few that came too late for it, and the anomalies and the hints written last.
+# few that came too late for it, and the anomalies, the hints and device
+# memory written last.
 SEQUENCE_ID = 7
 LATE_SEQUENCE = 8
 ANOMALY_SEQUENCE = 9
 HINT_SEQUENCE = 10
+MEMORY_SEQUENCE = 11        # device memory held per process (perfetto_memory.py)
 
 
 def packet(*fields: bytes, sequence: int = SEQUENCE_ID) -> bytes:

@@ -170,6 +170,7 @@ class DaemonSnapshot:
     npu_up: bool | None = None              # npu-smi answers; None where it is not polled
     npus: list | None = None
     otlp_stats: object = None               # a copy of live.otlp's stats, when OTLP is on
+    device_memory: dict | None = None       # agent/daemon/memory_watch.py MemoryWatch.snapshot()
 
 
 class DaemonCollector:
@@ -197,6 +198,8 @@ class DaemonCollector:
         yield from self._launchers(workloads, d.launchers)
         yield from self._p99_levels(workloads, d.p99_levels)
         yield from self._device(d.counts)
+        if d.device_memory is not None:
+            yield from _device_memory(d.device_memory, d.gpus, d.npus)
         yield from self._probes(d.program_states, d.device_probes, d.device_held)
         yield from self._detectors(_detector_rows(d), d.entropy_latest, d.anomalies, d.hints)
         yield from self._devices(d)
@@ -486,6 +489,37 @@ class DaemonCollector:
         for kind, devices in (("gpu", d.gpus), ("npu", d.npus)):
             if devices is not None:
                 yield from _device_gauges(kind, devices)
+
+
+def _device_memory(memory: dict, gpus: list | None, npus: list | None):
+    """What traced processes hold (0 on each device NVML or npu-smi knows
+    where they hold nothing), their allocation counts, and the calls stuck
+    past the hang threshold (agent/daemon/memory_watch.py)."""
+    held = GaugeMetricFamily("mmtrace_device_memory_outstanding_bytes",
+                             "Device memory that live traced processes hold (allocated and "
+                             "not freed; failed allocations hold nothing).",
+                             labels=["stream", "device"])
+    outstanding = dict(memory["outstanding"])
+    for stream, devices in (("gpu", gpus), ("npu", npus)):
+        for dev in devices or ():
+            outstanding.setdefault((stream, dev.index), 0)
+    for (stream, device), n in sorted(outstanding.items()):
+        held.add_metric([stream, str(device)], n)
+    yield held
+    for name, key, doc in (("mmtrace_device_allocations_total", "allocs",
+                            "Device memory allocations that succeeded."),
+                           ("mmtrace_device_frees_total", "frees",
+                            "Device memory frees that gave back a traced allocation.")):
+        c = CounterMetricFamily(name, doc, labels=["stream"])
+        for stream, n in sorted(memory["totals"][key].items()):
+            c.add_metric([stream], n)
+        yield c
+    stuck = GaugeMetricFamily("mmtrace_device_calls_stuck",
+                              "Syncs and blocking calls in flight past the hang threshold "
+                              "([hangs] after_s).", labels=["stream"])
+    for stream, n in sorted(memory["stuck"].items()):
+        stuck.add_metric([stream], n)
+    yield stuck
 
 
 DEVICE_GAUGES = {

@@ -87,8 +87,8 @@ def active_anomalies(anomalies: list[dict]) -> list[dict]:
     latest = {}
     for a in anomalies:
         about = a.get("key") if isinstance(a.get("key"), dict) else {}
-        key = (a.get("detector"), a.get("series") or a.get("kind"), a.get("modality"),
-               about.get("pid"))
+        pid = about.get("pid") if about.get("pid") is not None else a.get("pid")
+        key = (a.get("detector"), a.get("series") or a.get("kind"), a.get("modality"), pid)
         latest[key] = a
     out = []
     for (detector, what, modality, pid), a in latest.items():

@@ -24,6 +24,12 @@ def format_text(answer: dict) -> str:
                      "(what the window is read against)")
     if answer.get("note"):
         lines.append(f"note        {answer['note']}")
+    for d in answer.get("devices") or ():
+        lines.append("")
+        lines.append(f"{d['stream'].upper()} {d['device']}: {d['verdict'].upper()}")
+        lines.append(f"  why      {d['line']}")
+        for fix in d["fixes"]:
+            lines.append(f"  fix      {fix}")
     if not answer["processes"]:
         lines.append("no process made GPU/NPU calls in the window")
     for p in answer["processes"]:

@@ -42,4 +42,10 @@ aclnnStatus aclnnAdd(void *, uint64_t, aclOpExecutor *, aclrtStream);
 aclnnStatus aclnnMul(void *, uint64_t, aclOpExecutor *, aclrtStream);
 aclnnStatus aclnnSoftmax(void *, uint64_t, aclOpExecutor *, aclrtStream);
 
+/* Device memory (acl/acl_rt.h). */
+typedef enum { ACL_MEM_MALLOC_HUGE_FIRST, ACL_MEM_MALLOC_HUGE_ONLY,
+               ACL_MEM_MALLOC_NORMAL_ONLY } aclrtMemMallocPolicy;
+aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy policy);
+aclError aclrtFree(void *devPtr);
+
 #endif

@@ -80,7 +80,10 @@ aclError aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t count,
 aclError aclrtSynchronizeStream(aclrtStream stream)
 {
     const char *budget = getenv("MMTRACE_STANDIN_SYNC_US");
+    const char *forever = getenv("MMTRACE_STANDIN_SYNC_FOREVER");
     calls++;
+    while (forever && *forever == '1')      /* a hung device: the call never returns */
+        pause();
     usleep(budget && *budget ? atoi(budget) : 2000);
     return 0;
 }
@@ -96,5 +99,23 @@ aclError aclrtSynchronizeDevice(void)
 {
     calls++;
     usleep(3000);
+    return 0;
+}
+
+/* Device memory: addresses from a simulated range; nothing is taken. */
+typedef enum { ACL_MEM_MALLOC_HUGE_FIRST, ACL_MEM_MALLOC_HUGE_ONLY,
+               ACL_MEM_MALLOC_NORMAL_ONLY } aclrtMemMallocPolicy;
+static uintptr_t next_device_ptr = 0x300000000000UL;
+
+aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy policy)
+{
+    *devPtr = (void *)next_device_ptr;
+    next_device_ptr += (size + 0xfff) & ~(uintptr_t)0xfff;
+    return 0;
+}
+
+aclError aclrtFree(void *devPtr)
+{
+    calls++;
     return 0;
 }

@@ -88,3 +88,37 @@ CUresult cuKernelGetFunction(CUfunction *pFunc, CUkernel kernel)
     *pFunc = (CUfunction)((unsigned long)kernel | 0x100000);
     return 0;
 }
+
+/* Device memory: addresses from a simulated range; nothing is taken. */
+static CUdeviceptr next_device_ptr = 0x200000000000ULL;
+
+static CUdeviceptr device_range(size_t bytesize)
+{
+    CUdeviceptr ptr = next_device_ptr;
+    next_device_ptr += (bytesize + 0xfff) & ~0xfffULL;
+    return ptr;
+}
+
+CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
+{
+    *dptr = device_range(bytesize);
+    return 0;
+}
+
+CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
+{
+    *dptr = device_range(bytesize);
+    return 0;
+}
+
+CUresult cuMemFree_v2(CUdeviceptr dptr)
+{
+    calls++;
+    return 0;
+}
+
+CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
+{
+    calls += 2;
+    return 0;
+}

@@ -35,4 +35,12 @@ extern cudaError_t cudaMemcpy(void *dst, const void *src, size_t count,
                               enum cudaMemcpyKind kind);
 extern cudaError_t cudaStreamSynchronize(cudaStream_t stream);
 
+extern cudaError_t cudaSetDevice(int device);
+
+/* Device memory (cuda_runtime_api.h). */
+extern cudaError_t cudaMalloc(void **devPtr, size_t size);
+extern cudaError_t cudaMallocAsync(void **devPtr, size_t size, cudaStream_t hStream);
+extern cudaError_t cudaFree(void *devPtr);
+extern cudaError_t cudaFreeAsync(void *devPtr, cudaStream_t hStream);
+
 #endif
