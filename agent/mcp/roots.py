@@ -30,6 +30,40 @@ class RecordingRoots:
     def resolve(self, text) -> Path:
         """The real path of the recording `text` names (relative: to the state
         directory); MmtraceError unless it is a regular file under a root."""
+        fd, real = self.descriptor(text)
+        os.close(fd)
+        return real
+
+    def descriptor(self, text) -> tuple[int, Path]:
+        """The recording `text` names, opened once (without blocking: a FIFO
+        opens at once), and its real path. What is allowed is decided from
+        the descriptor, not the name: a directory of the path swapped for a
+        link after the open cannot lead the read elsewhere."""
+        asked = self._asked(text)
+        try:
+            fd = os.open(asked, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise MmtraceError(f"path: no such recording: {text[:200]}") from None
+        except OSError as exc:
+            raise MmtraceError(f"path: cannot open {text[:200]}: {exc.strerror}") from None
+        try:
+            real = self._where(fd)
+            if not any(_within(real, root) for root in self.roots):
+                # where a link leads outside is not said: that would be a
+                # way to look around the file system
+                raise MmtraceError(f"path: expected a recording under {self.describe()}, "
+                                   f"got {text[:200]}; start the server with --recordings "
+                                   "PATH to allow more")
+            kind = os.fstat(fd).st_mode
+            if not stat.S_ISREG(kind):
+                raise MmtraceError(f"path: expected a regular recording file, got "
+                                   f"{file_kind(kind)}: {text[:200]}")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, real
+
+    def _asked(self, text) -> str:
         if not isinstance(text, str) or not text or len(text) > MAX_PATH_CHARS \
                 or "\0" in text:
             shown = f"{len(text)} characters" if isinstance(text, str) and text else repr(text)
@@ -38,37 +72,24 @@ class RecordingRoots:
         if ".." in Path(text).parts:
             raise MmtraceError(f"path: expected a path without '..' components, got "
                                f"{text[:200]!r}")
-        asked = Path(text) if os.path.isabs(text) else self.state_dir / text
-        real = Path(os.path.realpath(asked))
-        if not any(_within(real, root) for root in self.roots):
-            via = "" if real == asked else f" (it leads to {real})"
-            raise MmtraceError(f"path: expected a recording under {self.describe()}, got "
-                               f"{text[:200]}{via}; start the server with --recordings PATH "
-                               "to allow more")
+        return text if os.path.isabs(text) else str(self.state_dir / text)
+
+    def _where(self, fd: int) -> Path:
+        """The real path of what `fd` holds open, as the kernel has it."""
         try:
-            st = os.lstat(real)
-        except FileNotFoundError:
-            raise MmtraceError(f"path: no such recording: {text[:200]}") from None
+            return Path(os.readlink(f"/proc/self/fd/{fd}"))
         except OSError as exc:
-            raise MmtraceError(f"path: cannot read {text[:200]}: {exc.strerror}") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise MmtraceError(f"path: expected a regular recording file, got {file_kind(st.st_mode)}: "
-                               f"{text[:200]}")
-        return real
+            raise MmtraceError(f"path: cannot tell where the file opened lies "
+                               f"(/proc/self/fd: {exc.strerror})") from None
 
     def open(self, text, scan: bool = True) -> RecordingReader:
-        """The recording `text` names, opened; a link or directory swapped in
-        between the check and the open is refused, not read."""
-        real = self.resolve(text)
-        before = os.lstat(real)
+        """The recording `text` names, read through the one descriptor that
+        was checked: never opened by name again."""
+        fd, real = self.descriptor(text)
         try:
-            rec = RecordingReader(real, scan=scan)
+            return RecordingReader(real, scan=scan, fd=fd)
         except RecordingError as exc:
             raise MmtraceError(str(exc)) from None
-        if rec.identity() != (before.st_dev, before.st_ino):
-            rec.close()
-            raise MmtraceError(f"path: {text[:200]} changed while it was opened; not read")
-        return rec
 
     def recordings(self, limit: int = MAX_LISTED) -> list[dict]:
         """The recordings held under the roots (the directories' own *.mmtr
@@ -101,7 +122,10 @@ class RecordingRoots:
 
 
 def _within(real: Path, root: Path) -> bool:
-    root = Path(os.path.realpath(root))
+    try:
+        root = Path(os.path.realpath(root))
+    except OSError:                 # a root changing under it: taken as named
+        pass
     return real == root or root in real.parents
 
 
