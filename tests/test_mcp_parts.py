@@ -4,6 +4,7 @@ over a synthetic recording through the SDK's own client (in-process)."""
 
 import json
 import os
+import socket
 import threading
 import time
 
@@ -27,6 +28,8 @@ from mmtrace.agent.mcp.roots import RecordingRoots
 from mmtrace.agent.mcp.schemas import TOOLS
 from mmtrace.agent.mcp.server import build
 from mmtrace.agent.mcp.tools import Investigation
+from mmtrace.exporters.terminal import daemon_client
+from mmtrace.exporters.terminal.daemon_client import NoDaemon
 
 
 @pytest.fixture
@@ -169,6 +172,38 @@ def test_recordings_are_listed_newest_first_with_their_trigger(roots, tmp_path):
     assert "damaged" in listed[1]["problem"] and listed[2]["problem"] is None
     assert len(roots.recordings(limit=2)) == 2
     assert RecordingRoots(tmp_path / "none").unreadable() == [f"{tmp_path / 'none'}: does not exist"]
+
+
+def test_a_recording_larger_than_a_call_reads_is_refused_before_it_is_read(tmp_path):
+    write_launcher_recording(tmp_path / "big.mmtr", 3)
+    os.truncate(tmp_path / "big.mmtr", 3 << 30)         # sparse: nothing on disk
+    started = time.monotonic()
+    with pytest.raises(MmtraceError) as caught:
+        RecordingRoots(tmp_path, max_read_gib=2).open("big.mmtr")
+    assert time.monotonic() - started < 1
+    assert caught.value.message == ("path: big.mmtr is 3.0 GiB, more than the 2 GiB a call "
+                                    "reads; start the server with --max-read-gib N to read it")
+
+
+def test_a_daemon_that_trickles_its_reply_is_cut_off_at_the_timeout(tmp_path):
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "slow.sock"))
+    listener.listen(1)
+
+    def trickle():
+        peer, _ = listener.accept()
+        with peer:
+            peer.recv(4096)
+            for _ in range(30):                          # 3 s, each byte within the timeout
+                peer.send(b" ")
+                time.sleep(0.1)
+            peer.send(b"{}\n")
+    threading.Thread(target=trickle, daemon=True).start()
+    started = time.monotonic()
+    with pytest.raises(NoDaemon, match="did not answer within 1 s"):
+        daemon_client.ask(tmp_path / "slow.sock", "status", 1.0)
+    assert time.monotonic() - started < 1.5
+    listener.close()
 
 
 # -------------------------------------------------------------- arguments

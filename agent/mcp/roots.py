@@ -17,10 +17,16 @@ MAX_PATH_CHARS = 4096
 MAX_LISTED = 100            # recordings a listing names, newest first
 MAX_SCANNED = 10_000        # entries of one directory looked at: a listing's cost is bounded
 SUFFIX = ".mmtr"
+DEFAULT_MAX_READ_GIB = 8    # a call reads a file of at most this size (~20 s at worst)
+GIB = 1 << 30
 
 
 class RecordingRoots:
-    def __init__(self, state_dir: Path, named: list[Path] = ()):
+    def __init__(self, state_dir: Path, named: list[Path] = (),
+                 max_read_gib: float = DEFAULT_MAX_READ_GIB):
+        # the server serves one call at a time: a file of many GiB (a sparse
+        # one costs nothing on disk) must not hold every other call for minutes
+        self.max_read_gib = max_read_gib
         self.state_dir = Path(os.path.abspath(state_dir))
         self.roots = [self.state_dir] + [Path(os.path.abspath(p)) for p in named]
 
@@ -54,10 +60,14 @@ class RecordingRoots:
                 raise MmtraceError(f"path: expected a recording under {self.describe()}, "
                                    f"got {text[:200]}; start the server with --recordings "
                                    "PATH to allow more")
-            kind = os.fstat(fd).st_mode
-            if not stat.S_ISREG(kind):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
                 raise MmtraceError(f"path: expected a regular recording file, got "
-                                   f"{file_kind(kind)}: {text[:200]}")
+                                   f"{file_kind(st.st_mode)}: {text[:200]}")
+            if st.st_size > self.max_read_gib * GIB:
+                raise MmtraceError(f"path: {text[:200]} is {st.st_size / GIB:.1f} GiB, more "
+                                   f"than the {self.max_read_gib:g} GiB a call reads; start "
+                                   "the server with --max-read-gib N to read it")
         except BaseException:
             os.close(fd)
             raise

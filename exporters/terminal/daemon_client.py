@@ -5,6 +5,7 @@ dispatcher."""
 
 import json
 import socket
+import time
 from pathlib import Path
 
 MAX_REPLY = 4 << 20
@@ -21,7 +22,9 @@ class NoDaemon(Exception):
 def ask(path: Path, kind: str, timeout_s: float = 2.0, **fields) -> dict:
     """The daemon's `kind` reply to a `kind` request (with `fields`); NoDaemon when nobody
     listens or the socket is out of reach, ValueError when what answers
-    does not speak the protocol or refuses."""
+    does not speak the protocol or refuses. `timeout_s` bounds the whole
+    exchange, not each read: a peer that trickles a byte at a time is cut off."""
+    deadline = time.monotonic() + timeout_s
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout_s)
@@ -29,6 +32,10 @@ def ask(path: Path, kind: str, timeout_s: float = 2.0, **fields) -> dict:
             sock.sendall(json.dumps({"v": 1, "type": kind, **fields}).encode() + b"\n")
             buf = bytearray()
             while not buf.endswith(b"\n"):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise socket.timeout
+                sock.settimeout(left)
                 chunk = sock.recv(65536)
                 if not chunk:
                     break
