@@ -206,6 +206,24 @@ def test_a_daemon_that_trickles_its_reply_is_cut_off_at_the_timeout(tmp_path):
     listener.close()
 
 
+def test_a_header_s_odd_time_or_long_text_stays_in_that_file_s_row(tmp_path):
+    for name, info in (("huge", {"created_unix_s": 1e300}), ("neg", {"created_unix_s": -1e15}),
+                       ("reason", {"flight_recorder": True,
+                                   "trigger": {"kind": "dump", "reason": "R" * 900_000}}),
+                       ("odd", {"anomaly": {"detector": ["x"] * 1000, "series": {"a": 1}}})):
+        recording.RecordingWriter(tmp_path / f"{name}.mmtr", {}, info=info).close({})
+    write_launcher_recording(tmp_path / "good.mmtr", 3)
+    rows = {os.path.basename(r["path"]): r for r in RecordingRoots(tmp_path).recordings()}
+    for name in ("huge", "neg"):
+        assert rows[f"{name}.mmtr"]["started_utc"] is None
+        assert rows[f"{name}.mmtr"]["problem"].startswith(
+            "header: expected created_unix_s as a time, got ")
+    assert rows["good.mmtr"]["started_utc"] and rows["good.mmtr"]["problem"] is None
+    assert rows["reason.mmtr"]["trigger"]["reason"] == "R" * 200 + "... (cut: 900,000 characters)"
+    assert rows["odd.mmtr"]["trigger"]["detector"] is None
+    assert rows["odd.mmtr"]["trigger"]["what"] is None
+
+
 # -------------------------------------------------------------- arguments
 
 @pytest.mark.parametrize("tool, arguments, message", [

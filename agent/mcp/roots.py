@@ -181,8 +181,12 @@ def _listing(path: Path, st: os.stat_result) -> dict:
     row["trigger"] = _trigger(header)
     created = header.get("created_unix_s")
     if isinstance(created, (int, float)):
-        row["started_utc"] = datetime.fromtimestamp(created, timezone.utc) \
-            .isoformat(timespec="seconds")
+        try:
+            row["started_utc"] = datetime.fromtimestamp(created, timezone.utc) \
+                .isoformat(timespec="seconds")
+        except (OverflowError, ValueError, OSError):     # 1e300, -1e15: this row's problem
+            row["problem"] = (f"header: expected created_unix_s as a time, got "
+                              f"{str(created)[:40]}")
     return row
 
 
@@ -191,11 +195,26 @@ def _trigger(header: dict) -> dict | None:
     anomaly = header.get("anomaly")
     if isinstance(anomaly, dict):
         evidence = anomaly.get("evidence") if isinstance(anomaly.get("evidence"), dict) else {}
-        return {"kind": "anomaly", "detector": anomaly.get("detector"),
-                "what": anomaly.get("series") or anomaly.get("kind"),
-                "ts_ns": anomaly.get("ts_ns"), "verdict": evidence.get("verdict")}
+        return {"kind": "anomaly", "detector": _text(anomaly.get("detector")),
+                "what": _text(anomaly.get("series") or anomaly.get("kind")),
+                "ts_ns": anomaly.get("ts_ns") if isinstance(anomaly.get("ts_ns"), int)
+                else None,
+                "verdict": _text(evidence.get("verdict"))}
     trigger = header.get("trigger")
     if isinstance(trigger, dict):
-        return {"kind": str(trigger.get("kind")), "reason": trigger.get("reason")}
+        return {"kind": _text(trigger.get("kind")), "reason": _text(trigger.get("reason"))}
     return None
+
+
+MAX_TEXT = 200
+
+
+def _text(value) -> str | None:
+    """A header's string as a listing shows it: anyone who can write a file
+    under a root writes it, so it is short (a long one is a flood, and text
+    an assistant would read as instructions)."""
+    if not isinstance(value, str):
+        return None
+    return value if len(value) <= MAX_TEXT else \
+        f"{value[:MAX_TEXT]}... (cut: {len(value):,} characters)"
 
