@@ -32,6 +32,31 @@ class Arguments:
         return arguments
 
 
+class Answers:
+    """Each answer checked against the tool's output schema before it goes
+    out: a client that checks it (the SDK's does) would otherwise fail the
+    whole call, where a tool error says which field did not fit."""
+
+    def __init__(self, tools: dict):
+        self.validators = {name: Draft202012Validator(spec["output"])
+                           for name, spec in tools.items()}
+
+    def check(self, tool: str, answer: dict) -> dict:
+        errors = sorted(self.validators[tool].iter_errors(answer),
+                        key=lambda e: (list(e.path), e.validator))
+        if not errors:
+            return answer
+        error = errors[0]
+        if error.validator == "required":
+            missing = [k for k in error.validator_value if k not in error.instance]
+            where = ".".join(str(p) for p in [*error.path, missing[0]])
+            problem = f"{where}: expected a value, got none"
+        else:
+            problem = _message(error, {})
+        raise MmtraceError(f"the answer does not fit the tool's output schema ({problem}); "
+                           "is the daemon of another mmtrace version?")
+
+
 def _message(error, arguments: dict) -> str:
     where = ".".join(str(p) for p in error.path) or "arguments"
     value, rule = error.instance, error.validator_value

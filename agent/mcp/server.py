@@ -22,7 +22,7 @@ from mcp.server.stdio import stdio_server
 from mmtrace.agent import heap
 from mmtrace.agent.errors import MmtraceError
 from mmtrace.agent.mcp import prompts
-from mmtrace.agent.mcp.arguments import Arguments, shown
+from mmtrace.agent.mcp.arguments import Answers, Arguments, shown
 from mmtrace.agent.mcp.schemas import TOOLS
 from mmtrace.agent.mcp.tools import Investigation
 
@@ -37,7 +37,7 @@ INSTRUCTIONS = (
 
 
 def build(investigation: Investigation) -> Server:
-    checker = Arguments(TOOLS)
+    checker, answers = Arguments(TOOLS), Answers(TOOLS)
     one_at_a_time = anyio.CapacityLimiter(1)
 
     async def list_tools(ctx, params) -> types.ListToolsResult:
@@ -57,7 +57,7 @@ def build(investigation: Investigation) -> Server:
             arguments = checker.check(name, params.arguments)
             work = partial(_then_trim, getattr(investigation, name), arguments)
             answer = await anyio.to_thread.run_sync(work, limiter=one_at_a_time)
-            return _answer(answer)
+            return _answer(answers.check(name, _finite(answer)))
         except MmtraceError as exc:
             return _error(f"{name[:60]}: {exc.message}")
         except Exception as exc:            # a bug must cost one call, not the server
@@ -98,7 +98,6 @@ def _then_trim(tool, arguments: dict):
 def _answer(answer: dict) -> types.CallToolResult:
     """The answer as structured content and as its JSON text, or a tool error
     when it is larger than an answer may be."""
-    answer = _finite(answer)
     text = json.dumps(answer, allow_nan=False, default=str)
     if len(text) > MAX_ANSWER_BYTES:
         raise MmtraceError(f"the answer is {len(text):,} bytes, more than the "

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from mmtrace.agent.errors import MmtraceError
 from mmtrace.agent.recording.file_format import RecordingError
+from mmtrace.agent.mcp.arguments import shown
 from mmtrace.agent.mcp.roots import RecordingRoots
 from mmtrace.exporters.terminal import daemon_client
 from mmtrace.exporters.terminal.daemon_client import NoDaemon
@@ -94,9 +95,12 @@ class Investigation:
 
     def anomalies(self, path: str | None = None, limit: int = DEFAULT_ANOMALIES) -> dict:
         if path is None:
-            found, source = self.status()["anomalies"], "daemon"
+            found, source = self.status().get("anomalies"), "daemon"
         else:
-            found, source = self.report(path)["anomalies"], path
+            found, source = self.report(path).get("anomalies"), path
+        if not isinstance(found, list):
+            raise MmtraceError(f"expected a list of anomalies from the {source}, got "
+                               f"{shown(found)}")
         return {"source": source, "count": len(found), "anomalies": found[-limit:]}
 
     def hints(self, path: str | None = None) -> dict:
