@@ -573,10 +573,12 @@ def explain(file, pids, window, last_s, as_json, socket_path):
 @click.option("-c", "--config", "config_path", type=click.Path(dir_okay=False),
               help="The daemon's TOML configuration, for its socket and state_dir (as "
                    "`run` reads them, MMTRACE_SOCKET and MMTRACE_STATE_DIR over it).")
-@click.option("--state-dir", type=click.Path(file_okay=False),
+# Not checked here (readable, a directory): the server starts as it does
+# from --config, and each call says what is wrong, as the rights stand then.
+@click.option("--state-dir", type=click.Path(readable=False),
               help="The daemon's state directory, where its flight recordings are "
                    "(default /var/lib/mmtrace).")
-@click.option("--socket", "socket_path", type=click.Path(dir_okay=False),
+@click.option("--socket", "socket_path", type=click.Path(readable=False),
               help="The daemon's socket (default /run/mmtrace/mmtrace.sock).")
 @click.option("--recordings", "recording_roots", type=click.Path(), multiple=True,
               help="Also let the tools read recordings in this directory, or this file; "

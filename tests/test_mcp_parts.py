@@ -4,7 +4,9 @@ over a synthetic recording through the SDK's own client (in-process)."""
 
 import json
 import os
+import shutil
 import socket
+import tempfile
 import threading
 import time
 
@@ -363,3 +365,32 @@ def test_the_socket_and_state_directory_are_read_as_run_reads_them(tmp_path):
             session.close()
         assert listed["roots"] == [str(state)]
         assert status.is_error and str(tmp_path / "env.sock") in status.content[0].text
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs the server as nobody: needs root")
+def test_flags_naming_what_the_user_cannot_read_start_the_server_as_the_config_does(tmp_path):
+    """--state-dir and --socket out of the caller's reach: the server starts,
+    and each call says what it cannot reach (as with --config)."""
+    top = tempfile.mkdtemp(prefix="mcp-nobody-")
+    try:
+        os.chmod(top, 0o711)
+        state, sock_path = os.path.join(top, "state"), os.path.join(top, "d.sock")
+        os.mkdir(state, 0o700)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(sock_path)
+        os.chmod(sock_path, 0o600)
+        session = McpSession(["--state-dir", state, "--socket", sock_path],
+                             tmp_path / "mcp.log",
+                             as_user=["setpriv", "--reuid=65534", "--regid=65534",
+                                      "--clear-groups"])
+        try:
+            listed = session.call("recordings").structured_content
+            status = session.call("status")
+        finally:
+            session.close()
+        listener.close()
+        assert listed["unreadable"] == [f"{state}: Permission denied"]
+        assert status.is_error and f"cannot connect to {sock_path}: permission denied" \
+            in status.content[0].text
+    finally:
+        shutil.rmtree(top)
