@@ -236,6 +236,9 @@ def test_a_header_s_odd_time_or_long_text_stays_in_that_file_s_row(tmp_path):
     ("series", {"name": "runq_delay{pid=1}", "window_s": 1e9},
      "window_s: expected at most 3600, got 1000000000.0"),
     ("anomalies", {"limit": [1] * 1000}, "limit: expected an integer, got a list of 1,000 items"),
+    ("series", {"name": "runq_delay{pid=1}", "window_s": float("nan"), "path": "a.mmtr"},
+     "window_s: expected a finite number, got NaN"),
+    ("explain", {"pid": 1, "last_s": float("-inf")}, "last_s: expected a finite number, got -inf"),
     ("report", {"path": "a", "pth": "b"}, "unexpected argument 'pth'; expected only path"),
     ("report", {}, "missing argument; 'path' is a required property"),
 ])

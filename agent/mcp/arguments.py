@@ -4,6 +4,7 @@ arrived, in one short line: never the value itself when it is long (a
 megabyte string must not come back whole)."""
 
 import json
+import math
 
 from jsonschema import Draft202012Validator
 
@@ -25,6 +26,12 @@ class Arguments:
         arguments = {} if arguments is None else arguments
         if not isinstance(arguments, dict):
             raise MmtraceError(f"expected the arguments as an object, got {shown(arguments)}")
+        for name, value in sorted(arguments.items()):
+            # NaN passes minimum and maximum (every comparison is false)
+            if isinstance(value, float) and not math.isfinite(value):
+                got = "NaN" if math.isnan(value) else repr(value)
+                raise MmtraceError(f"{str(name)[:SHOWN_CHARS]}: expected a finite number, "
+                                   f"got {got}")
         errors = sorted(self.validators[tool].iter_errors(arguments),
                         key=lambda e: (list(e.path), e.validator))
         if errors:
