@@ -342,13 +342,24 @@ class Broken(Investigation):
     def hints(self, path=None):
         return {"source": "daemon", "hints": [{"value": float("nan")}]}
 
+    def series(self, name, window_s=10.0, path=None):
+        raise MmtraceError("refused: " + "e" * (3 << 20))
+
+    def anomalies(self, path=None, limit=50):      # 600 KB of text: 1.2 MB on the wire
+        return {"source": "daemon", "count": 1, "anomalies": [{"x": "a" * 600_000}]}
+
 
 def test_a_failing_or_oversized_answer_is_a_tool_error_and_the_next_call_is_served(tmp_path):
     inv = Broken(tmp_path / "no.sock", RecordingRoots(tmp_path))
-    bug, big, nan, after = _run(inv, ("status", {}), ("recordings", {}), ("hints", {}),
-                                ("dump", {}))
+    bug, big, nan, long_error, twice, after = _run(
+        inv, ("status", {}), ("recordings", {}), ("hints", {}),
+        ("series", {"name": "runq_delay{pid=1}"}), ("anomalies", {}), ("dump", {}))
     assert bug.is_error and "internal error (RuntimeError: a bug)" in bug.content[0].text
     assert big.is_error and "more than the 1,048,576" in big.content[0].text
+    assert big.content[0].text.endswith("; narrow it (limit)")
+    assert long_error.is_error and len(long_error.content[0].text) < 2100
+    assert long_error.content[0].text.endswith("... (cut: 3,145,745 characters)")
+    assert twice.is_error and "the answer is 1,200,116 bytes on the wire" in twice.content[0].text
     assert nan.structured_content["hints"] == [{"value": None}]
     assert after.is_error and "--allow-dump" in after.content[0].text
 
