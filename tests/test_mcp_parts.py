@@ -226,6 +226,24 @@ def test_a_header_s_odd_time_or_long_text_stays_in_that_file_s_row(tmp_path):
     assert rows["odd.mmtr"]["trigger"]["what"] is None
 
 
+def test_a_socket_path_that_is_no_socket_is_named_as_what_it_is(tmp_path):
+    (tmp_path / "file.sock").write_text("")
+    os.mkfifo(tmp_path / "fifo.sock")
+    (tmp_path / "dir.sock").mkdir()
+    for name, kind in (("file", "a regular file"), ("fifo", "a FIFO"), ("dir", "a directory")):
+        with pytest.raises(NoDaemon) as caught:
+            daemon_client.ask(tmp_path / f"{name}.sock", "status", 1.0)
+        assert str(caught.value) == (f"expected the daemon's socket at {tmp_path}/{name}.sock, "
+                                     f"got {kind}; is --socket (or the config's socket) right?")
+    session = McpSession(["--socket", tmp_path / "dir.sock", "--state-dir", tmp_path],
+                         tmp_path / "mcp.log")      # a directory: the server still starts
+    try:
+        status = session.call("status")
+    finally:
+        session.close()
+    assert status.is_error and "got a directory" in status.content[0].text
+
+
 # -------------------------------------------------------------- arguments
 
 @pytest.mark.parametrize("tool, arguments, message", [
