@@ -20,7 +20,7 @@ from test_diagnosis import write_launcher_recording
 
 from mmtrace.agent.errors import MmtraceError
 from mmtrace.agent.ingest import latency_series as ls
-from mmtrace.agent.ingest.series_window import SeriesWindow
+from mmtrace.agent.ingest.series_window import SeriesWindow, check_name
 from mmtrace.agent.recording import file_format as recording
 from mmtrace.agent.recording.explain import explain_recording
 from mmtrace.agent.recording.report import summarize
@@ -274,6 +274,20 @@ def test_series_names_and_the_socket_s_series_request_are_checked():
             validate({"v": 1, "type": "series", **bad})
     with pytest.raises(ValueError, match="expected a series name such as runq_delay"):
         SeriesWindow("latency", 0)
+    for bad in ("runq_delay{}", "runq_delay{pid=-1,,,}", "runq_delay{pid=01}",
+                "sync_wait{pid=1}", "sync_wait{pid=1,stream=0xZZ}", "runq_delay{pid=1} "):
+        with pytest.raises(ValueError, match="expected a series name such as runq_delay"):
+            check_name(bad)
+    for good in ("runq_delay{pid=1}", "sync_wait{pid=42,stream=0x7f00ab}",
+                 "submit_to_retire{pid=4194304}"):
+        assert check_name(good) == good
+
+
+def test_a_malformed_series_name_over_a_file_is_refused_not_counted_as_quiet(roots, tmp_path):
+    (answer,) = _run(Investigation(tmp_path / "no.sock", roots),
+                     ("series", {"name": "runq_delay{}", "path": "a.mmtr"}))
+    assert answer.is_error and answer.content[0].text.startswith(
+        "series: name: expected a series name such as runq_delay{pid=1234}")
 
 
 # ------------------------------------------------------- series, by hand
