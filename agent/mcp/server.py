@@ -17,6 +17,8 @@ from importlib.metadata import version
 import anyio
 import mcp_types as types
 from mcp.server.lowlevel import Server
+from mcp.shared.exceptions import MCPError
+from mcp_types import INVALID_PARAMS
 from mcp.server.stdio import stdio_server
 
 from mmtrace.agent import heap
@@ -73,8 +75,9 @@ def build(investigation: Investigation) -> Server:
 
     async def get_prompt(ctx, params) -> types.GetPromptResult:
         if params.name != prompts.NAME:
-            raise MmtraceError(f"expected the prompt {prompts.NAME}, got {shown(params.name)}")
-        given = {k: str(v)[:100] for k, v in (params.arguments or {}).items()
+            raise MCPError(INVALID_PARAMS, f"expected the prompt {prompts.NAME}, got "
+                                           f"{shown(params.name)}")
+        given = {k: prompts.clean(v) for k, v in (params.arguments or {}).items()
                  if k in dict(prompts.ARGUMENTS)}
         return types.GetPromptResult(description=prompts.DESCRIPTION, messages=[
             types.PromptMessage(role="user",
