@@ -245,6 +245,17 @@ def test_a_socket_path_that_is_no_socket_is_named_as_what_it_is(tmp_path):
     assert status.is_error and "got a directory" in status.content[0].text
 
 
+def test_a_listing_cut_at_the_bound_says_so_and_how_much_it_passed_over(tmp_path):
+    for i in range(10_500):
+        (tmp_path / f"{i:05}.mmtr").touch()
+    (listed,) = _run(Investigation(tmp_path / "no.sock", RecordingRoots(tmp_path)),
+                     ("recordings", {"limit": 1}))
+    assert listed.structured_content["cut"] == [
+        f"{tmp_path}: the first 10,000 entries were looked at, 500 more were not (a newer "
+        "recording may be among them); name it with `path`, or keep fewer files there"]
+    assert len(listed.structured_content["recordings"]) == 1
+
+
 # -------------------------------------------------------------- arguments
 
 @pytest.mark.parametrize("tool, arguments, message", [
@@ -375,7 +386,7 @@ def test_an_answer_off_the_tool_s_output_schema_is_a_tool_error_naming_the_field
     assert status.is_error and hints.is_error and anomalies.is_error
     assert status.content[0].text == (
         "status: the answer does not fit the tool's output schema (uptime_s: expected a "
-        "number, got null); is the daemon of another mmtrace version?")
+        "number, got null); a daemon of another mmtrace version answers so")
     assert "(hints: expected a value, got none)" in hints.content[0].text
     assert anomalies.content[0].text == \
         "anomalies: expected a list of anomalies from the daemon, got null"
@@ -386,7 +397,7 @@ class Broken(Investigation):
         raise RuntimeError("a bug")
 
     def recordings(self, limit=20):
-        return {"roots": ["x" * (2 << 20)], "recordings": [], "unreadable": []}
+        return {"roots": ["x" * (2 << 20)], "recordings": [], "unreadable": [], "cut": []}
 
     def hints(self, path=None):
         return {"source": "daemon", "hints": [{"value": float("nan")}]}

@@ -61,7 +61,7 @@ class Answers:
         else:
             problem = _message(error, {})
         raise MmtraceError(f"the answer does not fit the tool's output schema ({problem}); "
-                           "is the daemon of another mmtrace version?")
+                           "a daemon of another mmtrace version answers so")
 
 
 def _message(error, arguments: dict) -> str:

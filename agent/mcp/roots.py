@@ -101,13 +101,16 @@ class RecordingRoots:
         except RecordingError as exc:
             raise MmtraceError(str(exc)) from None
 
-    def recordings(self, limit: int = MAX_LISTED) -> list[dict]:
+    def recordings(self, limit: int = MAX_LISTED, cut: list | None = None) -> list[dict]:
         """The recordings held under the roots (the directories' own *.mmtr
         files, not their subdirectories; a named file itself), newest first:
-        path, size, when modified, and what the header says made it."""
+        path, size, when modified, and what the header says made it. Of a
+        directory, the first MAX_SCANNED entries are looked at; what was
+        passed over is said in `cut`."""
+        cut = [] if cut is None else cut
         found = {}
         for root in self.roots:
-            for path, st in _regular_files(root):
+            for path, st in _regular_files(root, cut):
                 found.setdefault(str(path), (st.st_mtime_ns, path, st))
         out = []
         for mtime_ns, path, st in sorted(found.values(), key=lambda f: f[0], reverse=True):
@@ -139,7 +142,7 @@ def _within(real: Path, root: Path) -> bool:
     return real == root or root in real.parents
 
 
-def _regular_files(root: Path):
+def _regular_files(root: Path, cut: list):
     real = Path(os.path.realpath(root))
     try:
         st = os.lstat(real)
@@ -153,8 +156,13 @@ def _regular_files(root: Path):
     try:
         with os.scandir(real) as scan:
             entries = [e for _, e in zip(range(MAX_SCANNED), scan)]
+            passed = sum(1 for _ in scan)       # counted by name only: no stat, no read
     except OSError:
         return
+    if passed:
+        cut.append(f"{real}: the first {MAX_SCANNED:,} entries were looked at, {passed:,} "
+                   "more were not (a newer recording may be among them); name it with "
+                   "`path`, or keep fewer files there")
     for entry in entries:
         if not entry.name.endswith(SUFFIX):
             continue

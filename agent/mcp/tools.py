@@ -71,9 +71,10 @@ class Investigation:
         return self._read(path, summarize)
 
     def recordings(self, limit: int = DEFAULT_RECORDINGS) -> dict:
-        return {"roots": [str(r) for r in self.roots.roots],
-                "recordings": self.roots.recordings(limit),
-                "unreadable": self.roots.unreadable()}
+        cut = []
+        listed = self.roots.recordings(limit, cut)
+        return {"roots": [str(r) for r in self.roots.roots], "recordings": listed,
+                "unreadable": self.roots.unreadable(), "cut": cut}
 
     # ------------------------------------------------------ either one
 
