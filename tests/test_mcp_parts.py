@@ -31,6 +31,7 @@ from mmtrace.agent.mcp.roots import RecordingRoots
 from mmtrace.agent.mcp.schemas import TOOLS
 from mmtrace.agent.mcp.server import build
 from mmtrace.agent.mcp.tools import Investigation
+from mmtrace.agent.mcp.wording import in_tool_terms
 from mmtrace.exporters.terminal import daemon_client
 from mmtrace.exporters.terminal.daemon_client import NoDaemon
 
@@ -363,6 +364,25 @@ def test_the_prompt_keeps_its_arguments_to_one_plain_line_and_names_a_wrong_prom
     assert wrong.code == -32602
     assert wrong.error.message == \
         'expected the prompt investigate-latency-regression, got "nope"'
+
+
+def test_explain_s_messages_speak_of_the_tool_s_arguments_not_the_cli_s_flags(roots, tmp_path):
+    long, pid, outside = _run(Investigation(tmp_path / "no.sock", roots),
+                              ("explain", {"path": "a.mmtr", "window": "1:" + "9" * 25}),
+                              ("explain", {"path": "a.mmtr", "pid": 999_999}),
+                              ("explain", {"path": "a.mmtr", "window": "1:2"}))
+    assert long.content[0].text == (
+        "explain: window: expected CLOCK_MONOTONIC times (below 2**63 ns), got "
+        f"'1:{'9' * 25}' (read in ns)")
+    assert pid.content[0].text.startswith("explain: pid 999999: no GPU/NPU call or switch-in")
+    assert outside.content[0].text.startswith("explain: window 1.000:2.000 s is outside what")
+    # live, no window given: the daemon explained its last seconds
+    said = in_tool_terms("the daemon on /run/m.sock refused the explain request: explain: "
+                         "--window 10.000:20.000 s is outside what there is to explain: "
+                         "30.000 .. 40.000 s", window_given=False)
+    assert said == ("the daemon on /run/m.sock refused the explain request: the last last_s "
+                    "seconds (10.000:20.000 s) are outside what there is to explain: "
+                    "30.000 .. 40.000 s")
 
 
 class OffSchema(Investigation):

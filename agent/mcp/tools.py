@@ -11,6 +11,7 @@ from mmtrace.agent.errors import MmtraceError
 from mmtrace.agent.recording.file_format import RecordingError
 from mmtrace.agent.mcp.arguments import shown
 from mmtrace.agent.mcp.roots import RecordingRoots
+from mmtrace.agent.mcp.wording import in_tool_terms
 from mmtrace.exporters.terminal import daemon_client
 from mmtrace.exporters.terminal.daemon_client import NoDaemon
 
@@ -80,6 +81,12 @@ class Investigation:
 
     def explain(self, pid: int | None = None, path: str | None = None,
                 window: str | None = None, last_s: float = 10.0) -> dict:
+        try:
+            return self._explain(pid, path, window, last_s)
+        except MmtraceError as exc:
+            raise MmtraceError(in_tool_terms(exc.message, window is not None)) from None
+
+    def _explain(self, pid, path, window, last_s) -> dict:
         from mmtrace.agent.recording.window_arg import parse_window
         span = parse_window(window)
         if path is not None:
