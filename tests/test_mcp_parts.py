@@ -198,10 +198,13 @@ def test_a_daemon_that_trickles_its_reply_is_cut_off_at_the_timeout(tmp_path):
         peer, _ = listener.accept()
         with peer:
             peer.recv(4096)
-            for _ in range(30):                          # 3 s, each byte within the timeout
-                peer.send(b" ")
-                time.sleep(0.1)
-            peer.send(b"{}\n")
+            try:
+                for _ in range(30):                      # 3 s, each byte within the timeout
+                    peer.send(b" ")
+                    time.sleep(0.1)
+                peer.send(b"{}\n")
+            except BrokenPipeError:                      # the client gave up: as it should
+                pass
     threading.Thread(target=trickle, daemon=True).start()
     started = time.monotonic()
     with pytest.raises(NoDaemon, match="did not answer within 1 s"):
