@@ -2,7 +2,9 @@
 files and directories named on its command line. An assistant names a
 path; it is read only when it lies under one of those roots once every
 link in it is followed, is a regular file (a FIFO would block the reader,
-a device never end), and is the very file checked when it is opened."""
+a device never end) and no larger than a call reads. It is opened once
+and judged by what the descriptor holds, then read through it: a name
+changed after the open cannot send the read elsewhere."""
 
 import os
 import stat
