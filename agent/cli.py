@@ -573,10 +573,12 @@ def explain(file, pids, window, last_s, as_json, socket_path):
 @click.option("-c", "--config", "config_path", type=click.Path(dir_okay=False),
               help="The daemon's TOML configuration, for its socket and state_dir (as "
                    "`run` reads them, MMTRACE_SOCKET and MMTRACE_STATE_DIR over it).")
-@click.option("--state-dir", type=click.Path(file_okay=False),
+# Not checked here (readable, a directory): the server starts as it does
+# from --config, and each call says what is wrong, as the rights stand then.
+@click.option("--state-dir", type=click.Path(readable=False),
               help="The daemon's state directory, where its flight recordings are "
                    "(default /var/lib/mmtrace).")
-@click.option("--socket", "socket_path", type=click.Path(dir_okay=False),
+@click.option("--socket", "socket_path", type=click.Path(readable=False),
               help="The daemon's socket (default /run/mmtrace/mmtrace.sock).")
 @click.option("--recordings", "recording_roots", type=click.Path(), multiple=True,
               help="Also let the tools read recordings in this directory, or this file; "
@@ -584,7 +586,12 @@ def explain(file, pids, window, last_s, as_json, socket_path):
 @click.option("--allow-dump", is_flag=True,
               help="Let the `dump` tool have the daemon write a flight recording now "
                    "(off: the server changes nothing).")
-def mcp(config_path, state_dir, socket_path, recording_roots, allow_dump):
+@click.option("--max-read-gib", type=click.FloatRange(min=0, min_open=True),
+              default=8.0, show_default=True,
+              help="The largest recording (GiB, its size as the file system says) a tool "
+                   "call reads; the server serves one call at a time, and 8 GiB takes "
+                   "about 20 s. A larger file is a tool error naming this flag.")
+def mcp(config_path, state_dir, socket_path, recording_roots, allow_dump, max_read_gib):
     """Serve the Model Context Protocol on stdin/stdout, for an AI assistant.
 
     An assistant (its MCP client starts this command) can then ask the
@@ -618,9 +625,9 @@ def mcp(config_path, state_dir, socket_path, recording_roots, allow_dump):
     log_format.configure("warning")
     flags = _RunFlags((), (), state_dir, socket_path, None, None)
     cfg, _ = _run_settings(Path(config_path) if config_path else None, flags)
-    serve(Investigation(cfg.socket, RecordingRoots(cfg.state_dir, [Path(p) for p in
-                                                                   recording_roots]),
-                        allow_dump=allow_dump))
+    roots = RecordingRoots(cfg.state_dir, [Path(p) for p in recording_roots],
+                           max_read_gib=max_read_gib)
+    serve(Investigation(cfg.socket, roots, allow_dump=allow_dump))
 
 
 def main():

@@ -16,11 +16,15 @@ CALL_TIMEOUT_S = 120.0
 
 
 class McpSession:
-    def __init__(self, args: list[str], log: Path, env: dict | None = None):
+    def __init__(self, args: list[str], log: Path, env: dict | None = None,
+                 as_user: list[str] = ()):
+        """`as_user`: a command that runs the server as another user
+        (setpriv --reuid=...), its arguments before mmtrace's."""
         self._errlog = open(log, "w")
         self._portal_cm = start_blocking_portal()
         self.portal = self._portal_cm.__enter__()
-        params = StdioServerParameters(command=str(MMTRACE), args=["mcp", *map(str, args)],
+        command = [*as_user, str(MMTRACE), "mcp", *map(str, args)]
+        params = StdioServerParameters(command=command[0], args=command[1:],
                                        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
                                             **(env or {})})
         before = set(_children())

@@ -4,20 +4,25 @@ of events: cut by the very functions that feed the P99 detector
 (latency_series), so a figure asked for is the detector's own. The live
 daemon asks it of its rings, `mmtrace mcp` of a recording's replay."""
 
+import re
+
 import numpy as np
 
 from mmtrace.agent.ingest import latency_series as ls
 from mmtrace.agent.ingest.percentiles import Percentiles
 
-KINDS = ("runq_delay", "sync_wait", "submit_to_retire")
 MAX_NAME = 200
+# as series_keys.SeriesKey writes them: anything else names no series, and
+# would answer "count 0" as if the series were quiet
+_NAME = re.compile(r"(?:runq_delay|submit_to_retire)\{pid=(?:0|[1-9][0-9]{0,9})\}"
+                   r"|sync_wait\{pid=(?:0|[1-9][0-9]{0,9}),stream=0x[0-9a-f]{1,16}\}")
 
 
 def check_name(name) -> str:
     """`name` when it names a kernel stream's series; ValueError saying what is
     expected otherwise."""
     if not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME \
-            or not any(name.startswith(k + "{") and name.endswith("}") for k in KINDS):
+            or not _NAME.fullmatch(name):
         shown = f"{len(name)} characters" if isinstance(name, str) and len(name) > 80 \
             else repr(name)
         raise ValueError(f"expected a series name such as runq_delay{{pid=1234}}, "

@@ -4,6 +4,7 @@ arrived, in one short line: never the value itself when it is long (a
 megabyte string must not come back whole)."""
 
 import json
+import math
 
 from jsonschema import Draft202012Validator
 
@@ -25,11 +26,42 @@ class Arguments:
         arguments = {} if arguments is None else arguments
         if not isinstance(arguments, dict):
             raise MmtraceError(f"expected the arguments as an object, got {shown(arguments)}")
+        for name, value in sorted(arguments.items()):
+            # NaN passes minimum and maximum (every comparison is false)
+            if isinstance(value, float) and not math.isfinite(value):
+                got = "NaN" if math.isnan(value) else repr(value)
+                raise MmtraceError(f"{str(name)[:SHOWN_CHARS]}: expected a finite number, "
+                                   f"got {got}")
         errors = sorted(self.validators[tool].iter_errors(arguments),
                         key=lambda e: (list(e.path), e.validator))
         if errors:
             raise MmtraceError(_message(errors[0], arguments))
         return arguments
+
+
+class Answers:
+    """Each answer checked against the tool's output schema before it goes
+    out: a client that checks it (the SDK's does) would otherwise fail the
+    whole call, where a tool error says which field did not fit."""
+
+    def __init__(self, tools: dict):
+        self.validators = {name: Draft202012Validator(spec["output"])
+                           for name, spec in tools.items()}
+
+    def check(self, tool: str, answer: dict) -> dict:
+        errors = sorted(self.validators[tool].iter_errors(answer),
+                        key=lambda e: (list(e.path), e.validator))
+        if not errors:
+            return answer
+        error = errors[0]
+        if error.validator == "required":
+            missing = [k for k in error.validator_value if k not in error.instance]
+            where = ".".join(str(p) for p in [*error.path, missing[0]])
+            problem = f"{where}: expected a value, got none"
+        else:
+            problem = _message(error, {})
+        raise MmtraceError(f"the answer does not fit the tool's output schema ({problem}); "
+                           "a daemon of another mmtrace version answers so")
 
 
 def _message(error, arguments: dict) -> str:

@@ -1,12 +1,25 @@
 """The MCP prompts: investigations an assistant can be started on, each a
 walk through the tools in the order the evidence is best read."""
 
+import unicodedata
+
 NAME = "investigate-latency-regression"
 DESCRIPTION = "Investigate a latency regression on this host, from mmtrace's own evidence."
 ARGUMENTS = [
     ("pid", "The process that got slower, if known."),
     ("when", "When it got slower (wall clock, e.g. 14:02), if known."),
 ]
+
+
+MAX_ARGUMENT_CHARS = 100
+
+
+def clean(value) -> str:
+    """A prompt argument as it goes into the text: one short line, without
+    control or format characters (a newline would start an instruction of
+    its own, a bidi override would show the reader other text than sent)."""
+    return "".join(c for c in str(value)
+                   if unicodedata.category(c) not in ("Cc", "Cf", "Zl", "Zp"))[:MAX_ARGUMENT_CHARS]
 
 
 def investigate(pid: str | None = None, when: str | None = None) -> str:

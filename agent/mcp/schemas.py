@@ -129,8 +129,9 @@ TOOLS = {
                               "flight_recording": {"type": "boolean"},
                               "trigger": {"type": ["object", "null"]}},
                              ["path", "size_bytes", "modified_utc", "trigger"])},
-                         "unreadable": {"type": "array", "items": {"type": "string"}}},
-                        ["roots", "recordings", "unreadable"]),
+                         "unreadable": {"type": "array", "items": {"type": "string"}},
+                         "cut": {"type": "array", "items": {"type": "string"}}},
+                        ["roots", "recordings", "unreadable", "cut"]),
     },
     "series": {
         "title": "Percentiles of one latency series",

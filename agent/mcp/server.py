@@ -17,12 +17,14 @@ from importlib.metadata import version
 import anyio
 import mcp_types as types
 from mcp.server.lowlevel import Server
+from mcp.shared.exceptions import MCPError
+from mcp_types import INVALID_PARAMS
 from mcp.server.stdio import stdio_server
 
 from mmtrace.agent import heap
 from mmtrace.agent.errors import MmtraceError
 from mmtrace.agent.mcp import prompts
-from mmtrace.agent.mcp.arguments import Arguments, shown
+from mmtrace.agent.mcp.arguments import Answers, Arguments, shown
 from mmtrace.agent.mcp.schemas import TOOLS
 from mmtrace.agent.mcp.tools import Investigation
 
@@ -37,7 +39,7 @@ INSTRUCTIONS = (
 
 
 def build(investigation: Investigation) -> Server:
-    checker = Arguments(TOOLS)
+    checker, answers = Arguments(TOOLS), Answers(TOOLS)
     one_at_a_time = anyio.CapacityLimiter(1)
 
     async def list_tools(ctx, params) -> types.ListToolsResult:
@@ -57,7 +59,7 @@ def build(investigation: Investigation) -> Server:
             arguments = checker.check(name, params.arguments)
             work = partial(_then_trim, getattr(investigation, name), arguments)
             answer = await anyio.to_thread.run_sync(work, limiter=one_at_a_time)
-            return _answer(answer)
+            return _answer(answers.check(name, _finite(answer)), name)
         except MmtraceError as exc:
             return _error(f"{name[:60]}: {exc.message}")
         except Exception as exc:            # a bug must cost one call, not the server
@@ -73,8 +75,9 @@ def build(investigation: Investigation) -> Server:
 
     async def get_prompt(ctx, params) -> types.GetPromptResult:
         if params.name != prompts.NAME:
-            raise MmtraceError(f"expected the prompt {prompts.NAME}, got {shown(params.name)}")
-        given = {k: str(v)[:100] for k, v in (params.arguments or {}).items()
+            raise MCPError(INVALID_PARAMS, f"expected the prompt {prompts.NAME}, got "
+                                           f"{shown(params.name)}")
+        given = {k: prompts.clean(v) for k, v in (params.arguments or {}).items()
                  if k in dict(prompts.ARGUMENTS)}
         return types.GetPromptResult(description=prompts.DESCRIPTION, messages=[
             types.PromptMessage(role="user",
@@ -95,20 +98,31 @@ def _then_trim(tool, arguments: dict):
         heap.trim()
 
 
-def _answer(answer: dict) -> types.CallToolResult:
+def _answer(answer: dict, tool: str) -> types.CallToolResult:
     """The answer as structured content and as its JSON text, or a tool error
-    when it is larger than an answer may be."""
-    answer = _finite(answer)
+    when it is larger than an answer may be: both go on the wire, so the
+    bound is on twice the text."""
     text = json.dumps(answer, allow_nan=False, default=str)
-    if len(text) > MAX_ANSWER_BYTES:
-        raise MmtraceError(f"the answer is {len(text):,} bytes, more than the "
-                           f"{MAX_ANSWER_BYTES:,} an answer may hold; narrow it (a pid, a "
-                           "window, a limit)")
+    wire = 2 * len(text.encode())
+    if wire > MAX_ANSWER_BYTES:
+        narrowing = [a for a in ("pid", "window", "window_s", "limit")
+                     if a in TOOLS[tool]["input"]["properties"]]
+        how = f"narrow it ({', '.join(narrowing)})" if narrowing else \
+            "it takes no arguments that narrow it"
+        raise MmtraceError(f"the answer is {wire:,} bytes on the wire (its JSON as text and "
+                           f"as structured content), more than the {MAX_ANSWER_BYTES:,} an "
+                           f"answer may hold; {how}")
     return types.CallToolResult(content=[types.TextContent(text=text)],
                                 structured_content=answer)
 
 
+MAX_ERROR_CHARS = 2000
+
+
 def _error(message: str) -> types.CallToolResult:
+    """A tool error, short: a daemon's or a file's text inside it may be long."""
+    if len(message) > MAX_ERROR_CHARS:
+        message = f"{message[:MAX_ERROR_CHARS]}... (cut: {len(message):,} characters)"
     return types.CallToolResult(content=[types.TextContent(text=message)], is_error=True)
 
 

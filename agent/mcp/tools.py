@@ -9,7 +9,9 @@ from pathlib import Path
 
 from mmtrace.agent.errors import MmtraceError
 from mmtrace.agent.recording.file_format import RecordingError
+from mmtrace.agent.mcp.arguments import shown
 from mmtrace.agent.mcp.roots import RecordingRoots
+from mmtrace.agent.mcp.wording import in_tool_terms
 from mmtrace.exporters.terminal import daemon_client
 from mmtrace.exporters.terminal.daemon_client import NoDaemon
 
@@ -70,14 +72,21 @@ class Investigation:
         return self._read(path, summarize)
 
     def recordings(self, limit: int = DEFAULT_RECORDINGS) -> dict:
-        return {"roots": [str(r) for r in self.roots.roots],
-                "recordings": self.roots.recordings(limit),
-                "unreadable": self.roots.unreadable()}
+        cut = []
+        listed = self.roots.recordings(limit, cut)
+        return {"roots": [str(r) for r in self.roots.roots], "recordings": listed,
+                "unreadable": self.roots.unreadable(), "cut": cut}
 
     # ------------------------------------------------------ either one
 
     def explain(self, pid: int | None = None, path: str | None = None,
                 window: str | None = None, last_s: float = 10.0) -> dict:
+        try:
+            return self._explain(pid, path, window, last_s)
+        except MmtraceError as exc:
+            raise MmtraceError(in_tool_terms(exc.message, window is not None)) from None
+
+    def _explain(self, pid, path, window, last_s) -> dict:
         from mmtrace.agent.recording.window_arg import parse_window
         span = parse_window(window)
         if path is not None:
@@ -94,9 +103,12 @@ class Investigation:
 
     def anomalies(self, path: str | None = None, limit: int = DEFAULT_ANOMALIES) -> dict:
         if path is None:
-            found, source = self.status()["anomalies"], "daemon"
+            found, source = self.status().get("anomalies"), "daemon"
         else:
-            found, source = self.report(path)["anomalies"], path
+            found, source = self.report(path).get("anomalies"), path
+        if not isinstance(found, list):
+            raise MmtraceError(f"expected a list of anomalies from the {source}, got "
+                               f"{shown(found)}")
         return {"source": source, "count": len(found), "anomalies": found[-limit:]}
 
     def hints(self, path: str | None = None) -> dict:

@@ -223,11 +223,13 @@ class RecordingReader:
     checksum holds says something no writer writes; a damaged or cut tail
     gives the intact prefix and a warning."""
 
-    def __init__(self, path, scan: bool = True):
+    def __init__(self, path, scan: bool = True, fd: int | None = None):
         """`scan=False` reads the header alone (a listing of recordings):
-        nothing past it is checked, so pieces() must not be used."""
+        nothing past it is checked, so pieces() must not be used. `fd`: a
+        regular file already opened (and checked) by the caller, read
+        instead of opening `path` by name again; the reader owns it."""
         self.path = Path(path)
-        self._fd = _open_regular(self.path)
+        self._fd = _open_regular(self.path) if fd is None else fd
         self.meta: list[dict] = []
         self.footer: dict | None = None
         self.warnings: list[str] = []

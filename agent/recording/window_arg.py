@@ -14,7 +14,8 @@ def parse_window(text: str | None) -> tuple[int, int] | None:
     digits or more (one unit for both ends)."""
     if text is None:
         return None
-    m = re.fullmatch(r"\s*(\d{1,20}(?:\.\d*)?)\s*:\s*(\d{1,20}(?:\.\d*)?)\s*", text)
+    # up to 64 digits: a long number is a range error, not a format one
+    m = re.fullmatch(r"\s*(\d{1,64}(?:\.\d*)?)\s*:\s*(\d{1,64}(?:\.\d*)?)\s*", text)
     if not m:
         raise MmtraceError(f"--window: expected START:END in seconds (12.5:20) or "
                            f"nanoseconds, got {text[:60]!r}")

@@ -4,7 +4,10 @@ asked type back. Imports nothing of the agent's: it is a client like a
 dispatcher."""
 
 import json
+import os
 import socket
+import stat
+import time
 from pathlib import Path
 
 MAX_REPLY = 4 << 20
@@ -21,7 +24,9 @@ class NoDaemon(Exception):
 def ask(path: Path, kind: str, timeout_s: float = 2.0, **fields) -> dict:
     """The daemon's `kind` reply to a `kind` request (with `fields`); NoDaemon when nobody
     listens or the socket is out of reach, ValueError when what answers
-    does not speak the protocol or refuses."""
+    does not speak the protocol or refuses. `timeout_s` bounds the whole
+    exchange, not each read: a peer that trickles a byte at a time is cut off."""
+    deadline = time.monotonic() + timeout_s
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout_s)
@@ -29,6 +34,10 @@ def ask(path: Path, kind: str, timeout_s: float = 2.0, **fields) -> dict:
             sock.sendall(json.dumps({"v": 1, "type": kind, **fields}).encode() + b"\n")
             buf = bytearray()
             while not buf.endswith(b"\n"):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise socket.timeout
+                sock.settimeout(left)
                 chunk = sock.recv(65536)
                 if not chunk:
                     break
@@ -36,6 +45,11 @@ def ask(path: Path, kind: str, timeout_s: float = 2.0, **fields) -> dict:
                 if len(buf) > MAX_REPLY:
                     raise ValueError(f"{kind} reply from {path} is over {MAX_REPLY} bytes")
     except (FileNotFoundError, ConnectionRefusedError) as exc:
+        kind = _not_a_socket(path)
+        if kind:
+            raise NoDaemon(f"expected the daemon's socket at {path}, got {kind}; is "
+                           "--socket (or the config's socket) right?",
+                           nobody_listens=True) from None
         raise NoDaemon(f"no mmtrace daemon is running: nothing listens on {path} "
                        f"({exc.strerror.lower()})", nobody_listens=True) from None
     except PermissionError:
@@ -61,6 +75,19 @@ def ask(path: Path, kind: str, timeout_s: float = 2.0, **fields) -> dict:
             raise ValueError(f"the daemon on {path} refused the {kind} request: "
                              f"{msg.get('message')}")
     raise ValueError(f"expected a {kind} reply from {path}, got {bytes(buf[:200])!r}")
+
+
+def _not_a_socket(path: Path) -> str | None:
+    """What is at `path` when it is there and no socket (connecting to any
+    such says "connection refused", which misleads)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISSOCK(mode):
+        return None
+    return {stat.S_IFDIR: "a directory", stat.S_IFREG: "a regular file",
+            stat.S_IFIFO: "a FIFO"}.get(stat.S_IFMT(mode), "not a socket")
 
 
 MAX_LIVE_EXPLAIN_NS = 3600 * 10**9     # what the daemon explains at most (its rings hold less)
