@@ -185,6 +185,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "detection.json")
     args = p.parse_args(argv)
+    # Stopped early, it still stops its daemon, workers and background jobs.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rng = random.Random(args.seed)
     tmp = Path(tempfile.mkdtemp(prefix="mmtrace-detection-"))
     worker_bin = build(tmp)
