@@ -410,10 +410,12 @@ def python_cpu(natives, events: int) -> dict:
             "aligner_us_per_event": align_cpu / max(total, 1) * 1e6}
 
 
-def record_loss(natives, launches: int, repeat: int) -> dict:
+def record_loss(natives, launches: int, repeat: int, return_every: int = 64) -> dict:
     """`mmtrace record --pid P --lib libcudart` over `launches` back-to-back
     cudaLaunchKernel calls: how many the recording holds, and what the
-    kernel counted lost, per run."""
+    kernel counted lost, per run. `return_every`: record's
+    --launch-return-every (0: no return probed, every launch in one line;
+    else, with no driver here, every launch fails and goes whole)."""
     mmtrace = Path(sys.executable).parent / "mmtrace"
     runs = []
     for _ in range(repeat):
@@ -421,7 +423,8 @@ def record_loss(natives, launches: int, repeat: int) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "loop.mmtr"
             rec = subprocess.Popen([str(mmtrace), "record", "-o", str(out), "--pid",
-                                    str(loop.pid), "--lib", str(natives.cudart)],
+                                    str(loop.pid), "--lib", str(natives.cudart),
+                                    "--launch-return-every", str(return_every)],
                                    stderr=subprocess.PIPE, text=True)
             try:
                 for line in rec.stderr:
@@ -535,6 +538,8 @@ def main(argv=None):
     parser.add_argument("--events", type=int, default=300_000)
     parser.add_argument("--record-launches", type=int, default=300_000)
     parser.add_argument("--record-repeat", type=int, default=3)
+    parser.add_argument("--record-return-every", type=int, default=64,
+                        help="record's --launch-return-every (0: every launch in one line)")
     parser.add_argument("--only", choices=["per_call", "pieces", "adaptive", "python_cpu",
                                            "record", "daemon"],
                         action="append", help="run these sections only (repeatable)")
@@ -562,7 +567,8 @@ def main(argv=None):
             "adaptive": lambda: adaptive(natives, args.iterations, args.launches_per_sync,
                                          args.launch_ns, args.repeat),
             "python_cpu": lambda: python_cpu(natives, args.events),
-            "record": lambda: record_loss(natives, args.record_launches, args.record_repeat),
+            "record": lambda: record_loss(natives, args.record_launches, args.record_repeat,
+                                          args.record_return_every),
             "daemon": lambda: daemon_loss(natives, args.record_launches, args.record_repeat),
         }
         results = {name: run() for name, run in sections.items() if name in wanted}
