@@ -284,11 +284,11 @@ class TimeSplit:
         blocking copies, submissions, failed calls, bytes, and the NPU's
         submit-to-retire."""
         r = self.roles
-        events = events[np.isin(events["kind"], r.exported_kinds)]
+        exported = np.isin(events["kind"], r.exported_kinds)
         sane = (events["ts_ns"] < MAX_TS_NS) & (events["duration_ns"] < MAX_INTERVAL_NS)
-        if not sane.all():
-            self.dropped += int((~sane).sum())
-            events = events[sane]
+        self.dropped += int((exported & ~sane).sum())
+        if not (exported & sane).all():     # (a copy of every row otherwise)
+            events = events[exported & sane]
         if not len(events):
             return
         ts = events["ts_ns"].astype(np.int64)
