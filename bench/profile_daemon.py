@@ -8,13 +8,15 @@ the share of samples in which a function is on the stack (inclusive) and
 at its top (self), its line numbers dropped. Waits are not samples (py-spy
 leaves idle threads out, and the waits it does not tell are dropped here).
 
+With --soak-mix, the soak's GPU and NPU loops run and are traced too
+(bench/soak.py's mix, without its dispatcher and flight recordings).
 With --baseline-rev, that revision's daemon runs beside this tree's on
-the same process, sampled over the same seconds, and each one's CPU over
+the same processes, sampled over the same seconds, and each one's CPU over
 them comes from /proc/PID/stat.
 
 Needs root. Usage:
     .venv/bin/python bench/profile_daemon.py [--rate 20000] [--seconds 60] [--top 25]
-        [--baseline-rev REV]
+        [--baseline-rev REV] [--soak-mix]
 """
 
 import argparse
@@ -69,18 +71,34 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
-def start_daemon(pid: int, tmp: Path, env: dict) -> subprocess.Popen:
+def start_daemon(pids, tmp: Path, env: dict, extra=()) -> subprocess.Popen:
     tmp.mkdir()
     daemon = subprocess.Popen(
-        [sys.executable, "-m", "mmtrace.agent", "run", "--pid", str(pid),
+        [sys.executable, "-m", "mmtrace.agent", "run",
+         *[a for p in pids for a in ("--pid", str(p))],
          "--state-dir", tmp / "state", "--socket", tmp / "hint.sock",
-         "--metrics-address", "127.0.0.1:0"],
+         "--metrics-address", "127.0.0.1:0", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     for line in daemon.stdout:
         if "tracing:" in line:
             break
     threading.Thread(target=lambda: collections.deque(daemon.stdout, 0), daemon=True).start()
     return daemon
+
+
+def soak_loops(tmp: Path):
+    """The soak's GPU and NPU loops, paced as it paces them (not started),
+    their pids, and the daemon's arguments that trace them."""
+    from gpu_fixtures import build_natives
+    from soak import Paced
+    natives = build_natives(tmp / "natives")
+    ascend_loop = native.build(ROOT / "bench" / "ascend_loop.c",
+                               flags=[f"-I{native.NATIVE}", str(natives.ascendcl),
+                                      str(natives.opapi), f"-Wl,-rpath,{natives.dir}"])
+    loops = [Paced([natives.launch_loop], 2000), Paced([ascend_loop], 500)]
+    extra = ["--trace-launches"] + [a for lib in (natives.cudart, natives.ascendcl, natives.opapi)
+                                    for a in ("--lib", lib)]
+    return loops, [loop.proc.pid for loop in loops], extra
 
 
 def show(label: str, total: int, inclusive, own, cpu_percent: float, top: int):
@@ -103,6 +121,9 @@ def main():
     parser.add_argument("--sample-rate", type=int, default=1000, help="py-spy samples a second")
     parser.add_argument("--baseline-rev", help="git revision profiled side by side")
     parser.add_argument("--raw", type=Path, help="keep py-spy's samples in this folder")
+    parser.add_argument("--soak-mix", action="store_true",
+                        help="the soak's GPU and NPU loops too (bench/soak.py: launch_loop on "
+                             "the real libcudart, ascend_loop on the stand-ins), traced")
     args = parser.parse_args()
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     binary = native.build(ROOT / "bench" / "paced_wakeups.c", flags=["-pthread"])
@@ -111,9 +132,13 @@ def main():
     assert pacer.stdout.readline().startswith("ready")
     pacer.stdin.write(f"{args.warmup + args.seconds + 120}\n")     # from the start on
     pacer.stdin.flush()
-    daemons = {}
+    daemons, loops = {}, []
+    pids, extra = [pacer.pid], []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
+        if args.soak_mix:
+            loops, more, extra = soak_loops(tmp)
+            pids += more
         envs = {"this tree": dict(os.environ)}
         if args.baseline_rev:
             envs[args.baseline_rev] = baseline_env(args.baseline_rev, tmp / "baseline")
@@ -121,7 +146,9 @@ def main():
         raw_dir.mkdir(parents=True, exist_ok=True)
         try:
             for i, (label, env) in enumerate(envs.items()):
-                daemons[label] = start_daemon(pacer.pid, tmp / f"d{i}", env)
+                daemons[label] = start_daemon(pids, tmp / f"d{i}", env, extra)
+            for loop in loops:
+                loop.start()
             time.sleep(args.warmup)
             before = {label: cpu_s(d.pid) for label, d in daemons.items()}
             spies = {label: subprocess.Popen(
@@ -143,10 +170,13 @@ def main():
             for d in daemons.values():
                 d.terminate()
                 d.wait(60)
+            for loop in loops:
+                loop.stop()
             pacer.kill()
             pacer.wait(10)
-    print(f"\n{args.seconds:g} s sampled at {args.rate} run-queue events/s; both daemons "
-          f"side by side on the same process")
+    mix = " with the soak's GPU and NPU loops" if args.soak_mix else ""
+    print(f"\n{args.seconds:g} s sampled at {args.rate} run-queue events/s{mix}; the daemons "
+          f"side by side on the same processes")
 
 
 if __name__ == "__main__":

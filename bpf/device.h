@@ -107,7 +107,7 @@ struct dev_named_event {
 
 /* A kernel launch in one cache line: the hot path's record. What a launch
  * shares with its thread (pid, comm) or its call site (the outer caller)
- * userspace knows from earlier records (agent/kernel/device_ring.py widens
+ * userspace knows from earlier records (agent/kernel/launch_records.py widens
  * it into DEV_EVENT); what is always narrow here is narrowed. A launch
  * whose facts do not fit goes on dev_events whole (launch_compact). No
  * padding: every byte is written. */
