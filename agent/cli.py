@@ -145,9 +145,10 @@ class Seconds(click.ParamType):
                    "syncs and graph launches always have theirs.")
 @click.option("--device-ringbuf-mib", type=click.IntRange(1, 1024), default=8,
               show_default=True,
-              help="The kernel's GPU/NPU ring buffer, in MiB (a power of two): 8 holds a burst "
-                   "of 55 000 launches back to back whole; the recorder is woken to drain it "
-                   "at an eighth to a quarter full. Kernel memory, mapped here.")
+              help="The kernel's GPU/NPU call ring, in MiB (a power of two), and its launch "
+                   "ring at half of it: 8 holds a burst of 55 000 launches back to back whole "
+                   "on either; the recorder is woken to drain them at an eighth to a quarter "
+                   "full. Kernel memory, mapped here.")
 def record(output, duration, pids, libs, nice, socket_path, launch_return_every,
            device_ringbuf_mib):
     """Record the CPU, GPU and NPU streams to a file for later analysis.

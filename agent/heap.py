@@ -10,6 +10,7 @@ best effort: without glibc they do nothing."""
 import ctypes
 import ctypes.util
 import functools
+import os
 
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 256 * 1024
@@ -35,3 +36,13 @@ def trim() -> bool:
     """Give the free pages of malloc's arenas back to the kernel."""
     malloc_trim = getattr(libc(), "malloc_trim", None)
     return bool(malloc_trim is not None and malloc_trim(0))
+
+
+def resident_bytes() -> int:
+    """The process's resident set (/proc/self/statm); 0 where unreadable.
+    A read of a few microseconds, where a trim walks the whole heap."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

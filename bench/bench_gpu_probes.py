@@ -8,7 +8,12 @@
    bcc). The trap dominates; the goal is traced / empty <= 1.15. Measured
    twice: on libcudart.so.12, and on the same loop built by nvcc the
    default way, its runtime (CUDA 13) linked statically into the
-   executable (skipped without nvcc).
+   executable (skipped without nvcc; --skip-static). Beside them, in the
+   same rounds: the decoder sending every launch whole (the 144-byte
+   record, as before the one-line record), floors (ring records of 144,
+   64 and 56 bytes, a bpftrace-like map update), medians of each round's
+   ratio, and each program's own ns per run as the kernel times it
+   (bench/program_time.py: no trap in it).
    Piece by piece (--only pieces, bench/launch_pieces.py): a ladder of
    programs, each adding one piece of the decoder, beside mmtrace's own.
 2. The adaptive mode: a launch-heavy loop (L launches per memcpy + sync)
@@ -55,6 +60,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from native import NATIVE, nvcc_build  # noqa: E402
 
 import launch_pieces as launch_pieces_module  # noqa: E402
+import program_time  # noqa: E402
 
 EMPTY_PROGRAM = "int empty(struct pt_regs *ctx) { return 0; }"
 # What any per-launch tracer pays beyond the trap, as floors beside
@@ -82,6 +88,26 @@ static __always_inline int ring_record_of(struct pt_regs *ctx, u32 size)
 int ring_record(struct pt_regs *ctx) { return ring_record_of(ctx, 144); }
 int ring_record_small(struct pt_regs *ctx) { return ring_record_of(ctx, 24); }   /* a cache line */
 
+/* Every byte written, as a decoder's record is: 144 bytes (struct
+ * dev_event), 64 (struct dev_launch), 56 (a cache line with the header). */
+static __always_inline int ring_written_of(struct pt_regs *ctx, u32 words)
+{
+    u64 *p = floor_ring.ringbuf_reserve(words * 8);
+    if (!p)
+        return 0;
+    u64 v = bpf_ktime_get_ns();
+#pragma unroll
+    for (u32 i = 0; i < 18; i++)
+        if (i < words)
+            p[i] = v + i;
+    floor_ring.ringbuf_submit(p, BPF_RB_NO_WAKEUP);
+    return 0;
+}
+
+int ring_written_144(struct pt_regs *ctx) { return ring_written_of(ctx, 18); }
+int ring_written_64(struct pt_regs *ctx) { return ring_written_of(ctx, 8); }
+int ring_written_56(struct pt_regs *ctx) { return ring_written_of(ctx, 7); }
+
 int args_map(struct pt_regs *ctx)
 {
     u64 v = PT_REGS_PARM1(ctx) ^ PT_REGS_PARM2(ctx) ^ PT_REGS_PARM3(ctx)
@@ -92,6 +118,12 @@ int args_map(struct pt_regs *ctx)
 }
 """
 RING_PAGES = 1 << 15     # 128 MiB: 600k device events
+# Floor rows of per_call: their program in FLOOR_PROGRAM.
+FLOORS = {"floor_ring_single": "ring_record", "floor_small_ring_single": "ring_record_small",
+          "floor_written_144_single": "ring_written_144",
+          "floor_written_64_single": "ring_written_64",
+          "floor_written_56_single": "ring_written_56",
+          "floor_args_map_single": "args_map"}
 
 
 class Loop:
@@ -162,23 +194,40 @@ def per_call(loop_binary: Path, runtime: Path, calls: int, repeat: int) -> dict:
     # fails, so every return is probed (a storm of failures is counted
     # whole); "multi_entry" (launch_return_every 0) is the entry decoder
     # alone, what a process whose launches succeed pays 63 calls in 64.
-    for mode, every in (("multi", 64), ("multi_entry", 0), ("single", 64)):
+    # "single_whole": the decoder sending every launch as a whole 144-byte
+    # record, as before launches went in one cache line.
+    for mode, every in (("multi", 64), ("multi_entry", 0), ("single", 64),
+                        ("single_whole", 64)):
         # A ring that holds a whole run: a full ring drops events, and a
         # dropped event costs less than a delivered one.
         traced[mode] = probes.load(probes.ProbeOptions(
             attach_mode=mode.split("_")[0], trace_launches=False, dev_ringbuf_pages=RING_PAGES,
-            launch_return_every=every))
+            launch_return_every=every,
+            extra_cflags=["-DMMTRACE_LAUNCH_WHOLE"] if mode == "single_whole" else []))
         traced[mode].device.add_path(str(runtime))
+
+    # ns per run of each program itself, as the kernel times it (beside
+    # the wall time, which holds the trap too)
+    program_ns: dict = {}
+
+    def kernel_timed(name, fds, run):
+        def timed():
+            took, ns = program_time.timed_runs(fds() if callable(fds) else fds, run)
+            program_ns.setdefault(name, []).append(ns)
+            return took
+        return timed
 
     def run_untraced():
         return loop.run(calls)
 
-    def run_empty_single():
-        return launch_pieces_module.uprobe_run(empty_bcc, "empty", runtime, loop, calls,
-                                               drain=False)
+    run_empty_single = kernel_timed("empty_single", [empty_bcc.load_func(
+        b"empty", bcc.BPF.KPROBE).fd], lambda: launch_pieces_module.uprobe_run(
+            empty_bcc, "empty", runtime, loop, calls, drain=False))
 
-    def run_floor(fn_name):
-        return lambda: launch_pieces_module.uprobe_run(floors, fn_name, runtime, loop, calls)
+    def run_floor(name, fn_name):
+        return kernel_timed(name, [floors.load_func(fn_name.encode(), bcc.BPF.KPROBE).fd],
+                            lambda: launch_pieces_module.uprobe_run(floors, fn_name, runtime,
+                                                                    loop, calls))
 
     def run_empty_multi():
         _, link = empty_multi_link(runtime, program=empty_multi)
@@ -197,18 +246,22 @@ def per_call(loop_binary: Path, runtime: Path, calls: int, repeat: int) -> dict:
                 loaded.device.detach_launches()
             delivered.setdefault(mode, []).append(sum(len(b) for b in _drain(loaded)))
             return took
-        return run
+        def launch_fds():       # loaded once attached
+            return [fd for name, fd in traced[mode].figures()["programs"].items()
+                    if name == "on_cudaLaunchKernel"]
+        return kernel_timed(f"traced_{mode}", launch_fds, run) if mode.startswith(
+            "single") else run
 
     delivered: dict = {}
     configs = {"untraced": run_untraced, "empty_multi": run_empty_multi,
                "traced_multi": run_traced("multi"),
                "traced_multi_entry": run_traced("multi_entry"),
                "empty_single": run_empty_single, "traced_single": run_traced("single"),
-               "floor_ring_single": run_floor("ring_record"),
-               "floor_small_ring_single": run_floor("ring_record_small"),
-               "floor_args_map_single": run_floor("args_map")}
+               "traced_single_whole": run_traced("single_whole"),
+               **{floor: run_floor(floor, fn) for floor, fn in FLOORS.items()}}
     try:
-        best = launch_pieces_module.interleaved_best(loop, calls, repeat, configs)
+        with program_time.RunTimeStats():
+            rounds = launch_pieces_module.interleaved_rounds(loop, calls, repeat, configs)
     finally:
         loop.close()
         for loaded in traced.values():
@@ -217,10 +270,20 @@ def per_call(loop_binary: Path, runtime: Path, calls: int, repeat: int) -> dict:
         empty_bcc.cleanup()
         empty_multi.cleanup()
         floors.cleanup()
-    out = {f"{name}_ns": t / calls * 1e9 for name, t in best.items()}
-    for floor in ("floor_ring_single", "floor_small_ring_single", "floor_args_map_single"):
+    out = {f"{name}_ns": min(ts) / calls * 1e9 for name, ts in rounds.items()}
+    # Medians of the same rounds: each round's ratio to the empty program
+    # of that round, so that a slow moment of the host cancels out.
+    empty = rounds["empty_single"]
+    for name in configs:
+        if "_single" in name and name != "empty_single":
+            out[f"{name}_median_vs_empty"] = statistics.median(
+                t / e for t, e in zip(rounds[name], empty))
+    for name, ns in program_ns.items():
+        out[f"{name}_program_ns"] = statistics.median(ns)
+        out[f"{name}_program_ns_rounds"] = ns
+    for floor in FLOORS:
         out[f"{floor}_vs_empty"] = out[f"{floor}_ns"] / out["empty_single_ns"]
-    for mode in ("multi", "multi_entry", "single"):
+    for mode in ("multi", "multi_entry", "single", "single_whole"):
         out[f"traced_{mode}_events_per_call"] = min(delivered[mode]) / calls
         t, u = out[f"traced_{mode}_ns"], out["untraced_ns"]
         e = out[f"empty_{mode.split('_')[0]}_ns"]
@@ -249,8 +312,12 @@ def launch_pieces(loop_binary: Path, runtime: Path, calls: int, repeat: int) -> 
             loaded.device.detach_launches()
             _drain(loaded)
 
+    def traced_fds():           # loaded once attached
+        return [fd for name, fd in loaded.figures()["programs"].items()
+                if name == "on_cudaLaunchKernel"]
+
     try:
-        return launch_pieces_module.pieces(loop, runtime, calls, repeat, traced)
+        return launch_pieces_module.pieces(loop, runtime, calls, repeat, traced, traced_fds)
     finally:
         loop.close()
         loaded.close()
@@ -343,10 +410,12 @@ def python_cpu(natives, events: int) -> dict:
             "aligner_us_per_event": align_cpu / max(total, 1) * 1e6}
 
 
-def record_loss(natives, launches: int, repeat: int) -> dict:
+def record_loss(natives, launches: int, repeat: int, return_every: int = 64) -> dict:
     """`mmtrace record --pid P --lib libcudart` over `launches` back-to-back
     cudaLaunchKernel calls: how many the recording holds, and what the
-    kernel counted lost, per run."""
+    kernel counted lost, per run. `return_every`: record's
+    --launch-return-every (0: no return probed, every launch in one line;
+    else, with no driver here, every launch fails and goes whole)."""
     mmtrace = Path(sys.executable).parent / "mmtrace"
     runs = []
     for _ in range(repeat):
@@ -354,7 +423,8 @@ def record_loss(natives, launches: int, repeat: int) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "loop.mmtr"
             rec = subprocess.Popen([str(mmtrace), "record", "-o", str(out), "--pid",
-                                    str(loop.pid), "--lib", str(natives.cudart)],
+                                    str(loop.pid), "--lib", str(natives.cudart),
+                                    "--launch-return-every", str(return_every)],
                                    stderr=subprocess.PIPE, text=True)
             try:
                 for line in rec.stderr:
@@ -468,9 +538,13 @@ def main(argv=None):
     parser.add_argument("--events", type=int, default=300_000)
     parser.add_argument("--record-launches", type=int, default=300_000)
     parser.add_argument("--record-repeat", type=int, default=3)
+    parser.add_argument("--record-return-every", type=int, default=64,
+                        help="record's --launch-return-every (0: every launch in one line)")
     parser.add_argument("--only", choices=["per_call", "pieces", "adaptive", "python_cpu",
                                            "record", "daemon"],
                         action="append", help="run these sections only (repeatable)")
+    parser.add_argument("--skip-static", action="store_true",
+                        help="per_call on the shared libcudart only, not the static runtime")
     parser.add_argument("-o", "--output", default=str(ROOT / "bench" / "out" / "gpu_probes.json"))
     args = parser.parse_args(argv)
     from gpu_fixtures import build_natives, build_program
@@ -493,13 +567,17 @@ def main(argv=None):
             "adaptive": lambda: adaptive(natives, args.iterations, args.launches_per_sync,
                                          args.launch_ns, args.repeat),
             "python_cpu": lambda: python_cpu(natives, args.events),
-            "record": lambda: record_loss(natives, args.record_launches, args.record_repeat),
+            "record": lambda: record_loss(natives, args.record_launches, args.record_repeat,
+                                          args.record_return_every),
             "daemon": lambda: daemon_loss(natives, args.record_launches, args.record_repeat),
         }
         results = {name: run() for name, run in sections.items() if name in wanted}
         static_loop = nvcc_build(NATIVE / "launch_loop.c", "-cudart", "static", f"-I{NATIVE}",
-                                 name="launch_loop-static") if "per_call" in wanted else None
+                                 name="launch_loop-static") if (
+            "per_call" in wanted and not args.skip_static) else None
         if static_loop is not None:
+            # A private copy too: tests running beside may probe the built one.
+            static_loop = Path(shutil.copy(static_loop, cudart.parent / static_loop.name))
             results["per_call_static"] = per_call(static_loop, static_loop, args.calls,
                                                   args.repeat)
     print_table(results)
@@ -521,6 +599,9 @@ def per_call_rows(c: dict, what: str) -> list[tuple]:
          f"{c['traced_multi_entry_vs_empty']:.3f}x empty (goal <= 1.15); decoder "
          f"{c['decoder_ns_multi_entry']:.0f} ns"),
         ("  + empty program, bcc uprobe", f"{c['empty_single_ns']:.0f} ns/call", ""),
+        ("  + mmtrace, bcc uprobe, every launch a whole 144-byte record",
+         f"{c['traced_single_whole_ns']:.0f} ns/call",
+         f"{c['traced_single_whole_vs_empty']:.3f}x empty"),
         ("  + mmtrace, bcc uprobe per symbol", f"{c['traced_single_ns']:.0f} ns/call",
          f"{c['traced_single_vs_empty']:.3f}x empty (goal <= 1.15); decoder "
          f"{c['decoder_ns_single']:.0f} ns"),
@@ -533,7 +614,16 @@ def per_call_rows(c: dict, what: str) -> list[tuple]:
         ("  + floor: six arguments read, one map update (bcc uprobe)",
          f"{c['floor_args_map_single_ns']:.0f} ns/call",
          f"{c['floor_args_map_single_vs_empty']:.3f}x empty"),
-    ]
+    ] + [(f"  {what}, median of round ratios", f"{c[f'{name}_median_vs_empty']:.3f}x", "")
+         for name, what in (("traced_single", "mmtrace, bcc uprobe"),
+                            ("traced_single_whole", "mmtrace, every launch whole (before)"),
+                            ("floor_written_144_single", "floor: 144 bytes written"),
+                            ("floor_written_64_single", "floor: 64 bytes written"),
+                            ("floor_written_56_single", "floor: 56 bytes written"),
+                            ("floor_ring_single", "floor: 144 bytes, stamped"),
+                            ("floor_small_ring_single", "floor: 24 bytes, stamped"),
+                            ("floor_args_map_single", "floor: six arguments, a map update"))
+         if f"{name}_median_vs_empty" in c]
 
 
 def print_table(r: dict):

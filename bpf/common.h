@@ -66,7 +66,7 @@ static __always_inline void count(u32 which)
  * ring is at most about a quarter full when its reader is woken (userspace
  * sizes the period from the ring and the CPU count); at low rates the
  * reader drains on its own timer. Slot 0: run-queue ring, 1: device ring,
- * 2: the device names ring. */
+ * 2: the device names ring, 3: the launch ring. */
 #ifndef MMTRACE_RUNQ_WAKEUP_EVERY
 #define MMTRACE_RUNQ_WAKEUP_EVERY 1024
 #endif
@@ -76,7 +76,10 @@ static __always_inline void count(u32 which)
 #ifndef MMTRACE_DEV_NAMES_WAKEUP_EVERY
 #define MMTRACE_DEV_NAMES_WAKEUP_EVERY 64
 #endif
-BPF_PERCPU_ARRAY(ringbuf_submitted, u64, 3);
+#ifndef MMTRACE_DEV_LAUNCH_WAKEUP_EVERY
+#define MMTRACE_DEV_LAUNCH_WAKEUP_EVERY 512
+#endif
+BPF_PERCPU_ARRAY(ringbuf_submitted, u64, 4);
 
 static __always_inline u64 ringbuf_wakeup_flag(u32 ring, u64 every)
 {

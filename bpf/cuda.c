@@ -24,77 +24,59 @@ struct cu_launch_config {
     u64 stream;
 };
 
-/* Who called a runtime launch: <<<>>> compiles into a host stub per kernel
- * (__device_stub__<kernel>) that calls the launch, directly or through a
- * static helper, so the caller names the kernel when the handle cannot
- * (an opaque cudaKernel_t whose __cudaGetKernel ran before tracing). At
- * entry [rsp] is the return address (read by the decoders with the stack
- * arguments where they have some); [rbp + 8] is the caller's own when the
- * caller keeps a frame pointer (nvcc's default -O0 host code does), else
- * rbp leads nowhere and it reads as 0. */
-static __always_inline void set_outer_caller(struct pt_regs *ctx, struct dev_event *ev)
-{
-    if (bpf_probe_read_user(&ev->outer_return_ip, sizeof(ev->outer_return_ip),
-                            (void *)(PT_REGS_FP(ctx) + 8)) != 0)
-        ev->outer_return_ip = 0;
-}
-
 /* Grid and block sizes of the Ex launches' config structs. */
-static __always_inline void set_shape(struct dev_event *ev, const u32 grid[3],
+static __always_inline void set_shape(struct launch_args *a, const u32 grid[3],
                                       const u32 block[3])
 {
-    ev->grid_x = grid[0];
-    ev->grid_y = grid[1];
-    ev->grid_z = grid[2];
-    ev->block_x = block[0];
-    ev->block_y = block[1];
-    ev->block_z = block[2];
+    a->grid[0] = grid[0];
+    a->grid[1] = grid[1];
+    a->grid[2] = grid[2];
+    a->block[0] = block[0];
+    a->block[1] = block[1];
+    a->block[2] = block[2];
 }
 
 /* cudaLaunchKernel / cudaLaunchCooperativeKernel (const void *func, dim3
  * gridDim, dim3 blockDim, void **args, size_t sharedMem, cudaStream_t
  * stream): a 12-byte dim3 by value takes two registers (x | y << 32, z).
  * func may be a cudaKernel_t: nvcc 13's <<<>>> passes the one
- * __cudaGetKernel made, through __cudaLaunchKernel. */
+ * __cudaGetKernel made, through __cudaLaunchKernel (so its callers, the
+ * return address and the outer caller, name it: launch_send). */
 static __always_inline int launch_runtime(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    int timed;
-    struct dev_event *ev = launch_event(ctx, api, DEV_LAUNCH, &timed, 0);
-    if (!ev)
+    if (!in_scope())
         return 1;
+    struct launch_args a = { .outer = 1 };
     u64 grid_xy = PT_REGS_PARM2(ctx), block_xy = PT_REGS_PARM4(ctx);
-    ev->handle = PT_REGS_PARM1(ctx);
-    ev->grid_x = (u32)grid_xy;
-    ev->grid_y = grid_xy >> 32;
-    ev->grid_z = (u32)PT_REGS_PARM3(ctx);
-    ev->block_x = (u32)block_xy;
-    ev->block_y = block_xy >> 32;
-    ev->block_z = (u32)PT_REGS_PARM5(ctx);
+    a.handle = PT_REGS_PARM1(ctx);
+    a.grid[0] = (u32)grid_xy;
+    a.grid[1] = grid_xy >> 32;
+    a.grid[2] = (u32)PT_REGS_PARM3(ctx);
+    a.block[0] = (u32)block_xy;
+    a.block[1] = block_xy >> 32;
+    a.block[2] = (u32)PT_REGS_PARM5(ctx);
     u64 stack[3];   /* the return address, then the stack arguments */
-    read_user(ev, stack, sizeof(stack), STACK_ARG(ctx, 0));
-    ev->return_ip = stack[0];
-    ev->shared_mem_bytes = stack[1];
-    ev->stream_handle = stack[2];
-    set_outer_caller(ctx, ev);
-    return launch_done(ctx, ev, slot, timed, 0);
+    read_user_flagged(&a.flags, stack, sizeof(stack), STACK_ARG(ctx, 0));
+    a.return_ip = stack[0];
+    a.shared_mem_bytes = stack[1];
+    a.stream_handle = stack[2];
+    return launch_send(ctx, &a, api, slot);
 }
 
 /* cudaLaunchKernelExC(const cudaLaunchConfig_t *config, const void *func, void **args) */
 static __always_inline int launch_runtime_ex(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    int timed;
-    struct dev_event *ev = launch_event(ctx, api, DEV_LAUNCH, &timed, 0);
-    if (!ev)
+    if (!in_scope())
         return 1;
-    ev->handle = PT_REGS_PARM2(ctx);
+    struct launch_args a = { .outer = 1 };
+    a.handle = PT_REGS_PARM2(ctx);
     struct cuda_launch_config cfg;
-    read_user(ev, &cfg, sizeof(cfg), (void *)PT_REGS_PARM1(ctx));
-    set_shape(ev, cfg.grid, cfg.block);
-    ev->shared_mem_bytes = cfg.shared_mem;
-    ev->stream_handle = cfg.stream;
-    read_user(ev, &ev->return_ip, sizeof(ev->return_ip), STACK_ARG(ctx, 0));
-    set_outer_caller(ctx, ev);
-    return launch_done(ctx, ev, slot, timed, 0);
+    read_user_flagged(&a.flags, &cfg, sizeof(cfg), (void *)PT_REGS_PARM1(ctx));
+    set_shape(&a, cfg.grid, cfg.block);
+    a.shared_mem_bytes = cfg.shared_mem;
+    a.stream_handle = cfg.stream;
+    read_user_flagged(&a.flags, &a.return_ip, sizeof(a.return_ip), STACK_ARG(ctx, 0));
+    return launch_send(ctx, &a, api, slot);
 }
 
 /* cuLaunchKernel / cuLaunchCooperativeKernel (CUfunction f, unsigned gridX,
@@ -102,38 +84,36 @@ static __always_inline int launch_runtime_ex(struct pt_regs *ctx, u16 api, u32 s
  * hStream, ...): 32-bit stack slots hold garbage in their upper halves. */
 static __always_inline int launch_driver(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    int timed;
-    struct dev_event *ev = launch_event(ctx, api, DEV_LAUNCH, &timed, 0);
-    if (!ev)
+    if (!in_scope())
         return 1;
-    ev->handle = PT_REGS_PARM1(ctx);
-    ev->grid_x = (u32)PT_REGS_PARM2(ctx);
-    ev->grid_y = (u32)PT_REGS_PARM3(ctx);
-    ev->grid_z = (u32)PT_REGS_PARM4(ctx);
-    ev->block_x = (u32)PT_REGS_PARM5(ctx);
-    ev->block_y = (u32)PT_REGS_PARM6(ctx);
+    struct launch_args a = {};
+    a.handle = PT_REGS_PARM1(ctx);
+    a.grid[0] = (u32)PT_REGS_PARM2(ctx);
+    a.grid[1] = (u32)PT_REGS_PARM3(ctx);
+    a.grid[2] = (u32)PT_REGS_PARM4(ctx);
+    a.block[0] = (u32)PT_REGS_PARM5(ctx);
+    a.block[1] = (u32)PT_REGS_PARM6(ctx);
     u64 stack[3];
-    read_user(ev, stack, sizeof(stack), STACK_ARG(ctx, 1));
-    ev->block_z = (u32)stack[0];
-    ev->shared_mem_bytes = (u32)stack[1];
-    ev->stream_handle = stack[2];
-    return launch_done(ctx, ev, slot, timed, 0);
+    read_user_flagged(&a.flags, stack, sizeof(stack), STACK_ARG(ctx, 1));
+    a.block[2] = (u32)stack[0];
+    a.shared_mem_bytes = (u32)stack[1];
+    a.stream_handle = stack[2];
+    return launch_send(ctx, &a, api, slot);
 }
 
 /* cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra) */
 static __always_inline int launch_driver_ex(struct pt_regs *ctx, u16 api, u32 slot)
 {
-    int timed;
-    struct dev_event *ev = launch_event(ctx, api, DEV_LAUNCH, &timed, 0);
-    if (!ev)
+    if (!in_scope())
         return 1;
-    ev->handle = PT_REGS_PARM2(ctx);
+    struct launch_args a = {};
+    a.handle = PT_REGS_PARM2(ctx);
     struct cu_launch_config cfg;
-    read_user(ev, &cfg, sizeof(cfg), (void *)PT_REGS_PARM1(ctx));
-    set_shape(ev, cfg.grid, cfg.block);
-    ev->shared_mem_bytes = cfg.shared_mem;
-    ev->stream_handle = cfg.stream;
-    return launch_done(ctx, ev, slot, timed, 0);
+    read_user_flagged(&a.flags, &cfg, sizeof(cfg), (void *)PT_REGS_PARM1(ctx));
+    set_shape(&a, cfg.grid, cfg.block);
+    a.shared_mem_bytes = cfg.shared_mem;
+    a.stream_handle = cfg.stream;
+    return launch_send(ctx, &a, api, slot);
 }
 
 /* cudaGraphLaunch / cuGraphLaunch (graphExec, stream); also the shape of

@@ -6,12 +6,17 @@
  * the tables in bpf/cuda.py and bpf/ascend.py. Compiled either with sched.c
  * (MMTRACE_DEVICE_IN_UNIT) or on its own after it, on the maps it exports. */
 
-/* Two rings (sizes: agent/kernel/probes.py ProbeOptions): dev_events
- * carries the per-call records (struct dev_event, 144 bytes), dev_names
- * the rare ones that carry strings (struct dev_named_event: a kernel
- * handle's name, an aclop opType, and a thread's comm, once per thread). */
+/* Three rings (sizes: agent/kernel/probes.py ProbeOptions): dev_launches
+ * carries the CUDA kernel launches whose return is not probed, each in one
+ * cache line (struct dev_launch, 64 bytes); dev_events the other per-call
+ * records (struct dev_event, 144 bytes); dev_names the rare ones that
+ * carry strings (struct dev_named_event: a kernel handle's name, an aclop
+ * opType, and a thread's comm, once per thread). */
 #ifndef MMTRACE_DEV_RINGBUF_PAGES
 #define MMTRACE_DEV_RINGBUF_PAGES 2048
+#endif
+#ifndef MMTRACE_DEV_LAUNCH_RINGBUF_PAGES
+#define MMTRACE_DEV_LAUNCH_RINGBUF_PAGES 1024
 #endif
 #ifndef MMTRACE_DEV_NAMES_RINGBUF_PAGES
 #define MMTRACE_DEV_NAMES_RINGBUF_PAGES 256
@@ -100,11 +105,36 @@ struct dev_named_event {
 #define DEV(ev) ((struct dev_event *)(ev))
 #define NAMED(ev) ((struct dev_named_event *)(ev))
 
+/* A kernel launch in one cache line: the hot path's record. What a launch
+ * shares with its thread (pid, comm) or its call site (the outer caller)
+ * userspace knows from earlier records (agent/kernel/launch_records.py widens
+ * it into DEV_EVENT); what is always narrow here is narrowed. A launch
+ * whose facts do not fit goes on dev_events whole (launch_compact). No
+ * padding: every byte is written. */
+struct dev_launch {
+    u64 ts_ns;
+    u64 handle;
+    u64 stream_handle;
+    u64 return_ip;
+    u32 tid;
+    u32 op_id;              /* the low half: userspace carries the high one per process */
+    u32 sched_delay_ns;
+    u32 shared_mem_bytes;
+    u32 grid_x;
+    u16 grid_y, grid_z;     /* CUDA caps these at 65535 */
+    u16 block_x, block_y;   /* and a block at 1024 threads */
+    u8 block_z;
+    u8 device;              /* an s8 (bcc's tables know no signed char): -1 none */
+    u16 api;
+};
+
 /* Checked against the numpy dtypes at load time; never written. */
 BPF_ARRAY(layout_dev_event, struct dev_event, 1);
 BPF_ARRAY(layout_dev_named_event, struct dev_named_event, 1);
+BPF_ARRAY(layout_dev_launch, struct dev_launch, 1);
 
 BPF_RINGBUF_OUTPUT(dev_events, MMTRACE_DEV_RINGBUF_PAGES);
+BPF_RINGBUF_OUTPUT(dev_launches, MMTRACE_DEV_LAUNCH_RINGBUF_PAGES);
 BPF_RINGBUF_OUTPUT(dev_names, MMTRACE_DEV_NAMES_RINGBUF_PAGES);
 
 /* A call between its uprobe and its uretprobe: the event built at entry.
@@ -378,34 +408,74 @@ static __always_inline int send_thread(u32 tgid, u32 tid, u64 now)
     return 1;
 }
 
-/* Zero the event and fill what every event carries; callers have checked
- * the scope already, so that out-of-scope calls cost one lookup. The
- * thread's comm goes on dev_names before its first event (and after each
- * change), not in every event; a thread the scheduler program has no entry
- * for yet gets one (not waiting, its process known) that says it was sent.
- * Where the comm could not be sent (dev_names full) it is sent with the
- * next event; userspace reads /proc/TID/comm for the events in between. */
-static __always_inline void dev_begin(struct pt_regs *ctx, struct dev_event *ev, u16 api,
-                                      u8 kind)
+/* Who makes a call, when, and what their thread says about it. */
+struct call_facts {
+    u64 ts_ns;
+    u64 sched_delay_ns;
+    u64 op_id;
+    u32 tgid;
+    u32 tid;
+    s32 device;
+    u32 comm_sent;          /* userspace has the thread's comm and process */
+};
+
+/* Callers have checked the scope already, so that out-of-scope calls cost
+ * one lookup. The thread's comm goes on dev_names before its first event
+ * (and after each change), not in every event; a thread the scheduler
+ * program has no entry for yet gets one (not waiting, its process known)
+ * that says it was sent. Where the comm could not be sent (dev_names full)
+ * it is sent with the next event; userspace reads /proc/TID/comm for the
+ * events in between. */
+static __always_inline void call_facts(struct pt_regs *ctx, struct call_facts *f, u8 kind)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32;
     u32 tid = (u32)id;
-    dev_fill(ev, tgid, tid, bpf_ktime_get_ns(), api, kind);
+    f->ts_ns = bpf_ktime_get_ns();
+    f->sched_delay_ns = 0;
+    f->op_id = 0;
+    f->tgid = tgid;
+    f->tid = tid;
+    f->device = DEV_NO_DEVICE;
+    f->comm_sent = 1;
     struct thread_state *t = threads.lookup(&tid);
     if (t) {
-        ev->sched_delay_ns = t->last_delay_ns;
+        f->sched_delay_ns = t->last_delay_ns;
         if (t->dev_flags & THREAD_DEVICE_SET)
-            ev->device = t->device;
-        if (!(t->dev_flags & THREAD_COMM_SENT) && send_thread(tgid, tid, ev->ts_ns))
-            t->dev_flags |= THREAD_COMM_SENT;
-    } else if (send_thread(tgid, tid, ev->ts_ns)) {
+            f->device = t->device;
+        if (!(t->dev_flags & THREAD_COMM_SENT)) {
+            if (send_thread(tgid, tid, f->ts_ns))
+                t->dev_flags |= THREAD_COMM_SENT;
+            else
+                f->comm_sent = 0;
+        }
+    } else if (send_thread(tgid, tid, f->ts_ns)) {
         struct thread_state fresh = { .tgid = tgid, .dev_flags = THREAD_COMM_SENT };
         threads.insert(&tid, &fresh);
+    } else {
+        f->comm_sent = 0;
     }
     if (kind == DEV_LAUNCH || kind == DEV_GRAPH_LAUNCH || kind == DEV_MEMCPY ||
         kind == DEV_MODEL_EXEC)
-        ev->op_id = next_op_id(ctx, tgid);
+        f->op_id = next_op_id(ctx, tgid);
+}
+
+/* Zero the event and fill what every event carries. */
+static __always_inline void facts_fill(struct dev_event *ev, const struct call_facts *f,
+                                       u16 api, u8 kind)
+{
+    dev_fill(ev, f->tgid, f->tid, f->ts_ns, api, kind);
+    ev->sched_delay_ns = f->sched_delay_ns;
+    ev->device = f->device;
+    ev->op_id = f->op_id;
+}
+
+static __always_inline void dev_begin(struct pt_regs *ctx, struct dev_event *ev, u16 api,
+                                      u8 kind)
+{
+    struct call_facts f;
+    call_facts(ctx, &f, kind);
+    facts_fill(ev, &f, api, kind);
 }
 
 static __always_inline int in_scope(void)
@@ -414,14 +484,19 @@ static __always_inline int in_scope(void)
 }
 
 /* Read `size` bytes of user memory; on failure zero them and flag it. */
-static __always_inline void read_user(struct dev_event *ev, void *dst, u32 size,
-                                      const void *src)
+static __always_inline void read_user_flagged(u8 *flags, void *dst, u32 size, const void *src)
 {
     if (bpf_probe_read_user(dst, size, src) != 0) {
         __builtin_memset(dst, 0, size);
-        ev->flags |= DEV_READ_FAILED;
+        *flags |= DEV_READ_FAILED;
         count(CNT_USER_READ_FAILED);
     }
+}
+
+static __always_inline void read_user(struct dev_event *ev, void *dst, u32 size,
+                                      const void *src)
+{
+    read_user_flagged(&ev->flags, dst, size, src);
 }
 
 /* The string at `src` into ev->name, truncation flagged and counted. */
@@ -668,6 +743,146 @@ static __always_inline int session_return(struct pt_regs *ctx, u32 slot)
     u64 key = call_key((u32)bpf_get_current_pid_tgid(), slot);
     struct dev_named_event *ev = calls_in_flight.lookup(&key);
     return ev && ev->return_ip == PT_REGS_IP(ctx);
+}
+
+
+/* What a kernel launch decoder reads from its registers and stack, before
+ * launch_send() chooses its record. */
+struct launch_args {
+    u64 handle;
+    u64 stream_handle;
+    u64 shared_mem_bytes;
+    u64 return_ip;
+    u32 grid[3];
+    u32 block[3];
+    u8 flags;               /* DEV_READ_FAILED */
+    u8 outer;               /* a runtime launch: its outer caller names opaque handles */
+};
+
+/* The call sites whose outer caller userspace has (it came in a whole
+ * record): (process, handle, return address), direct-mapped per CPU. A hit
+ * spares the launch the read of [rbp + 8] and lets it go in one line; a
+ * miss reads it and sends the launch whole. Userspace fills the outer
+ * caller of a compact launch from the whole record of its call site. */
+#define MMTRACE_CALL_SITES 256
+struct call_site {
+    u64 handle;
+    u64 return_ip;
+    u64 tgid;
+};
+BPF_PERCPU_ARRAY(call_sites, struct call_site, MMTRACE_CALL_SITES);
+
+static __always_inline struct call_site *call_site_of(u32 tgid, const struct launch_args *a)
+{
+    u32 i = (u32)(a->handle ^ (a->handle >> 12) ^ a->return_ip ^ tgid) & (MMTRACE_CALL_SITES - 1);
+    return call_sites.lookup(&i);
+}
+
+static __always_inline int call_site_known(struct call_site *site, u32 tgid,
+                                           const struct launch_args *a)
+{
+    return site && site->handle == a->handle && site->return_ip == a->return_ip &&
+           site->tgid == tgid;
+}
+
+/* Grid and block into either record (struct dev_event, struct dev_launch). */
+#define SET_SHAPE(rec, a) do { \
+    (rec)->grid_x = (a)->grid[0]; (rec)->grid_y = (a)->grid[1]; (rec)->grid_z = (a)->grid[2]; \
+    (rec)->block_x = (a)->block[0]; (rec)->block_y = (a)->block[1]; \
+    (rec)->block_z = (a)->block[2]; \
+} while (0)
+
+/* Whether every fact of the launch fits struct dev_launch. */
+static __always_inline int launch_fits(const struct launch_args *a, const struct call_facts *f)
+{
+    return !a->flags && f->comm_sent && f->op_id != 0 && (f->sched_delay_ns >> 32) == 0 &&
+           (a->shared_mem_bytes >> 32) == 0 && a->grid[1] <= 0xffff && a->grid[2] <= 0xffff &&
+           a->block[0] <= 0xffff && a->block[1] <= 0xffff && a->block[2] <= 0xff &&
+           f->device >= -1 && f->device <= 127;
+}
+
+/* The launch on dev_launches in one line; 0 when it does not fit, its call
+ * site is new to this CPU, or the ring is full (it then goes whole on
+ * dev_events). */
+static __always_inline int launch_compact(const struct launch_args *a,
+                                          const struct call_facts *f, u16 api)
+{
+#ifdef MMTRACE_LAUNCH_WHOLE
+    return 0;           /* every launch whole: what the benchmark compares against */
+#endif
+    if (!launch_fits(a, f))
+        return 0;
+    if (a->outer && !call_site_known(call_site_of(f->tgid, a), f->tgid, a))
+        return 0;
+    struct dev_launch *r = dev_launches.ringbuf_reserve(sizeof(struct dev_launch));
+    if (!r)
+        return 0;
+    r->ts_ns = f->ts_ns;
+    r->handle = a->handle;
+    r->stream_handle = a->stream_handle;
+    r->return_ip = a->return_ip;
+    r->tid = f->tid;
+    r->op_id = (u32)f->op_id;
+    r->sched_delay_ns = (u32)f->sched_delay_ns;
+    r->shared_mem_bytes = (u32)a->shared_mem_bytes;
+    SET_SHAPE(r, a);
+    r->device = (u8)f->device;
+    r->api = api;
+    dev_launches.ringbuf_submit(r, ringbuf_wakeup_flag(3, MMTRACE_DEV_LAUNCH_WAKEUP_EVERY));
+    count(CNT_DEV_EVENTS);
+    return 1;
+}
+
+/* Who called a runtime launch: <<<>>> compiles into a host stub per kernel
+ * (__device_stub__<kernel>) that calls the launch, directly or through a
+ * static helper, so the caller names the kernel when the handle cannot
+ * (an opaque cudaKernel_t whose __cudaGetKernel ran before tracing). At
+ * entry [rsp] is the return address (read by the decoders with the stack
+ * arguments where they have some); [rbp + 8] is the caller's own when the
+ * caller keeps a frame pointer (nvcc's default -O0 host code does), else
+ * rbp leads nowhere and it reads as 0. */
+static __always_inline void set_outer_caller(struct pt_regs *ctx, struct dev_event *ev)
+{
+    if (bpf_probe_read_user(&ev->outer_return_ip, sizeof(ev->outer_return_ip),
+                            (void *)(PT_REGS_FP(ctx) + 8)) != 0)
+        ev->outer_return_ip = 0;
+}
+
+/* A kernel launch's record: in one line on dev_launches where it can, else
+ * whole (on dev_events, or kept for its return); the result is the session
+ * program's (launch_done). */
+static __always_inline int launch_send(struct pt_regs *ctx, const struct launch_args *a,
+                                       u16 api, u32 slot)
+{
+    int timed = launch_return_wanted();
+    struct call_facts f;
+    call_facts(ctx, &f, DEV_LAUNCH);
+    if (!timed && launch_compact(a, &f, api))
+        return 1;
+    struct dev_event *ev = timed ? DEV(call_begin()) : dev_reserve();
+    if (!ev)
+        return 1;
+    facts_fill(ev, &f, api, DEV_LAUNCH);
+    if (timed)
+        NAMED(ev)->name_addr = 0;       /* scratch: carries no name (carries_name) */
+    ev->handle = a->handle;
+    ev->stream_handle = a->stream_handle;
+    ev->shared_mem_bytes = a->shared_mem_bytes;
+    ev->return_ip = a->return_ip;
+    SET_SHAPE(ev, a);
+    ev->flags |= a->flags;
+    if (a->outer)
+        set_outer_caller(ctx, ev);
+    /* Known once sent: a kept call is sent at its return, if ever, so it
+     * teaches nothing. */
+    struct call_site *site = a->outer && !timed ? call_site_of(f.tgid, a) : NULL;
+    int session = launch_done(ctx, ev, slot, timed, 0);
+    if (site) {
+        site->handle = a->handle;
+        site->return_ip = a->return_ip;
+        site->tgid = f.tgid;
+    }
+    return session;
 }
 
 

@@ -27,8 +27,10 @@ from mmtrace.bpf.api import (BLOCK, BYTES, DIRECTION, GRID, HANDLE, LAUNCH_FIELD
 HEADER = "device.h"
 RINGBUF = "dev_events"              # struct dev_event records (DEV_RECORD)
 NAMES_RINGBUF = "dev_names"         # struct dev_named_event records (DEV_NAMED)
+LAUNCHES_RINGBUF = "dev_launches"   # struct dev_launch records (DEV_LAUNCH)
 LAYOUT_MAP = "layout_dev_event"
 NAMED_LAYOUT_MAP = "layout_dev_named_event"
+LAUNCH_LAYOUT_MAP = "layout_dev_launch"
 # Why a process is in device.h's process_changes (bits of its value).
 CHANGE_EXEC, CHANGE_FORK, CHANGE_MAPPED, CHANGE_EXIT, CHANGE_LEADER_EXIT = 1, 2, 4, 8, 16
 NAME_LEN = 64
@@ -78,6 +80,27 @@ DEV_RECORD = np.dtype([(name, DEV_EVENT.fields[name][0]) for name in DEV_EVENT.n
 # (the dev_names ring: kernel handles' names, opTypes, threads' comms).
 DEV_NAMED = np.dtype(DEV_RECORD.descr + [(name, DEV_EVENT.fields[name][0])
                                          for name in _NAMED_ONLY])
+
+# Mirrors struct dev_launch: a kernel launch whose return was not probed, in
+# one cache line. Its pid and comm are its thread's, its outer caller its
+# call site's, its op_id the low half (agent/kernel/device_ring.py puts the
+# rest back); kind launch, no flags.
+DEV_LAUNCH = np.dtype([
+    ("ts_ns", "<u8"),
+    ("handle", "<u8"),
+    ("stream_handle", "<u8"),
+    ("return_ip", "<u8"),
+    ("tid", "<u4"),
+    ("op_id", "<u4"),
+    ("sched_delay_ns", "<u4"),
+    ("shared_mem_bytes", "<u4"),
+    ("grid_x", "<u4"),
+    ("grid_y", "<u2"), ("grid_z", "<u2"),
+    ("block_x", "<u2"), ("block_y", "<u2"),
+    ("block_z", "u1"),
+    ("device", "i1"),
+    ("api", "<u2"),
+])
 
 # enum dev_kind
 KINDS = {1: "launch", 2: "graph_launch", 3: "memcpy", 4: "sync", 5: "model_exec",

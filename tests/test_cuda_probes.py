@@ -507,6 +507,50 @@ def test_a_burst_of_50000_launches_back_to_back_is_recorded_whole(natives, tmp_p
     assert set(mine["ret"].tolist()) <= {0, CUDA_ERROR_INSUFFICIENT_DRIVER}
 
 
+def test_launches_go_in_one_cache_line_and_read_back_whole(natives):
+    """With no return probed, a cudaLaunchKernel goes in a 64-byte record
+    (struct dev_launch) once its CPU has sent its call site whole: the
+    first launch on each CPU is whole, the rest compact. Read back, every
+    launch has all it had: op ids 1..N, its pid and comm (its thread's),
+    its outer caller (its call site's), shape and stream."""
+    from mmtrace.bpf import device
+    n = 3000
+    loop = subprocess.Popen([str(natives.launch_loop), "launch-only"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    session = None
+    try:
+        pid = int(loop.stdout.readline().split()[1])
+        session = DeviceSession([natives.cudart], pids=(pid,), launch_return_every=0)
+        (ring,) = [r for r in session.loaded.rings if r.stream == "dev"]
+        loop.stdin.write(f"run {n}\n")
+        loop.stdin.flush()
+        assert loop.stdout.readline().startswith("done")
+        session.drain()
+        compact, whole = ring.reader.launches.records_read, ring.reader.events.records_read
+    finally:
+        loop.stdin.close()
+        loop.wait(timeout=10)
+        if session is not None:
+            session.close()
+    ev = session.events(pid)
+    assert len(ev) == n and compact + whole == n
+    assert 1 <= whole <= 2 * (os.cpu_count() or 1), (whole, compact)
+    assert np.array_equal(ev["op_id"], np.arange(1, n + 1))
+    assert set(ev["pid"].tolist()) == {pid} and set(ev["tid"].tolist()) == {pid}
+    assert set(ev["comm"].tolist()) == {b"launch_loop"}
+    assert set(ev["kind"].tolist()) == {device.KIND_IDS["launch"]}
+    assert set(ev["flags"].tolist()) == {0} and set(ev["device"].tolist()) == {-1}
+    assert set(ev["direction"].tolist()) == {device.NO_DIRECTION}
+    assert set(zip(ev["grid_x"].tolist(), ev["grid_y"].tolist(), ev["grid_z"].tolist(),
+                   ev["block_x"].tolist(), ev["block_y"].tolist(),
+                   ev["block_z"].tolist())) == {(64, 1, 1, 256, 1, 1)}
+    assert set(ev["stream_handle"].tolist()) == {0x100}
+    assert set(ev["shared_mem_bytes"].tolist()) == {0}
+    assert len(set(ev["return_ip"].tolist())) == 1 and ev["return_ip"][0] != 0
+    assert len(set(ev["outer_return_ip"].tolist())) == 1
+    assert session.loaded.thread_comms().get("outer_caller_unknown", 0) == 0
+
+
 def test_the_device_ring_wakes_its_reader_once_a_batch_is_in_not_per_record(natives):
     """What `record` and the daemon sleep on: the device ring's descriptor,
     edge-triggered, signalled by each CPU at every period-th record (an

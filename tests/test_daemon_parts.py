@@ -334,3 +334,26 @@ def test_renicing_without_privileges_is_a_reason_not_an_error():
     refused, lowered = out.stdout.splitlines()
     assert refused.startswith("could not set niceness -10") and "events may drop" in refused
     assert lowered == "None"        # lowering one's own priority needs no privilege
+
+
+def test_between_sweeps_the_heap_is_trimmed_only_once_the_process_has_grown(tmp_path,
+                                                                           monkeypatch):
+    from mmtrace.agent import heap
+    from mmtrace.agent.daemon import loop
+    cfg = config_mod.DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "s.sock")
+    daemon = loop.Daemon(cfg)
+    trims, resident = [], [100 << 20]
+    monkeypatch.setattr(heap, "trim", lambda: trims.append(resident[0]) or True)
+    monkeypatch.setattr(heap, "resident_bytes", lambda: resident[0])
+    try:
+        daemon._trim_heap()                     # a sweep's: always
+        resident[0] += loop.TRIM_GROWTH_BYTES - 1
+        daemon._trim_if_grown()
+        assert len(trims) == 1 and daemon._since_trim == 0
+        resident[0] += 1
+        daemon._trim_if_grown()
+        assert len(trims) == 2
+        daemon._trim_if_grown()                 # measured from the last trim on
+        assert len(trims) == 2
+    finally:
+        daemon.close()

@@ -1,4 +1,4 @@
-"""The device stream's two rings read as one (agent/kernel/device_ring.py):
+"""The device stream's rings read as one (agent/kernel/device_ring.py):
 the kernel's 144-byte call records widened into the recorded layout, each
 with its thread's comm; the named records among them by time; the thread
 records consumed. No eBPF: the rings are stood in for."""
@@ -147,4 +147,84 @@ def test_named_records_come_among_the_calls_in_time_order():
 def test_rings_of_other_layouts_are_refused():
     with pytest.raises(TypeError):
         DeviceRing(FakeRing(device.DEV_EVENT), FakeRing(device.DEV_NAMED))
+    with pytest.raises(TypeError, match="DEV_LAUNCH"):
+        DeviceRing(FakeRing(device.DEV_RECORD), FakeRing(device.DEV_NAMED),
+                   launches=FakeRing(device.DEV_RECORD))
     assert device_ring.THREAD == 8
+
+
+def compact(ts, op_low, handle=0xA0, ret=0x400, tid=7):
+    out = np.zeros(len(ts), device.DEV_LAUNCH)
+    out["ts_ns"] = ts
+    out["op_id"] = op_low
+    out["handle"] = handle
+    out["return_ip"] = ret
+    out["tid"] = tid
+    out["device"] = -1
+    out["grid_x"] = 64
+    return out
+
+
+def whole_launch(ts, op_id, handle=0xA0, ret=0x400, outer=0x900, tid=7, pid=5):
+    out = calls(ts, tid=tid, pid=pid)
+    out["op_id"] = op_id
+    out["handle"] = handle
+    out["return_ip"] = ret
+    out["outer_return_ip"] = outer
+    out["direction"] = device.NO_DIRECTION
+    out["device"] = -1
+    out["grid_x"] = 64
+    return out
+
+
+def test_compact_launches_read_back_with_what_their_thread_and_call_site_said():
+    # The thread record gives the pid, the whole launch the call site's
+    # outer caller and the process's op ids; compact launches among them
+    # come back in time order, widened.
+    assert device.DEV_LAUNCH.itemsize == 64
+    events = FakeRing(device.DEV_RECORD, [whole_launch([10], 1)])
+    names = FakeRing(device.DEV_NAMED, [named([5], "thread", comm=b"decode")])
+    launches = FakeRing(device.DEV_LAUNCH, [compact([20, 15, 30], [2, 3, 4])])
+    batch = DeviceRing(events, names, ThreadComms(proc_root="/nonexistent"),
+                       launches=launches).read()
+    assert batch["ts_ns"].tolist() == [10, 15, 20, 30]
+    assert batch["op_id"].tolist() == [1, 3, 2, 4]
+    assert set(batch["pid"].tolist()) == {5} and set(batch["comm"].tolist()) == {b"decode"}
+    assert set(batch["outer_return_ip"].tolist()) == {0x900}
+    assert set(batch["kind"].tolist()) == {device.KIND_IDS["launch"]}
+    assert set(batch["direction"].tolist()) == {device.NO_DIRECTION}
+    assert set(batch["device"].tolist()) == {-1} and set(batch["grid_x"].tolist()) == {64}
+
+
+def test_op_ids_past_two_to_the_32_keep_counting():
+    from mmtrace.agent.kernel.launch_records import LaunchFacts
+    facts = LaunchFacts()
+    start = (1 << 32) - 2
+    facts.learn(widen(whole_launch([1], start)))
+    low = np.arange(start + 1, start + 5, dtype=np.uint64) % (1 << 32)
+    wide = facts.widen(compact([2, 3, 4, 5], low), np.full(4, 5, np.uint32))
+    assert wide["op_id"].tolist() == list(range(start + 1, start + 5))
+    # the next batch goes on from there
+    wide = facts.widen(compact([6], [3]), np.full(1, 5, np.uint32))
+    assert wide["op_id"].tolist() == [(1 << 32) + 3]
+
+
+def test_a_handle_launched_from_two_call_sites_gets_each_sites_outer_caller():
+    from mmtrace.agent.kernel.launch_records import LaunchFacts
+    facts = LaunchFacts()
+    facts.learn(widen(np.concatenate([whole_launch([1], 1, ret=0x400, outer=0x900),
+                                      whole_launch([2], 2, ret=0x500, outer=0x990)])))
+    rows = compact([3, 4, 5], [3, 4, 5], ret=0x400)
+    rows["return_ip"][1] = 0x500
+    rows["return_ip"][2] = 0x600             # a site never sent whole
+    wide = facts.widen(rows, np.full(3, 5, np.uint32))
+    assert wide["outer_return_ip"].tolist() == [0x900, 0x990, 0]
+    assert facts.counters["outer_caller_unknown"] == 1
+
+
+def test_a_compact_launch_whose_thread_record_was_missed_takes_its_pid_from_proc(tmp_path):
+    (tmp_path / "42").mkdir()
+    (tmp_path / "42" / "status").write_text("Name:\tx\nTgid:\t40\nPid:\t42\n")
+    comms = ThreadComms(proc_root=tmp_path)
+    assert comms.pids(np.array([42, 42, 43], np.uint32)).tolist() == [40, 40, 0]
+    assert (comms.counters["pid_from_proc"], comms.counters["pid_unknown"]) == (1, 1)

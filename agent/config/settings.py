@@ -259,10 +259,11 @@ class DaemonConfig:
     # process's first, and all of a process whose calls fail (1: every one,
     # at about 0.4 us more a launch; 0: none)
     launch_return_every: int = _count(64, 1 << 20, low=0)
-    # The kernel's GPU/NPU ring buffer, in MiB (a power of two): 8 holds a
-    # burst of 55 000 launches whole (152 bytes each); its reader is woken
-    # at an eighth to a quarter full. Kernel memory, mapped by the agent
-    # (this much of its RSS).
+    # The kernel's GPU/NPU call ring, in MiB (a power of two), and its
+    # launch ring at half of it: 8 holds a burst of 55 000 launches whole
+    # on either (152 and 72 bytes each); their reader is woken at an eighth
+    # to a quarter full. Kernel memory, mapped by the agent (1.5 times this
+    # much of its RSS, once written).
     device_ringbuf_mib: int = _count(8, 1024)
     discover_interval_s: float = _seconds(2.0, 3600.0, low=0.1)
     nice: int = _setting(DEFAULT_NICE, Number(-20, 19, integer=True))  # the daemon's priority

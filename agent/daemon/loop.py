@@ -52,6 +52,7 @@ SWEEP_INTERVAL_S = 10.0        # an idle agent's heap trim
 EXITED_SWEEP_INTERVAL_S = 2.0
 HEAP_TRIM_INTERVAL_S = 0.5
 TRIM_AFTER_RECORDS = 5000      # records drained since the last trim that call for one
+TRIM_GROWTH_BYTES = 2 << 20    # and the resident growth since then that a trim is worth
 STATUS_MIN_INTERVAL_S = 0.5
 DUMP_REUSE_S = 5.0          # socket dump requests this close share one file
 MAX_IDLE_WAIT_S = 0.25      # the longest sleep without data (see Daemon.idle_wait_s)
@@ -103,6 +104,7 @@ class Daemon:
         self.waiter = Waiter()
         self._next_sweep = self._next_exited_sweep = self._next_trim = 0.0
         self._since_trim = 0
+        self._trimmed_rss = 0           # resident bytes after the last trim
         self._status_cache: tuple[int, dict] | None = None
         self._last_dump: tuple[float, Path] | None = None
         self._explained: deque = deque()        # when the last explain requests were answered
@@ -249,7 +251,7 @@ class Daemon:
             self._next_sweep = time.monotonic() + SWEEP_INTERVAL_S
             self._trim_heap()
         elif self._since_trim >= TRIM_AFTER_RECORDS and time.monotonic() >= self._next_trim:
-            self._trim_heap()
+            self._trim_if_grown()
         self.alarms.act(self.p99.advance(now_ns - int(self.config.p99.window_s * 1e9 / 4)))
         self.alarms.act(self.streams.failures.tick(now_ns))
         self.alarms.act(self.streams.launchers.tick(now_ns))
@@ -272,13 +274,26 @@ class Daemon:
 
     def _trim_heap(self):
         """Hand what batches left free in the heap back. Every sweep, and
-        every half second while batches are big: at 20k events a second,
-        trims 10 s apart held 5 MB more. A trim walks the whole heap (about
+        while batches are big every half second that the process has grown
+        (_trim_if_grown): at 20k events a second, trims 10 s apart held 5 MB
+        more. A trim walks the whole heap (about
         2 ms here), so an idle agent trims only at its sweeps, and after a
         flight recording (30 s at the rated rate left 5 MB free)."""
         heap.trim()
+        self._trimmed_rss = heap.resident_bytes()
         self._since_trim = 0
         self._next_trim = time.monotonic() + HEAP_TRIM_INTERVAL_S
+
+    def _trim_if_grown(self):
+        """A trim between sweeps, once the process has grown by
+        TRIM_GROWTH_BYTES since the last: most half seconds at the rated
+        rate leave too little free to be worth a walk of the heap (a fifth
+        of the daemon's CPU when it trimmed each one)."""
+        if heap.resident_bytes() - self._trimmed_rss >= TRIM_GROWTH_BYTES:
+            self._trim_heap()
+        else:
+            self._since_trim = 0
+            self._next_trim = time.monotonic() + HEAP_TRIM_INTERVAL_S
 
     def forget_exited(self):
         """The series, counts and names of processes that have exited go

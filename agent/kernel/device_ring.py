@@ -1,19 +1,23 @@
-"""The device stream's two rings read as one stream of DEV_EVENT records.
+"""The device stream's three rings read as one stream of DEV_EVENT records.
 
-The kernel sends each call as a 144-byte struct dev_event (bpf/device.py
-DEV_RECORD) on `dev_events`, and what belongs to a thread or a handle
-rather than to a call on `dev_names` (DEV_NAMED, 240 bytes): a thread's
-comm once (DEV_THREAD records, again after exec or a rename), a kernel
-handle's name, an aclop call with its opType. A reader of the device
-stream gets what it always had, DEV_EVENT records (the recorded layout):
-the per-call records widened by two block copies, each with its thread's
-comm; the named ones in place among them by time; the thread records
+The kernel sends most kernel launches in one cache line on `dev_launches`
+(bpf/device.py DEV_LAUNCH, 64 bytes), each other call as a 144-byte struct
+dev_event (DEV_RECORD) on `dev_events`, and what belongs to a thread or a
+handle rather than to a call on `dev_names` (DEV_NAMED, 240 bytes): a
+thread's comm and process once (DEV_THREAD records, again after exec or a
+rename), a kernel handle's name, an aclop call with its opType. A reader of
+the device stream gets what it always had, DEV_EVENT records (the recorded
+layout): the per-call records widened by two block copies, the launches
+by agent/kernel/launch_records.py, each with its thread's comm, in time
+order; the named ones in place among them by time; the thread records
 consumed here.
 
-The names ring is read first: a name or comm sent before a call is read
-no later than the call. A thread whose comm never came (the names ring was
-full when it was sent; the kernel sends it again with its next call) is
-named from /proc/TID/comm, and counted.
+The names ring is read first, then the launches, then the other calls: a
+name or comm sent before a call is read no later than the call, and so is
+the whole record that told a compact launch's call site. A thread whose
+comm never came (the names ring was full when it was sent; the kernel
+sends it again with its next call) is named from /proc/TID/comm, and
+counted.
 """
 
 from collections import Counter
@@ -23,11 +27,13 @@ import numpy as np
 
 from mmtrace.bpf import device as device_stream
 
+from mmtrace.agent.kernel.launch_records import LaunchFacts
 from mmtrace.agent.kernel.ringbuf import RingReader
 
 DEV_EVENT = device_stream.DEV_EVENT
 DEV_RECORD = device_stream.DEV_RECORD
 DEV_NAMED = device_stream.DEV_NAMED
+DEV_LAUNCH = device_stream.DEV_LAUNCH
 THREAD = device_stream.KIND_IDS["thread"]
 MAX_THREADS = 1 << 17       # comms kept: twice the kernel's thread map
 
@@ -75,14 +81,48 @@ def from_named(records: np.ndarray) -> np.ndarray:
 
 
 class ThreadComms:
-    """Thread id -> comm, from the kernel's DEV_THREAD records; a thread
-    missing from them is read from /proc once (the root is injectable)."""
+    """Thread id -> comm and process, from the kernel's DEV_THREAD records;
+    a thread missing from them is read from /proc once (the root is
+    injectable)."""
 
     def __init__(self, proc_root: Path = Path("/proc"), max_threads: int = MAX_THREADS):
         self.proc_root = Path(proc_root)
         self.max_threads = max_threads
         self._comm: dict[int, bytes] = {}
+        self._pid: dict[int, int] = {}      # a thread's process never changes
         self.counters: Counter[str] = Counter()
+
+    def learn_pids(self, threads: np.ndarray):
+        """The process of each thread of these DEV_THREAD records."""
+        for tid, pid in zip(threads["tid"].tolist(), threads["pid"].tolist()):
+            self._pid.pop(tid, None)
+            self._pid[tid] = pid
+        while len(self._pid) > self.max_threads:
+            del self._pid[next(iter(self._pid))]
+
+    def pids(self, tids: np.ndarray) -> np.ndarray:
+        """Each thread's process; 0 for one gone before it was known."""
+        distinct, inverse = np.unique(tids, return_inverse=True)
+        pids = np.array([self._pid_of(t) for t in distinct.tolist()], np.uint32)
+        return pids[inverse]
+
+    def _pid_of(self, tid: int) -> int:
+        pid = self._pid.get(tid)
+        if pid is None:
+            pid = self._pid[tid] = self._pid_from_proc(tid)
+        return pid
+
+    def _pid_from_proc(self, tid: int) -> int:
+        try:
+            status = (self.proc_root / str(tid) / "status").read_text()
+        except OSError:
+            self.counters["pid_unknown"] += 1
+            return 0
+        self.counters["pid_from_proc"] += 1
+        for line in status.splitlines():
+            if line.startswith("Tgid:"):
+                return int(line.split()[1])
+        return 0
 
     def learn(self, threads: np.ndarray):
         """DEV_THREAD records, oldest first: the latest comm of each wins."""
@@ -158,31 +198,49 @@ def merge(events: np.ndarray, named: np.ndarray) -> np.ndarray:
     return np.insert(events, at, named)
 
 
+def in_time_order(whole: np.ndarray, compact: np.ndarray) -> np.ndarray:
+    """Two batches, each about in time order, as one."""
+    if not len(compact):
+        return whole
+    if not len(whole):
+        return compact
+    both = np.concatenate([whole, compact])
+    return both[np.argsort(both["ts_ns"], kind="stable")]
+
+
 class DeviceRing:
-    """Both device rings, read as one: `read()` gives DEV_EVENT records."""
+    """The device rings, read as one: `read()` gives DEV_EVENT records."""
 
     def __init__(self, events: RingReader, names: RingReader,
-                 comms: ThreadComms | None = None):
-        if events.dtype != DEV_RECORD or names.dtype != DEV_NAMED:
-            raise TypeError("DeviceRing: the events ring reads DEV_RECORD, the names ring "
-                            "DEV_NAMED")
+                 comms: ThreadComms | None = None, launches: RingReader | None = None):
+        if events.dtype != DEV_RECORD or names.dtype != DEV_NAMED or (
+                launches is not None and launches.dtype != DEV_LAUNCH):
+            got = [r.dtype.itemsize for r in (events, names, launches) if r is not None]
+            raise TypeError(f"DeviceRing: expected rings of DEV_RECORD, DEV_NAMED and "
+                            f"DEV_LAUNCH records ({DEV_RECORD.itemsize}, {DEV_NAMED.itemsize}, "
+                            f"{DEV_LAUNCH.itemsize} bytes), got records of {got} bytes")
         self.events = events
         self.names = names
+        self.launches = launches
         self.comms = comms if comms is not None else ThreadComms()
+        self.facts = LaunchFacts()
         self.dtype = DEV_EVENT
         self.records_read = 0
         self.batches = 0
+
+    def _rings(self) -> tuple:
+        return tuple(r for r in (self.events, self.names, self.launches) if r is not None)
 
     def fileno(self) -> int:
         return self.events.fileno()
 
     def filenos(self) -> tuple[int, ...]:
-        """Both rings' descriptors: each is readable (epoll) when its
+        """Every ring's descriptor: each is readable (epoll) when its
         programs wake their reader, once per batch."""
-        return (self.events.fileno(), self.names.fileno())
+        return tuple(r.fileno() for r in self._rings())
 
     def pending_bytes(self) -> int:
-        return self.events.pending_bytes() + self.names.pending_bytes()
+        return sum(r.pending_bytes() for r in self._rings())
 
     def read(self, max_records: int | None = None) -> np.ndarray:
         """Every record committed now, names first; DEV_EVENT records."""
@@ -192,7 +250,15 @@ class DeviceRing:
             thread = named["kind"] == THREAD
             if thread.any():
                 threads, named = named[thread], named[~thread]
+                self.comms.learn_pids(threads)
+        compact = self.launches.read(max_records) if self.launches is not None else None
         events = widen(self.events.read(max_records))
+        if compact is not None and len(compact):
+            self.facts.learn(events)
+            compact = self.facts.widen(compact, self.comms.pids(compact["tid"]))
+            events = in_time_order(events, compact)
+        elif len(events):
+            self.facts.learn(events)
         self.comms.fill(events, threads)
         batch = merge(events, from_named(named)) if len(named) else events
         if len(batch):
@@ -201,5 +267,5 @@ class DeviceRing:
         return batch
 
     def close(self):
-        self.events.close()
-        self.names.close()
+        for ring in self._rings():
+            ring.close()

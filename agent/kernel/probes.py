@@ -62,12 +62,15 @@ class ProbeOptions:
     max_threads: int = 65536
     extra_cflags: tuple[str, ...] = ()
     device: bool = True                 # compile the GPU/NPU programs
-    # The device ring takes every call (144-byte records, 152 with the
-    # ring's header). Sized for a burst of 50 000 launches back to back
-    # held whole with no drain at all (55 188 records in 8 MiB), about
-    # 55 ms at the ~1 M/s the uprobe trap allows here; its reader is woken
-    # well before (at an eighth to a quarter full). Memory: 8 MiB of
-    # kernel memory, mapped by the agent (8 MiB of its RSS).
+    # The device ring takes every call whole (144-byte records, 152 with
+    # the ring's header): the launches whose return is probed, and every
+    # one while a process's calls fail. Sized for a burst of 50 000
+    # launches back to back held whole with no drain at all (55 188 records
+    # in 8 MiB), about 55 ms at the ~1 M/s the uprobe trap allows here; its
+    # reader is woken well before (at an eighth to a quarter full). The
+    # launch ring (the other launches, 72 bytes with the header) is half
+    # its size for the same burst (58 254). Memory: 12 MiB of kernel
+    # memory, mapped by the agent (12 MiB of its RSS once written).
     dev_ringbuf_pages: int = 2048       # 8 MiB
     # Names (a kernel handle's, an aclop call's opType) and each thread's
     # comm, once: rare beside calls. 1 MiB: ~4 300 records.
@@ -79,6 +82,11 @@ class ProbeOptions:
     # every call of a process whose calls failed in the last second (uprobe
     # sessions, Linux 6.13+, multi mode); 1: every call; 0: none.
     launch_return_every: int = 64
+
+    @property
+    def dev_launch_ringbuf_pages(self) -> int:
+        """The launch ring: half the device ring (its records are half the size)."""
+        return max(1, self.dev_ringbuf_pages // 2)
 
 
 def import_bcc():
@@ -200,11 +208,13 @@ class LoadedProbes:
 
     def thread_comms(self) -> dict[str, int]:
         """How the device events' comms were found: threads_sent (the
-        kernel's comm records), comm_from_proc, comm_unknown (device_ring.py)."""
+        kernel's comm records), comm_from_proc, comm_unknown (device_ring.py);
+        and what compact launches missed: pid_from_proc, pid_unknown,
+        outer_caller_unknown (launch_records.py)."""
         for ring in self.rings:
             comms = getattr(ring.reader, "comms", None)
             if comms is not None:
-                return dict(comms.counters)
+                return dict(comms.counters + ring.reader.facts.counters)
         return {}
 
     def learn_threads(self, tid_to_tgid: dict[int, int]):
@@ -338,6 +348,7 @@ def cflags(options: ProbeOptions) -> list[str]:
         f"-DMMTRACE_RUNQ_RINGBUF_PAGES={options.runq_ringbuf_pages}",
         f"-DMMTRACE_DEV_RINGBUF_PAGES={options.dev_ringbuf_pages}",
         f"-DMMTRACE_DEV_NAMES_RINGBUF_PAGES={options.dev_names_ringbuf_pages}",
+        f"-DMMTRACE_DEV_LAUNCH_RINGBUF_PAGES={options.dev_launch_ringbuf_pages}",
         f"-DMMTRACE_MAX_CALLS={options.max_calls_in_flight}",
         f"-DMMTRACE_CALL_SLOTS={device_stream.default_table().call_slots}",
         f"-DMMTRACE_MAX_CPUS={possible_cpu_slots()}",
@@ -347,6 +358,8 @@ def cflags(options: ProbeOptions) -> list[str]:
         f"{wakeup_period(options.dev_ringbuf_pages, device_stream.DEV_RECORD.itemsize)}",
         f"-DMMTRACE_DEV_NAMES_WAKEUP_EVERY="
         f"{wakeup_period(options.dev_names_ringbuf_pages, device_stream.DEV_NAMED.itemsize)}",
+        f"-DMMTRACE_DEV_LAUNCH_WAKEUP_EVERY="
+        f"{wakeup_period(options.dev_launch_ringbuf_pages, device_stream.DEV_LAUNCH.itemsize)}",
         "-Wno-macro-redefined",
     ] + task_rename_flags()
     if exit_has_group_dead():
@@ -505,16 +518,22 @@ def _compile(text: str, flags: list[str]):
 
 
 def _device_ring(program, options: ProbeOptions) -> StreamRing:
-    """The device stream's rings: calls, and names (agent/kernel/device_ring.py)."""
+    """The device stream's rings: calls, names and launches
+    (agent/kernel/device_ring.py)."""
     check_layout("dev_event", device_stream.DEV_RECORD, program[device_stream.LAYOUT_MAP].Leaf)
     check_layout("dev_named_event", device_stream.DEV_NAMED,
                  program[device_stream.NAMED_LAYOUT_MAP].Leaf)
+    check_layout("dev_launch", device_stream.DEV_LAUNCH,
+                 program[device_stream.LAUNCH_LAYOUT_MAP].Leaf)
     readers = []
     try:
         for name, pages, dtype in ((device_stream.RINGBUF, options.dev_ringbuf_pages,
                                     device_stream.DEV_RECORD),
                                    (device_stream.NAMES_RINGBUF, options.dev_names_ringbuf_pages,
-                                    device_stream.DEV_NAMED)):
+                                    device_stream.DEV_NAMED),
+                                   (device_stream.LAUNCHES_RINGBUF,
+                                    options.dev_launch_ringbuf_pages,
+                                    device_stream.DEV_LAUNCH)):
             ring = program[name]
             size = pages * 4096 if ring.max_entries == 0 else ring.max_entries
             readers.append(RingReader(ring.map_fd, size, dtype))
@@ -522,7 +541,8 @@ def _device_ring(program, options: ProbeOptions) -> StreamRing:
         for reader in readers:          # the first mapped, the second refused
             reader.close()
         raise
-    return StreamRing("dev", DeviceRing(*readers))
+    events, names, launches = readers
+    return StreamRing("dev", DeviceRing(events, names, launches=launches))
 
 
 def set_thread_tgids(program, tid_to_tgid: dict[int, int]):
