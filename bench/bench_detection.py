@@ -152,6 +152,7 @@ class Alarms:
         self.sock = sock
         self.seen: dict[tuple, dict] = {}
         self.load: list[float] = []
+        self.unanswered = 0     # status polls the daemon did not answer
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._poll, daemon=True)
 
@@ -161,6 +162,7 @@ class Alarms:
                 status = ask(self.sock, "status", 5.0)
             except (NoDaemon, ValueError):
                 status = {"anomalies": []}
+                self.unanswered += 1
             self.load.append(os.getloadavg()[0])
             for a in status.get("anomalies", []):
                 if a.get("state") == "firing":
@@ -263,8 +265,10 @@ def score(schedule, workers, alarms, args) -> dict:
             # What the engineer saw fire, and what was already firing (an
             # alarm still on raises no new one).
             s["alarms"] = [f"{a.get('detector')}:{a.get('what')} "
-                           f"+{(a['ts_ns'] - s['start_ns']) / 1e9:.1f}s" for a in fired
-                           if s["start_ns"] - 10e9 <= a["ts_ns"] <= s["end_ns"]]
+                           f"+{(a['ts_ns'] - s['start_ns']) / 1e9:.1f}s"
+                           + (f" share {a['share']} threshold {a.get('threshold')} baseline "
+                              f"{a.get('baseline')}" if a.get("share") is not None else "")
+                           for a in fired if s["start_ns"] - 10e9 <= a["ts_ns"] <= s["end_ns"]]
             if hits:
                 detect_s.append((hits[0]["ts_ns"] - s["start_ns"]) / 1e9)
             else:
@@ -298,6 +302,7 @@ def score(schedule, workers, alarms, args) -> dict:
         "false_alarm_kinds": dict(Counter(f"{a.get('detector')}:{a.get('what')}"
                                           for a in false_alarms)),
         "verdicts_right": round(right / n, 4) if n else None,
+        "status_polls_unanswered": alarms.unanswered,
         "host_load_1m": {"median": round(statistics.median(alarms.load), 2),
                          "max": round(max(alarms.load), 2)} if alarms.load else None,
         "confusion": {k: dict(v) for k, v in sorted(confusion.items())},
