@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -29,15 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from daemon_process import start_daemon  # noqa: E402
-from gpu_fixtures import build_library, build_program  # noqa: E402
 from nvml_standin import FakeGpu, build_standin, standin_env, write_state  # noqa: E402
-from test_memory_hangs_bpf import Watch, _start  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from test_memory_hangs_bpf import Watch, _free_port, _start, stand_ins  # noqa: E402
 
 
 def _proc_figures(pid: int) -> tuple[float, float]:
@@ -55,10 +47,7 @@ def main(argv=None):
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "memory_soak.json")
     args = p.parse_args(argv)
     out = Path(tempfile.mkdtemp(prefix="mmtrace-memory-soak-"))
-    libs = [build_library("cudart_standin.c", out, "libcudart.so.12"),
-            build_library("cuda_driver_standin.c", out, "libcuda.so.1"),
-            build_library("ascendcl_standin.c", out, "libascendcl.so")]
-    calls = build_program("device_memory_calls.c", out, libs)
+    libs, calls = stand_ins(out)
     gpus = out / "gpus"
     write_state(gpus, [FakeGpu("00000000:01:00.0", used_bytes=1 << 30)])
     state, sock, port = out / "state", out / "mmtrace.sock", _free_port()

@@ -44,6 +44,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def stand_ins(out):
+    """The runtime, driver and AscendCL stand-ins built in `out`, and the
+    program that calls them (tests/native/device_memory_calls.c)."""
+    libs = [build_library("cudart_standin.c", out, "libcudart.so.12"),
+            build_library("cuda_driver_standin.c", out, "libcuda.so.1"),
+            build_library("ascendcl_standin.c", out, "libascendcl.so")]
+    return libs, build_program("device_memory_calls.c", out, libs)
+
+
 def _start(cmd, env=None):
     proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, text=True, env=env)
     return proc, json.loads(proc.stdout.readline())
@@ -106,10 +115,7 @@ def live(tmp_path_factory):
     from daemon_process import start_daemon
     from mmtrace.agent.recording import file_format as recording
     out = tmp_path_factory.mktemp("memory-hangs")
-    libs = [build_library("cudart_standin.c", out, "libcudart.so.12"),
-            build_library("cuda_driver_standin.c", out, "libcuda.so.1"),
-            build_library("ascendcl_standin.c", out, "libascendcl.so")]
-    calls = build_program("device_memory_calls.c", out, libs)
+    libs, calls = stand_ins(out)
     nvml = build_standin(out / "nvml")
     gpus = out / "gpus"
     gpu0, gpu1 = FakeGpu("00000000:01:00.0", used_bytes=GPU0_BASE), \
