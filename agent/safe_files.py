@@ -106,6 +106,9 @@ def replace_file(path: Path, mode: int = 0o600) -> int:
 _OWN_DESCRIPTOR = re.compile(r"^/(?:dev/fd|proc/self/fd)/(\d+)$")
 _STANDARD = {"/dev/stdout": 1, "/dev/stderr": 2}
 _IN_PLACE = os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
+# Opening a file someone named, to read it: a FIFO or a terminal opens at
+# once instead of blocking or becoming ours; fstat then says what it is.
+READ_NAMED = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
 def stream_in_place(path: Path) -> int | None:

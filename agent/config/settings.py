@@ -20,6 +20,7 @@ from mmtrace.dispatch.policy import DURATIONS as POLICY_DURATIONS
 
 from mmtrace.agent.errors import MmtraceError
 from mmtrace.agent.priority import DEFAULT_NICE
+from mmtrace.agent.safe_files import READ_NAMED
 
 MAX_CONFIG_BYTES = 1 << 20
 PID_MAX = 4_194_304             # the kernel's PID_MAX_LIMIT
@@ -363,7 +364,7 @@ def read_config_text(path: Path) -> str:
     """The file's text: a regular file of at most MAX_CONFIG_BYTES, opened
     so that a FIFO or a device cannot block or flood the reader."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        fd = os.open(path, READ_NAMED)
     except FileNotFoundError:
         raise MmtraceError(f"config {path}: no such file") from None
     except PermissionError:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from mmtrace.agent.errors import MmtraceError
 from mmtrace.agent.recording.file_format import RecordingError, RecordingReader
-from mmtrace.agent.safe_files import file_kind
+from mmtrace.agent.safe_files import READ_NAMED, file_kind
 
 MAX_PATH_CHARS = 4096
 MAX_LISTED = 100            # recordings a listing names, newest first
@@ -49,7 +49,7 @@ class RecordingRoots:
         link after the open cannot lead the read elsewhere."""
         asked = self._asked(text)
         try:
-            fd = os.open(asked, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+            fd = os.open(asked, READ_NAMED)
         except FileNotFoundError:
             raise MmtraceError(f"path: no such recording: {text[:200]}") from None
         except OSError as exc:
