@@ -7,9 +7,17 @@ daemon (`mmtrace run`, real eBPF). Not part of the test suite.
 Two launchers (bench/incident_worker.c, one pinned to each of two CPUs)
 step every ~2 ms and report each step's latency and their attention
 entropy on the daemon's hint socket, as a dispatcher does. Around them,
-a bursty background: a CPU batch job (nice 10), a compile job (gcc -O2,
-nice 5) and disk writes (dd with fsync), each switched on and off at
-random (on 3-15 s, off 3-15 s): about half of one CPU on average. One incident at a time goes to one launcher, for 8-15 s, with
+a bursty background, each job switched on and off at random (on 3-15 s,
+off 3-15 s): a CPU batch job, a compile job (gcc -O2), disk writes (dd
+with fsync) and a sidecar that wakes every 50 ms for 2 ms of work. With
+`--background idle` (the default) the batch and compile jobs run as
+SCHED_IDLE, as batch work is kept beside latency-critical services (cpu.idle
+cgroups do the same): the host is busy, its CPUs full, and the launchers
+still wait little, a healthy host. With `--background nice` they run at nice
+10 and 5 as ordinary tasks: on this kernel a task that holds the CPU keeps
+it for its slice when a launcher wakes, so the launchers wait 40-56 % of
+their time runnable between incidents, which is starvation, and the alarm
+says so. One incident at a time goes to one launcher, for 8-15 s, with
 10-25 s of quiet between:
 - cpu_starved: 2-4 processes spinning on its CPU at its niceness;
 - host_bound: 3-8 ms of host work a step;
@@ -26,7 +34,8 @@ Scored, as an on-call engineer would see it:
   within 5 s of the incident's start; time to detect is to its first one;
 - false alarms per hour: anomalies about a launcher firing outside its
   incidents (from 10 s after one ends to the next one's start), over the
-  hours of such quiet time;
+  hours of such quiet time; beside it the launchers' runnable share in
+  those stretches (from `status`), which says whether they were healthy;
 - verdicts: `mmtrace explain --pid` asked live, over the incident from its
   2nd second to its end; the confusion matrix of injected kind x verdict.
 Goals (BENCHMARKS.md): >= 95 % detected within 5 s; <= 1 false alarm an
@@ -59,6 +68,10 @@ KINDS = ("cpu_starved", "host_bound", "bus_bound", "device_bound", "npu_queue", 
          "input_shift")
 DETECT_WITHIN_S = 5.0
 QUIET_AFTER_S = 10.0        # an incident's alarms may resolve this long after it ends
+SCHED_IDLE = ["chrt", "--idle", "0"]
+# A log shipper's shape: 2 ms of work every 50 ms, an ordinary task.
+SIDECAR = ("import time\nwhile True:\n t = time.perf_counter()\n"
+           " while time.perf_counter() - t < 0.002: pass\n time.sleep(0.05)")
 GOALS = {"detected": 0.95, "false_alarms_per_hour": 1.0, "verdicts_right": 0.90}
 
 
@@ -74,19 +87,22 @@ def build(out: Path) -> Path:
 class Background:
     """Bursty jobs, each switched on and off at random, until stopped."""
 
-    def __init__(self, rng: random.Random, tmp: Path, source: Path):
-        self.rng, self.tmp, self.source = rng, tmp, source
+    def __init__(self, rng: random.Random, tmp: Path, source: Path, mode: str):
+        self.rng, self.tmp, self.source, self.mode = rng, tmp, source, mode
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._job, args=(cmd,), daemon=True)
                         for cmd in self._jobs()]
 
     def _jobs(self):
         spin = [sys.executable, "-c", "while True: pass"]
-        return [["nice", "-n", "10", *spin],
-                ["nice", "-n", "5", "sh", "-c",
-                 f"while :; do gcc -O2 -c -o {self.tmp}/bg.o {self.source}; done"],
+        compile_loop = ["sh", "-c", f"while :; do gcc -O2 -c -o {self.tmp}/bg.o {self.source}; done"]
+        batch, compile_ = (([*SCHED_IDLE, *spin], [*SCHED_IDLE, *compile_loop])
+                           if self.mode == "idle" else
+                           (["nice", "-n", "10", *spin], ["nice", "-n", "5", *compile_loop]))
+        return [batch, compile_,
                 ["sh", "-c", f"while :; do dd if=/dev/zero of={self.tmp}/bg.dat bs=1M count=64 "
-                             "conv=fsync status=none; done"]]
+                             "conv=fsync status=none; done"],
+                [sys.executable, "-c", SIDECAR]]
 
     def _job(self, cmd):
         while not self.stop.is_set():
@@ -153,6 +169,7 @@ class Alarms:
         self.seen: dict[tuple, dict] = {}
         self.load: list[float] = []
         self.unanswered = 0     # status polls the daemon did not answer
+        self.shares: list[tuple[int, int, float]] = []   # (when, pid, runnable share)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._poll, daemon=True)
 
@@ -164,6 +181,10 @@ class Alarms:
                 status = {"anomalies": []}
                 self.unanswered += 1
             self.load.append(os.getloadavg()[0])
+            now = time.monotonic_ns()
+            self.shares += [(now, row["pid"], row["runnable_share"])
+                            for row in status.get("processes", [])
+                            if row.get("runnable_share") is not None]
             for a in status.get("anomalies", []):
                 if a.get("state") == "firing":
                     key = (a.get("detector"), a.get("what"), a.get("modality"), a.get("pid"),
@@ -185,6 +206,9 @@ def main(argv=None):
     p.add_argument("--minutes", type=float, default=30.0,
                    help="the injected schedule's length (default 30)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--background", choices=("idle", "nice"), default="idle",
+                   help="how the batch and compile jobs run: SCHED_IDLE (default, a busy but "
+                        "healthy host) or at nice 10 and 5 (they starve the launchers)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "detection.json")
     args = p.parse_args(argv)
     # Stopped early, it still stops its daemon, workers and background jobs.
@@ -203,7 +227,7 @@ def main(argv=None):
         if "tracing:" in line:
             break
     threading.Thread(target=lambda: [None for _ in daemon.stdout], daemon=True).start()
-    background = Background(rng, tmp, ROOT / "bench" / "incident_worker.c")
+    background = Background(rng, tmp, ROOT / "bench" / "incident_worker.c", args.background)
     workers = [Worker(worker_bin, f"w{i}", sock, cpu=i % os.cpu_count()) for i in range(2)]
     alarms = Alarms(sock)
     alarms.thread.start()
@@ -253,8 +277,19 @@ def main(argv=None):
     print(json.dumps(summary, indent=1))
 
 
+def spread(values: list[float]) -> dict | None:
+    """Median, p90 and max of a launcher's runnable shares, as polled."""
+    if not values:
+        return None
+    values = sorted(values)
+    return {"polls": len(values), "median": round(statistics.median(values), 3),
+            "p90": round(values[max(0, math.ceil(0.9 * len(values)) - 1)], 3),
+            "max": round(values[-1], 3)}
+
+
 def score(schedule, workers, alarms, args) -> dict:
     detect_s, missed, false_alarms, quiet_ns = [], Counter(), [], 0
+    quiet_shares, starved_shares = [], []
     confusion = defaultdict(Counter)
     for w in workers:
         mine = [s for s in schedule if s["worker"] == w.name]
@@ -286,6 +321,12 @@ def score(schedule, workers, alarms, args) -> dict:
         quiet = [(a, b) for a, b in quiet if b > a]
         quiet_ns += sum(b - a for a, b in quiet)
         false_alarms += [a for a in fired if any(lo <= a["ts_ns"] < hi for lo, hi in quiet)]
+        # Was the quiet healthy? The launcher's runnable share there, and in its starved stretches.
+        mine_shares = [(t, x) for t, pid, x in alarms.shares if pid == w.pid]
+        quiet_shares += [x for t, x in mine_shares if any(lo <= t < hi for lo, hi in quiet)]
+        starved_shares += [x for t, x in mine_shares
+                           if any(s["kind"] == "cpu_starved" and s["start_ns"] + 2e9 <= t < s["end_ns"]
+                                  for s in mine)]
     n = len(schedule)
     right = sum(confusion[k][k] for k in confusion)
     hours = quiet_ns / 3.6e12
@@ -302,6 +343,8 @@ def score(schedule, workers, alarms, args) -> dict:
         "false_alarm_kinds": dict(Counter(f"{a.get('detector')}:{a.get('what')}"
                                           for a in false_alarms)),
         "verdicts_right": round(right / n, 4) if n else None,
+        "background": args.background,
+        "runnable_share": {"quiet": spread(quiet_shares), "cpu_starved": spread(starved_shares)},
         "status_polls_unanswered": alarms.unanswered,
         "host_load_1m": {"median": round(statistics.median(alarms.load), 2),
                          "max": round(max(alarms.load), 2)} if alarms.load else None,
