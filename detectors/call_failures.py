@@ -33,6 +33,16 @@ class _Process:
     good_from: int = 0              # the first window of the good run
 
 
+def _count_pairs(errors: Counter, bad: np.ndarray, keys: np.ndarray, api, error):
+    """errors.update of the (api[i], error[i]) of the calls `bad`, from one
+    key a call: the pairs are added in the order they first come, as a
+    call-by-call update adds them (most_common breaks its ties so)."""
+    _, first, counts = np.unique(keys, return_index=True, return_counts=True)
+    order = np.argsort(first, kind="stable")
+    for i, n in zip(bad[first[order]].tolist(), counts[order].tolist()):
+        errors[(api[i], error[i])] += n
+
+
 class CallFailures:
     def __init__(self, window_s: float = 1.0, min_failures: int = 10, min_share: float = 0.5,
                  consecutive: int = 3, clear_windows: int = 5,
@@ -50,8 +60,12 @@ class CallFailures:
         self.processes: dict[int, _Process] = {}
         self.skipped = 0        # calls of processes past max_processes
 
-    def feed(self, pid: np.ndarray, ts_ns: np.ndarray, failed: np.ndarray, api, error) -> list:
-        """Calls of one batch (time order); the anomalies their windows say."""
+    def feed(self, pid: np.ndarray, ts_ns: np.ndarray, failed: np.ndarray, api, error,
+             pairs: np.ndarray | None = None) -> list:
+        """Calls of one batch (time order); the anomalies their windows say.
+        `pairs` (optional): an integer per call, equal where its (api,
+        error) is: the failed calls are then counted per pair with numpy,
+        and their names looked at once per pair, not once per call."""
         out = []
         if not len(pid):
             return out
@@ -74,8 +88,11 @@ class CallFailures:
                 proc.calls += len(at)
                 bad = at[failed[at]]
                 proc.failed += len(bad)
-                proc.errors.update(zip((api[i] for i in bad.tolist()),
-                                       (error[i] for i in bad.tolist())))
+                if pairs is None:
+                    proc.errors.update(zip((api[i] for i in bad.tolist()),
+                                           (error[i] for i in bad.tolist())))
+                elif len(bad):
+                    _count_pairs(proc.errors, bad, np.asarray(pairs)[bad], api, error)
         return out
 
     def tick(self, now_ns: int) -> list:

@@ -109,3 +109,29 @@ def test_report_points_at_the_storm(tmp_path):
     text = CliRunner().invoke(cli, ["report", str(path)]).output
     assert f"failed_calls{{pid=77}} firing: 300 failed calls, most cudaLaunchKernel {ERR}" \
         in text
+
+
+def test_counted_by_pair_keys_as_call_by_call():
+    """The daemon hands each call's (API, code) key too: the storm's
+    errors, their counts and their order (ties by first seen) are those of
+    a count call by call."""
+    rng = np.random.default_rng(3)
+    n = 4000
+    pid = rng.choice([7, 8], n)
+    ts = np.sort(rng.integers(0, 6 * S, n))
+    pairs = rng.choice([5, 1, 3, 9], n)          # keys out of their first-seen order
+    failed = rng.random(n) < 0.9
+    text = {5: ("cudaMemcpy", "e5"), 1: ("cudaLaunchKernel", "e1"), 3: ("aclnnAdd", "e3"),
+            9: ("cudaMemcpy", "e9")}
+    api = np.array([text[k][0] if f else None for k, f in zip(pairs, failed)], object)
+    error = np.array([text[k][1] if f else None for k, f in zip(pairs, failed)], object)
+    by_call, by_pair = CallFailures(consecutive=1), CallFailures(consecutive=1)
+    want, got = [], []
+    for lo in range(0, n, 700):
+        part = slice(lo, lo + 700)
+        want += by_call.feed(pid[part], ts[part], failed[part], api[part], error[part])
+        got += by_pair.feed(pid[part], ts[part], failed[part], api[part], error[part],
+                            pairs[part])
+    want += by_call.tick(10 * S)
+    got += by_pair.tick(10 * S)
+    assert want and got == want

@@ -170,23 +170,24 @@ def _api_code_keys(events: np.ndarray) -> np.ndarray:
 
 def failure_calls(device_events: np.ndarray, infos: dict):
     """What detectors/call_failures.py takes of device events: (pid, ts_ns,
-    failed, api name, error text) per call, the names and texts only where
-    it failed (the detector reads them nowhere else), each made once per
-    (API, code) of the batch: a process whose calls all fail costs a few
+    failed, api name, error text, pair key) per call, the names and texts
+    only where it failed (the detector reads them nowhere else), each made
+    once per (API, code) of the batch, and the key of that pair (the
+    detector counts by it): a process whose calls all fail costs a few
     lookups a batch, not a Python step per call."""
     failed = device_stream.failed(device_events)
     names = np.empty(len(device_events), object)      # None where the call did not fail
     errors = np.empty(len(device_events), object)
+    keys = _api_code_keys(device_events)
     at = np.flatnonzero(failed)
     if len(at):
-        bad = device_events[at]
-        _, first, inverse = np.unique(_api_code_keys(bad), return_index=True,
-                                      return_inverse=True)
+        # The columns, not the rows: a structured row copy goes field by field.
+        api, ret = device_events["api"][at], device_events["ret"][at]
+        _, first, inverse = np.unique(keys[at], return_index=True, return_inverse=True)
         pair_names, pair_errors = np.empty(len(first), object), np.empty(len(first), object)
-        for j, (a, code) in enumerate(zip(bad["api"][first].tolist(),
-                                          bad["ret"][first].tolist())):
+        for j, (a, code) in enumerate(zip(api[first].tolist(), ret[first].tolist())):
             pair_names[j] = infos[a].api if a in infos else str(a)
             pair_errors[j] = device_stream.error_text(infos.get(a), int(code))
         names[at] = pair_names[inverse]
         errors[at] = pair_errors[inverse]
-    return device_events["pid"], device_events["ts_ns"], failed, names, errors
+    return device_events["pid"], device_events["ts_ns"], failed, names, errors, keys
