@@ -76,3 +76,16 @@ def test_random_run_queue_blocks_come_back(n, seed):
     records["pid"][: n // 2] = 7                       # some positions constant in part
     packed = block_codec.pack(records)
     assert block_codec.unpack(packed, RUNQ_EVENT).tobytes() == records.tobytes()
+
+
+def test_a_byte_that_differs_in_one_record_anywhere_is_kept_varying():
+    """_varying folds the rows 64 at a time and reduces the rest apart: a
+    difference in any one record, in the folded rows or the tail, is seen."""
+    for n in (1, 63, 64, 65, 200):
+        for where in {0, n // 2, n - 1}:
+            records = np.zeros(n, RUNQ_EVENT)
+            records["comm"] = b"same"
+            records["cpu"][where] = 3
+            packed = block_codec.pack(records, None)
+            assert (len(packed.varying) > 0) == (n > 1), (n, where)
+            assert block_codec.unpack(packed, RUNQ_EVENT, None).tobytes() == records.tobytes()
