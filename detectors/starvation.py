@@ -46,6 +46,7 @@ from mmtrace.detectors.diagnosis import rise_level
 class _State:
     comm: str = ""
     shares: deque = field(default_factory=deque)     # normal windows' shares
+    median: float | None = None     # of the shares, until they change (asked each window)
     run: int = 0            # starved windows in a row
     calm: int = 0           # windows in a row that were not, while firing
     firing: bool = False
@@ -94,7 +95,9 @@ class Starvation:
         state = self.states.get(pid)
         if state is None or not state.shares:
             return None
-        return min(float(np.median(state.shares)), self.baseline_cap)
+        if state.median is None:
+            state.median = float(np.median(state.shares))
+        return min(state.median, self.baseline_cap)
 
     def threshold(self, pid: int) -> float | None:
         """None: nothing fires yet (a part with no level, before its baseline)."""
@@ -149,6 +152,7 @@ class Starvation:
             state.run = 0
             if pid not in disturbed:
                 state.shares.append(share)
+                state.median = None
                 while len(state.shares) > self.baseline_windows:
                     state.shares.popleft()
             if state.firing:
