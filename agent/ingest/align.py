@@ -31,7 +31,7 @@ from mmtrace.bpf import device as device_stream
 
 from mmtrace.agent.ingest.event_ring import EventRing
 from mmtrace.agent.ingest.packed_ring import PackedRing
-from mmtrace.agent.ingest.record_arrays import concat, take
+from mmtrace.agent.ingest.record_arrays import concat, rows_of, take
 
 NONE = device_stream.NOT_RETIRED
 ALIGNED_EVENT = device_stream.ALIGNED_EVENT
@@ -305,9 +305,9 @@ class Aligner:
         ts = batch["ts_ns"]
         if not (ts[1:] >= ts[:-1]).all():   # the rings' reader hands them in order
             batch = take(batch, np.argsort(ts, kind="stable"))
-        batch = _as_aligned(batch, copy=True)
         n_pending = len(self._pending)
-        aligned = align(concat([self._pending, self._records, self._latest, batch]),
+        # What the past can change or tell, and the batch made aligned behind it (one copy).
+        aligned = align(_joined([self._pending, self._records, self._latest], batch),
                         self.roles, copy=False)
         settled = aligned["retired_ns"][:n_pending] != NONE
         self._set_retired(self._pending_seq[settled], aligned["retired_ns"][:n_pending][settled])
@@ -369,12 +369,34 @@ def _as_aligned(events: np.ndarray, copy: bool = False) -> np.ndarray:
     conversion is one strided byte copy, not one per field."""
     if events.dtype == ALIGNED_EVENT:
         return take(events, slice(None)) if copy else events
+    out = np.empty(len(events), ALIGNED_EVENT)
+    _aligned_into(events, out)
+    return out
+
+
+def _aligned_into(events: np.ndarray, out: np.ndarray):
+    """`events` (DEV_EVENT or ALIGNED_EVENT) written into `out` (ALIGNED_EVENT, as long)."""
+    n = len(events)
+    rows = out.view(np.uint8).reshape(n, ALIGNED_EVENT.itemsize)
+    if events.dtype == ALIGNED_EVENT:
+        rows[:] = rows_of(events)
+        return
     if events.dtype != device_stream.DEV_EVENT:
         raise TypeError(f"expected device events ({device_stream.DEV_EVENT.itemsize}-byte "
                         f"records), got {events.dtype}")
-    n, size = len(events), device_stream.DEV_EVENT.itemsize
-    out = np.empty(n, ALIGNED_EVENT)
-    out.view(np.uint8).reshape(n, ALIGNED_EVENT.itemsize)[:, :size] = \
-        np.ascontiguousarray(events).view(np.uint8).reshape(n, size)
+    rows[:, :device_stream.DEV_EVENT.itemsize] = rows_of(events)
     out["retired_ns"] = NONE
+
+
+def _joined(prior: list[np.ndarray], batch: np.ndarray) -> np.ndarray:
+    """concat(prior + [_as_aligned(batch)]) (prior: aligned), the batch
+    converted straight into its place."""
+    n = sum(len(p) for p in prior)
+    out = np.empty(n + len(batch), ALIGNED_EVENT)
+    rows = out.view(np.uint8).reshape(len(out), ALIGNED_EVENT.itemsize)
+    at = 0
+    for part in prior:
+        rows[at:at + len(part)] = rows_of(part)
+        at += len(part)
+    _aligned_into(batch, out[n:])
     return out
