@@ -25,8 +25,13 @@ one, --window seconds each, interleaved. Per consumer: ns per event
 quiet window's CPU over the same time), the ratios to the drain and the
 anonymous RSS at the end of the paced windows, medians over the rounds.
 
+With --baseline-rev REV, that revision's run and record (a `git archive`
+of it on PYTHONPATH, as bench_recording's baseline_env makes) are started
+beside this tree's, on the same events: the only figures to compare
+across revisions on a shared host.
+
 Needs root. Usage: .venv/bin/python bench/bench_pipeline.py [--rate 20000]
-[--window 10] [--rounds 3] [--warmup 35] [--json] [--out FILE]
+[--window 10] [--rounds 3] [--warmup 35] [--baseline-rev REV] [--json] [--out FILE]
 """
 
 import argparse
@@ -107,11 +112,11 @@ def stat_ticks(pid: int) -> int:
 
 
 class Consumer:
-    def __init__(self, name: str, cmd: list, ready: str):
+    def __init__(self, name: str, cmd: list, ready: str, env: dict | None = None):
         self.name = name
         self.proc = subprocess.Popen([str(c) for c in cmd], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)
+                                     text=True, env=env)
         self.ready = ready
         self.lines: list[str] = []
 
@@ -194,7 +199,20 @@ def scrape_runq_events(address: str) -> int:
     return int(float(m.group(1))) if m else -1
 
 
-def bench(rate: int, window_s: float, rounds: int, warmup_s: float) -> dict:
+def mmtrace_consumers(pid: int, tmp: Path, suffix: str = "", env: dict | None = None) -> list:
+    """`run` and `record` (named run{suffix}, record{suffix}), in `tmp`."""
+    py = sys.executable
+    tmp.mkdir(parents=True, exist_ok=True)
+    return [Consumer(f"run{suffix}", [py, "-m", "mmtrace.agent", "run", "--pid", pid,
+                                      "--state-dir", tmp / "state", "--socket", tmp / "hint.sock",
+                                      "--metrics-address", "127.0.0.1:0"], r"tracing:", env),
+            Consumer(f"record{suffix}", [py, "-m", "mmtrace.agent", "record", "--pid", pid,
+                                         "-o", tmp / "bench.mmtr"],
+                     r"^gpu/npu stream live|^recording", env)]
+
+
+def bench(rate: int, window_s: float, rounds: int, warmup_s: float,
+          baseline_rev: str | None = None) -> dict:
     pacer = Pacer(rate)
     pid = pacer.proc.pid
     with tempfile.TemporaryDirectory() as tmp:
@@ -204,12 +222,13 @@ def bench(rate: int, window_s: float, rounds: int, warmup_s: float) -> dict:
             Consumer("drain", [py, __file__, "--drain-child", pid], r"^ready"),
             Consumer("drain_250ms", [py, __file__, "--drain-child", pid, "--drain-interval",
                                      0.25], r"^ready"),
-            Consumer("run", [py, "-m", "mmtrace.agent", "run", "--pid", pid,
-                             "--state-dir", tmp / "state", "--socket", tmp / "hint.sock",
-                             "--metrics-address", "127.0.0.1:0"], r"tracing:"),
-            Consumer("record", [py, "-m", "mmtrace.agent", "record", "--pid", pid,
-                                "-o", tmp / "bench.mmtr"], r"^gpu/npu stream live|^recording"),
+            *mmtrace_consumers(pid, tmp),
         ]
+        if baseline_rev:
+            # That revision's run and record beside this tree's, on the same events.
+            from bench_recording import baseline_env
+            consumers += mmtrace_consumers(pid, tmp / "baseline-run", f"@{baseline_rev}",
+                                           baseline_env(baseline_rev, tmp / "baseline"))
         by_name = {c.name: c for c in consumers}
         try:
             for c in consumers:
@@ -226,6 +245,12 @@ def bench(rate: int, window_s: float, rounds: int, warmup_s: float) -> dict:
             ticks = {c.name: stat_ticks(c.proc.pid) - ticks0[c.name] for c in consumers}
             time.sleep(0.5)
             daemon_events = scrape_runq_events(address)
+            baseline_events = {}
+            for c in consumers[4:]:
+                if c.name.startswith("run@"):
+                    baseline_events[c.name] = scrape_runq_events(next(
+                        m.group(1) for line in c.lines
+                        if (m := re.search(r"metrics on (\S+)/metrics", line))))
             drain = by_name["drain"]
             drain.proc.stdin.write("?\n")
             drain.proc.stdin.flush()
@@ -237,19 +262,26 @@ def bench(rate: int, window_s: float, rounds: int, warmup_s: float) -> dict:
                     c.proc.send_signal(signal.SIGINT)
             for c in consumers:
                 c.read_rest()
-        record_line = [line for text in by_name["record"].lines for line in text.splitlines()
-                       if line.startswith("recording ")]
-        m = re.search(r"events\s+([\d,]+)", record_line[-1]) if record_line else None
-        record_events = int(m.group(1).replace(",", "")) if m else -1
-    return summarise(rate, window_s, quiet, paced, ticks,
-                     {"drain": drain_events, "run": daemon_events, "record": record_events})
+        totals = {"drain": drain_events, "run": daemon_events, **baseline_events}
+        for c in consumers:
+            if c.name.startswith("record"):
+                totals[c.name] = recorded_events(c)
+    return summarise(rate, window_s, quiet, paced, ticks, totals, [c.name for c in consumers])
 
 
-def summarise(rate, window_s, quiet, paced, ticks, totals) -> dict:
+def recorded_events(record: Consumer) -> int:
+    """The events `record` says it wrote (its last progress line)."""
+    lines = [line for text in record.lines for line in text.splitlines()
+             if line.startswith("recording ")]
+    m = re.search(r"events\s+([\d,]+)", lines[-1]) if lines else None
+    return int(m.group(1).replace(",", "")) if m else -1
+
+
+def summarise(rate, window_s, quiet, paced, ticks, totals, names=CONSUMERS) -> dict:
     per = {name: {"ns_per_event": [], "marginal_ns_per_event": [], "quiet_cpu_percent": [],
-                  "paced_cpu_percent": [], "anon_mb": []} for name in CONSUMERS}
+                  "paced_cpu_percent": [], "anon_mb": []} for name in names}
     for q, p in zip(quiet, paced):
-        for name in CONSUMERS:
+        for name in names:
             idle_ns = q["cpu_ns"][name] / q["seconds"] * p["seconds"]
             per[name]["ns_per_event"].append(p["cpu_ns"][name] / max(p["events"], 1))
             per[name]["marginal_ns_per_event"].append(
@@ -265,10 +297,10 @@ def summarise(rate, window_s, quiet, paced, ticks, totals) -> dict:
         "asked_rate_per_s": rate, "window_s": window_s, "rounds": len(paced),
         "median": med,
         "ratio_to_drain": {name: med[name]["ns_per_event"] / med["drain"]["ns_per_event"]
-                           for name in CONSUMERS},
+                           for name in names},
         "stat_ticks_ns_per_event": {
             # /proc/PID/stat over every window, quiet ones included
-            name: ticks[name] / TICKS * 1e9 / max(events, 1) for name in CONSUMERS},
+            name: ticks[name] / TICKS * 1e9 / max(events, 1) for name in names},
         "events_total": totals,
         "windows": {"quiet": quiet, "paced": paced},
         "per_round": per,
@@ -280,7 +312,7 @@ def show(out: dict):
           f"({out['rounds']} rounds of {out['window_s']:g} s quiet + {out['window_s']:g} s paced)")
     print(f"{'consumer':<12}{'ns/event':>10}{'marginal':>10}{'x drain':>9}{'quiet %':>9}"
           f"{'paced %':>9}{'stat ns/ev':>12}{'anon MB':>9}")
-    for name in CONSUMERS:
+    for name in out["median"]:
         m = out["median"][name]
         print(f"{name:<12}{m['ns_per_event']:>10.1f}{m['marginal_ns_per_event']:>10.1f}"
               f"{out['ratio_to_drain'][name]:>9.2f}{m['quiet_cpu_percent']:>9.3f}"
@@ -296,6 +328,7 @@ def main():
     ap.add_argument("--window", type=float, default=10.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=float, default=35.0)
+    ap.add_argument("--baseline-rev", help="that revision's run and record too, side by side")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "pipeline.json"))
     ap.add_argument("--drain-child", type=int, help=argparse.SUPPRESS)
@@ -306,7 +339,7 @@ def main():
         return
     if os.geteuid() != 0:
         sys.exit("bench_pipeline: needs root (it loads eBPF)")
-    out = bench(args.rate, args.window, args.rounds, args.warmup)
+    out = bench(args.rate, args.window, args.rounds, args.warmup, args.baseline_rev)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
     if args.json:
