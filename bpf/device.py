@@ -235,6 +235,21 @@ def default_infos() -> dict[int, ApiInfo]:
     return {d["id"]: ApiInfo.from_json(d) for d in default_table().to_json()}
 
 
+def id_table(ids) -> np.ndarray:
+    """A lookup over small ids (kinds, API ids) with one False slot past
+    the highest: in_table(values, table) is np.isin(values, ids), without
+    its set-up and sort (a few times cheaper on a batch)."""
+    ids = np.asarray(list(ids), np.int64)
+    table = np.zeros(int(ids.max(initial=-1)) + 2, bool)
+    table[ids] = True
+    return table
+
+
+def in_table(values: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """Which of `values` are among the ids of `table` (id_table)."""
+    return table[np.minimum(values, len(table) - 1)]
+
+
 def failed(events: np.ndarray) -> np.ndarray:
     """Calls whose return was probed and gave an error code: they did no
     work (no bytes moved, no kernel queued), and every output counts them

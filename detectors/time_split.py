@@ -190,6 +190,24 @@ class DeviceRoles:
     blocking: np.ndarray = field(default_factory=lambda: np.zeros(1, bool))  # by API id
     npu: np.ndarray = field(default_factory=lambda: np.zeros(1, bool))       # by API id
 
+    def __post_init__(self):
+        # Lookups by kind (one False slot past the highest): np.isin sets up
+        # and sorts afresh for every batch.
+        self.is_submission = _kind_table(self.submission_kinds)
+        self.is_exported = _kind_table(self.exported_kinds)
+
+
+def _kind_table(kinds) -> np.ndarray:
+    kinds = np.asarray(list(kinds), np.int64)
+    table = np.zeros(int(kinds.max(initial=-1)) + 2, bool)
+    table[kinds] = True
+    return table
+
+
+def _of_kinds(kind: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """np.isin(kind, the kinds of `table`)."""
+    return table[np.minimum(kind, len(table) - 1)]
+
 
 @dataclass
 class ThreadInfo:
@@ -350,7 +368,7 @@ class TimeSplit:
         blocking copies, submissions, failed calls, bytes, and the NPU's
         submit-to-retire."""
         r = self.roles
-        keep = np.isin(events["kind"], r.exported_kinds)
+        keep = _of_kinds(events["kind"], r.is_exported)
         sane = (events["ts_ns"] < MAX_TS_NS) & (events["duration_ns"] < MAX_INTERVAL_NS)
         self.dropped += int((keep & ~sane).sum())
         keep &= sane
@@ -369,7 +387,7 @@ class TimeSplit:
         kind = events["kind"]
         is_sync = kind == r.sync_kind
         is_copy = (kind == r.memcpy_kind) & r.blocking[api]
-        submission = np.isin(kind, r.submission_kinds)
+        submission = _of_kinds(kind, r.is_submission)
         npu = r.npu[api]
         failed = returned & (events["ret"] != 0)      # did no work
         retired = events["retired_ns"].astype(np.int64)

@@ -21,8 +21,10 @@ from mmtrace.agent.ingest import series_keys
 from mmtrace.agent.ingest.series_keys import SeriesKey
 
 SYNC = device_stream.KIND_IDS["sync"]
-SUBMISSIONS = np.array([device_stream.KIND_IDS[k] for k in device_stream.SUBMISSION_KINDS])
-DEVICE_WORK = np.array([device_stream.KIND_IDS[k] for k in device_stream.EXPORTED_KINDS])
+SUBMISSIONS = device_stream.id_table(device_stream.KIND_IDS[k]
+                                     for k in device_stream.SUBMISSION_KINDS)
+DEVICE_WORK = device_stream.id_table(device_stream.KIND_IDS[k]
+                                     for k in device_stream.EXPORTED_KINDS)
 
 
 @dataclass
@@ -88,7 +90,8 @@ class Submitters:
     def learn(self, device_events: np.ndarray):
         if not len(device_events):
             return
-        tids = np.unique(device_events["tid"][np.isin(device_events["kind"], DEVICE_WORK)])
+        work = device_stream.in_table(device_events["kind"], DEVICE_WORK)
+        tids = np.unique(device_events["tid"][work])
         new = tids[~self.mask(tids)]
         if len(new):        # most batches bring none: the known ones are left as they are
             self._tids = np.union1d(self._tids, new)[-self.limit:]
@@ -151,7 +154,7 @@ def retire_series(series_id, aligned: np.ndarray) -> Series:
     """Submissions whose retirement is known (aligned events, retired_ns >= 0)."""
     if not len(aligned):
         return Series.empty()
-    done = np.isin(aligned["kind"], SUBMISSIONS) & (aligned["retired_ns"] >= 0)
+    done = device_stream.in_table(aligned["kind"], SUBMISSIONS) & (aligned["retired_ns"] >= 0)
     subs = aligned[done]
     if not len(subs):
         return Series.empty()

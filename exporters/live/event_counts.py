@@ -22,7 +22,8 @@ from mmtrace.bpf.return_codes import BY_LIBRARY
 
 SYNC = device_stream.KIND_IDS["sync"]
 MEMCPY = device_stream.KIND_IDS["memcpy"]
-SUBMISSION_KINDS = np.array([device_stream.KIND_IDS[k] for k in device_stream.SUBMISSION_KINDS])
+SUBMISSION_KINDS = device_stream.id_table(device_stream.KIND_IDS[k]
+                                          for k in device_stream.SUBMISSION_KINDS)
 # Upper bounds in seconds, powers of two of a microsecond: 1 µs .. ~1 s for
 # run-queue delays, 1 µs .. ~16 s for sync waits and submit-to-retire.
 RUNQ_BOUNDS = tuple(2.0 ** k * 1e-6 for k in range(21))
@@ -133,7 +134,7 @@ class EventCounts:
                 for api_id, code, n in pairs:
                     self._failures[(api_id, code)] = self._failures.get((api_id, code), 0) + n
             aligned, api = aligned[~failed], api[~failed]     # they did no work
-        submitted = np.isin(aligned["kind"], SUBMISSION_KINDS)
+        submitted = device_stream.in_table(aligned["kind"], SUBMISSION_KINDS)
         memcpy = aligned["kind"] == MEMCPY
         syncs = ((aligned["kind"] == SYNC)
                  & ((aligned["flags"] & device_stream.FLAG_RETURNED) != 0))
