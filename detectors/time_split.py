@@ -184,28 +184,17 @@ class DeviceRoles:
     fills it from bpf/device.py: this layer reads no kernel layout)."""
     sync_kind: int
     memcpy_kind: int
-    submission_kinds: list
-    exported_kinds: list        # the kinds that are calls a user sees
+    # By kind id, the last slot for any kind past the table (np.isin sets
+    # up and sorts afresh for every batch):
+    submission_kinds: np.ndarray    # bool: submissions
+    exported_kinds: np.ndarray      # bool: the kinds that are calls a user sees
     returned_flag: int          # flags bit: the call's return was probed
     blocking: np.ndarray = field(default_factory=lambda: np.zeros(1, bool))  # by API id
     npu: np.ndarray = field(default_factory=lambda: np.zeros(1, bool))       # by API id
 
-    def __post_init__(self):
-        # Lookups by kind (one False slot past the highest): np.isin sets up
-        # and sorts afresh for every batch.
-        self.is_submission = _kind_table(self.submission_kinds)
-        self.is_exported = _kind_table(self.exported_kinds)
-
-
-def _kind_table(kinds) -> np.ndarray:
-    kinds = np.asarray(list(kinds), np.int64)
-    table = np.zeros(int(kinds.max(initial=-1)) + 2, bool)
-    table[kinds] = True
-    return table
-
 
 def _of_kinds(kind: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """np.isin(kind, the kinds of `table`)."""
+    """Which of `kind` the bool `table` (by kind id) holds."""
     return table[np.minimum(kind, len(table) - 1)]
 
 
@@ -368,7 +357,7 @@ class TimeSplit:
         blocking copies, submissions, failed calls, bytes, and the NPU's
         submit-to-retire."""
         r = self.roles
-        keep = _of_kinds(events["kind"], r.is_exported)
+        keep = _of_kinds(events["kind"], r.exported_kinds)
         sane = (events["ts_ns"] < MAX_TS_NS) & (events["duration_ns"] < MAX_INTERVAL_NS)
         self.dropped += int((keep & ~sane).sum())
         keep &= sane
@@ -387,7 +376,7 @@ class TimeSplit:
         kind = events["kind"]
         is_sync = kind == r.sync_kind
         is_copy = (kind == r.memcpy_kind) & r.blocking[api]
-        submission = _of_kinds(kind, r.is_submission)
+        submission = _of_kinds(kind, r.submission_kinds)
         npu = r.npu[api]
         failed = returned & (events["ret"] != 0)      # did no work
         retired = events["retired_ns"].astype(np.int64)

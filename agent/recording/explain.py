@@ -31,8 +31,8 @@ def device_roles(infos: dict) -> DeviceRoles:
         npu[api_id] = info.stream == "npu"
     kinds = device_stream.KIND_IDS
     return DeviceRoles(kinds["sync"], kinds["memcpy"],
-                       [kinds[k] for k in device_stream.SUBMISSION_KINDS],
-                       [kinds[k] for k in device_stream.EXPORTED_KINDS],
+                       device_stream.id_table(kinds[k] for k in device_stream.SUBMISSION_KINDS),
+                       device_stream.id_table(kinds[k] for k in device_stream.EXPORTED_KINDS),
                        device_stream.FLAG_RETURNED, blocking, npu)
 
 
