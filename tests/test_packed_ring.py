@@ -143,24 +143,33 @@ def test_window_matches_an_event_ring_of_the_same_age(steps, age, block, since):
     assert packed.window(since).tobytes() == recent.tobytes()
 
 
-def test_blocks_between_judgements_take_the_choice_of_raw_bytes_and_read_back_whole():
-    """The entropy is counted once every REJUDGE_BLOCKS blocks while the
-    same positions vary; the blocks between hold their bytes as the judged
-    one did, and every record comes back."""
-    from mmtrace.agent.ingest import packed_ring
+def test_a_position_is_judged_once_every_few_blocks_and_every_record_reads_back(monkeypatch):
+    """A position's entropy is counted once every REJUDGE_BLOCKS blocks
+    (and when it first varies); the blocks between take its verdict, and
+    every record comes back."""
+    from mmtrace.agent.ingest import block_codec, packed_ring
+    judged = []
+    entropy = block_codec._entropy_bits
+    monkeypatch.setattr(block_codec, "_entropy_bits",
+                        lambda sample: judged.append(sample.shape[1]) or entropy(sample))
     rng = np.random.default_rng(5)
-    dtype = np.dtype([("ts_ns", "<u8"), ("noise", "<u4"), ("few", "u1")])
+    dtype = np.dtype([("ts_ns", "<u8"), ("noise", "<u4"), ("few", "u1"), ("late", "u1")])
     ring = PackedRing(dtype, 1 << 20, 10**12, block_records=1000, block_ns=10**12)
     pushed = []
-    for k in range(3 * packed_ring.REJUDGE_BLOCKS):
+    blocks = 3 * packed_ring.REJUDGE_BLOCKS
+    for k in range(blocks):
         batch = np.zeros(1000, dtype)
         batch["ts_ns"] = 10**9 * k + np.arange(1000) * 1000
         batch["noise"] = rng.integers(0, 2**32, 1000)
         batch["few"] = rng.integers(0, 2, 1000)
+        if k >= 3:              # a position that starts to vary
+            batch["late"] = rng.integers(0, 256, 1000)
         ring.push(batch)
         pushed.append(batch)
+    assert len(ring._blocks) == blocks
+    # the first block of each round judges every varying position, the
+    # fourth the one that started to vary, the rest none
+    assert len(judged) == 3 + 1
     raws = [b.packed.raw for b in ring._blocks]
-    assert len(raws) == 3 * packed_ring.REJUDGE_BLOCKS
-    assert sum(r is raws[0] for r in raws) == packed_ring.REJUDGE_BLOCKS + 1
-    assert all((r == raws[0]).all() for r in raws)
+    assert all((r == raws[-1]).all() for r in raws[3:])
     assert ring.window().tobytes() == np.concatenate(pushed).tobytes()

@@ -114,15 +114,16 @@ def _varying(columns: np.ndarray) -> np.ndarray:
 
 def pack(records: np.ndarray, time_field: str | None = "ts_ns", level: int = 1, *,
          in_place: bool = False, raw_bits: float = RAW_BITS,
-         judged: Packed | None = None) -> Packed:
+         judged: np.ndarray | None = None) -> Packed:
     """`records` (one dtype, any order) packed; `time_field` (uint64) is
     kept as steps. The records are not changed, unless `in_place` (and they
     are contiguous): then their time field is left as the steps. Which
     positions are kept raw (over `raw_bits` bits a byte) is judged from
-    about ENTROPY_SAMPLE records spread over the block; or, given `judged`
-    (an earlier block of the same stream) whose varying positions are
-    these, taken from it: only where and how bytes are held depends on
-    it, never what comes back."""
+    about ENTROPY_SAMPLE records spread over the block. `judged` (int8 by
+    byte position of the record: 1 raw, 0 zipped, -1 not yet judged) holds
+    the verdicts of earlier blocks of the same stream: the positions it has
+    judged take them, the others are judged here and written into it. Only
+    where and how bytes are held depends on it, never what comes back."""
     n = len(records)
     work = records if in_place and records.flags.c_contiguous else \
         np.ascontiguousarray(records).copy()
@@ -137,11 +138,15 @@ def pack(records: np.ndarray, time_field: str | None = "ts_ns", level: int = 1, 
     # Eight byte positions a word where the record size allows.
     columns = rows.view(np.uint64) if records.dtype.itemsize % 8 == 0 else rows
     varying = np.flatnonzero(_varying(columns)).astype(np.uint16)
-    if judged is not None and np.array_equal(judged.varying, varying):
-        raw = judged.raw
-    else:
+    if judged is None:
+        judged = np.full(records.dtype.itemsize, -1, np.int8)
+    verdicts = judged[varying]
+    unknown = np.flatnonzero(verdicts < 0)
+    if len(unknown):
         every = -(-n // ENTROPY_SAMPLE)     # at most ENTROPY_SAMPLE records, spread over the block
-        raw = _entropy_bits(rows[::every][:, varying]) > raw_bits
+        verdicts[unknown] = _entropy_bits(rows[::every][:, varying[unknown]]) > raw_bits
+        judged[varying[unknown]] = verdicts[unknown]
+    raw = verdicts > 0
     zipped = zlib.compress(np.ascontiguousarray(rows[:, varying[~raw]].T), level) \
         if (~raw).any() else b""
     data = zipped + np.ascontiguousarray(rows[:, varying[raw]].T).tobytes() if raw.any() \

@@ -31,7 +31,7 @@ while up to one block more may be held. Evicted records are counted.
 
 import itertools
 import mmap
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -94,11 +94,12 @@ class PackedRing:
         self.level = level
         self.raw_bits = raw_bits        # block_codec.pack's
         self._blocks: list[_Block] = []
-        # The latest block whose raw positions were judged, and the blocks
-        # sealed since: a stream's bytes keep their character from block to
-        # block, so the entropy is counted once every REJUDGE_BLOCKS (or
-        # when other positions vary), and the blocks between take its choice.
-        self._judged: block_codec.Packed | None = None
+        # Which byte positions are kept raw (block_codec.pack's `judged`), and
+        # the blocks sealed since it was cleared: a stream's bytes keep their
+        # character from block to block, so a position's entropy is counted
+        # once every REJUDGE_BLOCKS blocks, and the blocks between take its
+        # verdict (a position that starts to vary is judged when it does).
+        self._judged = np.full(self.dtype.itemsize, -1, np.int8)
         self._since_judged = 0
         # The hot block fills one buffer, allocated once: batches copied in
         # and out of the heap left it fragmented, 8 MB more resident at 20k
@@ -174,15 +175,11 @@ class PackedRing:
         if len(part):
             last_ns = int(part["ts_ns"].max())
             # The hot block is written over next: packed where it is.
-            judged = self._judged if self._since_judged < REJUDGE_BLOCKS else None
+            if self._since_judged == REJUDGE_BLOCKS:
+                self._judged[:], self._since_judged = -1, 0
             packed = block_codec.pack(part, "ts_ns", self.level, in_place=True,
-                                      raw_bits=self.raw_bits, judged=judged)
-            if judged is not None and packed.raw is judged.raw:
-                self._since_judged += 1
-            else:
-                # (its choice only: not the block's bytes, once it is dropped)
-                self._judged = replace(packed, first=b"", data=b"", zipped=0)
-                self._since_judged = 0
+                                      raw_bits=self.raw_bits, judged=self._judged)
+            self._since_judged += 1
             packed.data = _kept(packed.data)
             self._blocks.append(_Block(packed, self._hot_first_seq + skip, last_ns))
         self._hot_count, self._hot_first_ns = 0, None
