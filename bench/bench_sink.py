@@ -13,10 +13,23 @@ With --submitters, a tenth of the threads do GPU work (their events feed
 the metrics' per-process histograms and the P99 series). CPU is
 process_time over --seconds of events, the median of --rounds.
 
+With --recording FILE (`mmtrace record` of a workload: the soak's mix,
+say), both streams of the recording instead, in time order, cut into
+batches of --batch-ms (as the daemon drains them), each window followed
+by the tick's detector work (P99 windows, call failures, the launchers'
+time split): CPU per event of everything the daemon does with them, the
+bytes its rings hold a record, and a digest of what it tells (anomalies,
+the metrics' counts, P99 states, the rings' records), equal between two
+revisions that change no figure. Run a baseline with PYTHONPATH on a
+`git archive` of it (bench_recording.baseline_env) and compare.
+
 Usage: .venv/bin/python bench/bench_sink.py [--seconds 30] [--rounds 3] [--submitters]
+       .venv/bin/python bench/bench_sink.py --recording FILE [--batch-ms 250] [--rounds 3]
 """
 
 import argparse
+import hashlib
+import json
 import statistics
 import time
 
@@ -89,13 +102,94 @@ def run(shape: str, seconds: float, submitters: bool) -> dict:
     return {"ns_per_event": cpu / len(runq) * 1e9, "ring_bytes_per_record": ring.nbytes / len(ring)}
 
 
+def recording_batches(path, batch_ms: float):
+    """The run-queue and device events of a recording, each in time order,
+    cut into windows of `batch_ms`: [(window end ns, runq, device)], and
+    the op-name rows the recording learnt."""
+    from mmtrace.agent.recording.file_format import read_recording
+    rec = read_recording(path)
+    streams = {}
+    for name in ("cpu.runq", "dev.event"):
+        ev = rec.events[name]
+        streams[name] = ev[np.argsort(ev["ts_ns"], kind="stable")]
+    starts = [int(ev["ts_ns"][0]) for ev in streams.values() if len(ev)]
+    ends = [int(ev["ts_ns"][-1]) for ev in streams.values() if len(ev)]
+    step = int(batch_ms * 1e6)
+    edges = np.arange(min(starts), max(ends) + step, step)
+    cut = {name: np.searchsorted(ev["ts_ns"].astype(np.int64), edges)
+           for name, ev in streams.items()}
+    windows = [(int(edges[i + 1]), *(streams[name][cut[name][i]:cut[name][i + 1]].copy()
+                                     for name in ("cpu.runq", "dev.event")))
+               for i in range(len(edges) - 1)]
+    names = [row for doc in rec.meta for row in (doc.get("op_names") or ())]
+    return windows, names
+
+
+def replay(windows, names) -> tuple[float, Streams]:
+    """CPU seconds of Streams (and the tick's detectors) over `windows`."""
+    config = DaemonConfig()
+    p99 = p99_detector(config.p99)
+    found = []
+    streams = Streams(config, p99, act=found.extend)
+    streams.found = found
+    windows = [(end, runq.copy(), dev.copy()) for end, runq, dev in windows]
+    began = time.process_time()
+    for i, (end, runq, dev) in enumerate(windows):
+        if len(runq):
+            streams.batch("cpu", runq, [])
+        if len(dev):
+            streams.batch("dev", dev, names if i == 0 else [])
+        found.extend(p99.advance(end - int(config.p99.window_s * 1e9 / 4)))
+        found.extend(streams.failures.tick(end))
+        found.extend(streams.launchers.tick(end))
+    return time.process_time() - began, streams
+
+
+def digest(streams: Streams) -> str:
+    """What the replay told, hashed: equal where no figure changed."""
+    snap = streams.counts.snapshot()
+    hists = lambda hs: {k: (h.counts.tolist(), round(h.sum, 9)) for k, h in hs.items()}  # noqa: E731
+    told = {"anomalies": streams.found,
+            "submissions": sorted(map(str, snap.submissions.items())),
+            "failures": sorted(map(str, snap.failures.items())),
+            "sync_wait": hists(snap.sync_wait), "retire": hists(snap.submit_to_retire),
+            "processes": {p: (v.name, v.hist.counts.tolist()) for p, v in snap.processes.items()},
+            "p99": {n: (streams.p99.state(n), streams.p99.baseline(n))
+                    for n in streams.series_keys},
+            "launchers": streams.launchers.table(),
+            "runq_ring": hashlib.md5(streams.runq_ring.window().tobytes()).hexdigest(),
+            "device_ring": hashlib.md5(streams.aligner.window().tobytes()).hexdigest()}
+    return hashlib.md5(json.dumps(told, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def main_recording(args):
+    windows, names = recording_batches(args.recording, args.batch_ms)
+    events = sum(len(r) + len(d) for _, r, d in windows)
+    span_s = (windows[-1][0] - windows[0][0]) / 1e9 + args.batch_ms / 1e3
+    got = [replay(windows, names) for _ in range(args.rounds)]
+    cpu = statistics.median(g[0] for g in got)
+    streams = got[-1][1]
+    held = {name: ring.nbytes / max(len(ring), 1)
+            for name, ring in (("runq", streams.runq_ring), ("device", streams.aligner._ring))}
+    print(f"{events:,} events over {span_s:.1f} s in batches of {args.batch_ms:g} ms: "
+          f"{cpu:.3f} s CPU, {100 * cpu / span_s:.2f} % of a core, {cpu / events * 1e9:.0f} ns "
+          f"an event (median of {', '.join(f'{g[0]:.3f}' for g in got)})")
+    print(f"held: run-queue {held['runq']:.3f} B/record, device {held['device']:.3f} B/record; "
+          f"digest {digest(streams)} ({len(streams.found)} anomalies)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--submitters", action="store_true")
+    ap.add_argument("--recording", help="replay this recording's streams instead")
+    ap.add_argument("--batch-ms", type=float, default=250.0)
     args = ap.parse_args()
     heap.keep_large_blocks_mapped()                 # as the daemon runs
+    if args.recording:
+        main_recording(args)
+        return
     for shape in ("ping-pong", "host"):
         got = [run(shape, args.seconds, args.submitters) for _ in range(args.rounds)]
         ns = statistics.median(g["ns_per_event"] for g in got)
