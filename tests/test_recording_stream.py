@@ -147,16 +147,33 @@ def test_runs_stay_few_whatever_order_the_pieces_come_in(order):
 def test_memory_bounds_what_a_stream_of_late_records_holds_back():
     # Every piece of "late" carries a record from the start: its horizon never
     # moves, and only the bound on held bytes lets anything out before the end.
+    # Steps of a tenth of a piece (100 records): at one byte a step, 89 000
+    # steps of one record took 9-30 s here and showed nothing more.
     dtype = np.dtype([("ts_ns", "<u8")])
     late = [np.concatenate([[0], np.arange(i * 1000, (i + 1) * 1000)]).astype(np.uint64)
             .view(dtype) for i in range(50)]
     busy = [np.arange(i * 1000, (i + 1) * 1000, dtype=np.uint64).view(dtype) for i in range(50)]
-    steps = list(ordered_steps({"late": iter(late), "busy": iter(busy)},
-                               {"late": dtype, "busy": dtype}, lag_ns=0, max_bytes=80_000,
-                               step_bytes=1))
-    sizes = [sum(r.nbytes for r in s.values()) for s in steps]
+    read = {"bytes": 0, "late": 0, "busy": 0}
+
+    def pieces(name, source):
+        for piece in source:
+            read["bytes"] += piece.nbytes
+            read[name] += 1
+            yield piece
+
+    sizes, held, before_late_ends = [], [], 0
+    for step in ordered_steps({"late": pieces("late", late), "busy": pieces("busy", busy)},
+                              {"late": dtype, "busy": dtype}, lag_ns=0, max_bytes=80_000,
+                              step_bytes=800):
+        held.append(read["bytes"] - sum(sizes))
+        before_late_ends += read["late"] < len(late)
+        sizes.append(sum(r.nbytes for r in step.values()))
     assert sum(sizes) == 50 * 1001 * 8 + 50 * 1000 * 8
-    assert len(steps) > 5 and max(sizes) <= 80_000 + 2 * 8008
+    assert len(sizes) > 5 and max(sizes) <= 80_000 + 2 * 8008
+    # What was read and not yet handed out stays within the bound (and a
+    # piece or two), and steps come out while "late" is still being read.
+    assert max(held) <= 80_000 + 2 * 8008, max(held)
+    assert before_late_ends > 5
 
 
 # ---------------------------------------------------- streamed alignment
