@@ -1,5 +1,6 @@
 """Build the C workloads and stand-ins that tests and benchmarks run."""
 
+import functools
 import hashlib
 import shutil
 import subprocess
@@ -40,7 +41,7 @@ def nvcc_build(source: Path, *flags: str, name: str, out_dir: Path = BUILD) -> P
     if nvcc is None:
         return None
     source = Path(source)
-    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    version = _nvcc_version(nvcc)
     headers = b"".join(h.read_bytes() for h in sorted(NATIVE.glob("*.h")))
     digest = hashlib.sha1(source.read_bytes() + headers + " ".join(flags).encode()
                           + version.encode()).hexdigest()[:10]
@@ -54,6 +55,12 @@ def nvcc_build(source: Path, *flags: str, name: str, out_dir: Path = BUILD) -> P
                                f"{result.stderr}")
         Path(str(out) + ".tmp").rename(out)
     return out
+
+
+@functools.cache
+def _nvcc_version(nvcc: str) -> str:
+    """`nvcc --version`, asked once a session (every lookup of a build asks)."""
+    return subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
 
 
 def compile_text(out: Path, source: str, *flags: str, suffix: str = ".c") -> Path:

@@ -6,6 +6,7 @@ import os
 import sys
 
 import atheris
+import numpy  # noqa: F401  (imported before instrumentation: not ours to fuzz)
 
 with atheris.instrument_imports():
     from mmtrace.agent.discovery.elf_reader import ElfError

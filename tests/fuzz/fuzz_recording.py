@@ -11,6 +11,7 @@ import tempfile
 from functools import partial
 
 import atheris
+import numpy  # noqa: F401  (imported before instrumentation: not ours to fuzz)
 
 with atheris.instrument_imports():
     from mmtrace.agent.recording.file_format import RecordingError, RecordingReader
