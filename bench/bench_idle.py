@@ -8,10 +8,13 @@ For each count, enough `sleep` processes are started that the host runs
 that many (counted from /proc; the host's own are part of it), then
 `mmtrace run` with its defaults (bench_footprint.Daemon) idles for --warmup
 and is measured over --seconds: CPU (% of one core, /proc/PID/stat),
-RSS, and discovery's figures from its metrics (processes whose maps it
-read). Rounds alternate between this tree and --baseline-rev. Idle
-discovery used to read a fifth of the processes' maps every poll: its
-cost grew with their number. Needs root. Figures go to bench/out/idle.json.
+RSS, and the run-queue events a second it drained. This tree and
+--baseline-rev run at once and are measured over the same window: the
+host's own load (which the daemons trace: its switches, its CUDA
+processes) varied 50-fold between rounds taken one after the other on a
+shared host. Idle discovery used to read a fifth of the processes' maps
+every poll: its cost grew with their number. Needs root. Figures go to
+bench/out/idle.json.
 """
 
 import argparse
@@ -20,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,13 +38,22 @@ def processes_running() -> int:
     return sum(1 for name in os.listdir("/proc") if name.isdigit())
 
 
-def idle(env: dict, warmup_s: float, seconds: float) -> dict:
+def idle(envs: dict, warmup_s: float, seconds: float) -> dict:
+    """Each environment's daemon, all started first, then measured together."""
     with tempfile.TemporaryDirectory() as tmp:
-        daemon = Daemon(Path(tmp), env)
+        daemons = {}
         try:
-            return {"tracing_s": round(daemon.tracing_s, 2), **daemon.measure(warmup_s, seconds)}
+            for which, env in envs.items():
+                (Path(tmp) / which).mkdir()
+                daemons[which] = Daemon(Path(tmp) / which, env)
+            with ThreadPoolExecutor(len(daemons)) as pool:
+                measured = {which: pool.submit(d.measure, warmup_s, seconds)
+                            for which, d in daemons.items()}
+                return {which: {"tracing_s": round(daemons[which].tracing_s, 2), **f.result()}
+                        for which, f in measured.items()}
         finally:
-            daemon.stop()
+            for d in daemons.values():
+                d.stop()
 
 
 def main():
@@ -62,13 +75,13 @@ def main():
             sleepers.append(subprocess.Popen(["sleep", "3600"]))
         try:
             for round_ in range(opts.rounds):
-                for which, env in envs.items():
-                    r = idle(env, opts.warmup, opts.seconds)
+                for which, r in idle(envs, opts.warmup, opts.seconds).items():
                     r.update(target=count, processes=processes_running(), implementation=which,
                              round=round_)
                     results.append(r)
                     print(f"{r['processes']:5d} processes  {which:<9} CPU {r['cpu_percent']:5.2f} %"
-                          f"  RSS {r['rss_mb']:6.1f} MB", flush=True)
+                          f"  RSS {r['rss_mb']:6.1f} MB  run-queue events {r['runq_events_per_s']}/s",
+                          flush=True)
         finally:
             for s in sleepers:
                 s.kill()

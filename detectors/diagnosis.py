@@ -82,6 +82,8 @@ def processes(split: TimeSplit, start_ns: int, end_ns: int, pids=None) -> dict[i
     that made none, all its threads)."""
     # The sums are whole slices: the window's wall time is theirs too.
     lo, hi = split.aligned(start_ns, end_ns)
+    if not pids and (split.last_ns is None or split.last_ns < lo):
+        return {}                   # nothing reaches the window (an idle daemon's every window)
     threads, device, culprits = split.slices(lo, hi)
     names = split.names
     dev_tid = key_tid(device["key"])

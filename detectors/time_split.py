@@ -454,6 +454,8 @@ class TimeSplit:
         no record named, through `resolve` (the live daemon's /proc), while
         they still run: a hog that has exited by the time someone asks
         would stay nameless. At most `limit` a call; how many were named."""
+        if self.last_ns is None or self.last_ns < since_ns // self.slice_ns * self.slice_ns:
+            return 0                # nothing since: no holder to name
         rows = self.culprit_table.rows()
         holders = np.unique(rows["holder"][key_slice(rows["key"]) >= since_ns // self.slice_ns]
                             .astype(np.int64))

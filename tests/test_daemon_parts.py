@@ -357,3 +357,39 @@ def test_between_sweeps_the_heap_is_trimmed_only_once_the_process_has_grown(tmp_
         assert len(trims) == 2
     finally:
         daemon.close()
+
+
+def test_the_loop_wakes_once_a_second_only_while_there_is_nothing_to_watch(tmp_path):
+    """Quiet (no GPU/NPU work nor a launcher's run-queue record for
+    QUIET_AFTER_S, no call in flight, no alarm, no dispatcher): one wake-up a
+    second. Any of them: the quarter window again."""
+    from mmtrace.agent.daemon import loop
+    cfg = config_mod.DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "s.sock")
+    daemon = loop.Daemon(cfg)
+    fast = min(loop.MAX_IDLE_WAIT_S, cfg.p99.window_s / 4)
+    try:
+        assert daemon.quiet() and daemon.idle_wait_s() == loop.QUIET_WAIT_S
+        assert daemon.idle_wait_s(watchdog_s=2.0) == 0.5      # the watchdog's ping first
+        rec = recording.read_recording(synthetic_recording(tmp_path / "s.mmtr"))
+        daemon.streams.batch("dev", rec.events["dev.event"][:4], [])
+        assert not daemon.quiet() and daemon.idle_wait_s() == fast
+        later = daemon.streams.last_work_ns + int(loop.QUIET_AFTER_S * 1e9)
+        assert daemon.quiet(later)
+        daemon.streams.memory.in_flight = 1                  # a sync that has not returned
+        assert not daemon.quiet(later)
+        daemon.streams.memory.in_flight = 0
+        daemon.steering.inputs.on_anomaly({"detector": "p99_drift", "series": "s",
+                                           "state": "firing"})
+        assert not daemon.quiet(later)
+        daemon.steering.inputs.on_anomaly({"detector": "p99_drift", "series": "s",
+                                           "state": "resolved"})
+        assert daemon.quiet(later)
+        runq = rec.events["cpu.runq"]
+        daemon.streams.batch("cpu", runq[~np.isin(runq["tid"], rec.events["dev.event"]["tid"])],
+                             [])
+        assert daemon.quiet(later)               # the host's switches feed no detector
+        daemon.streams.batch("cpu", runq[np.isin(runq["tid"], rec.events["dev.event"]["tid"])],
+                             [])
+        assert not daemon.quiet(later)           # a launcher's
+    finally:
+        daemon.close()

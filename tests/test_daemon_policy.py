@@ -195,3 +195,32 @@ def test_policy_section_of_the_config(tmp_path):
     path.write_text("[policy]\nttl_s = 0.0\n")
     with pytest.raises(config_mod.MmtraceError, match=r"\[policy\] ttl_s"):
         config_mod.load_config(path)
+
+
+def test_proc_stat_is_read_every_half_second_only_while_an_alarm_fires():
+    """The policy reads the CPU's utilisation only for a firing alarm:
+    while none fires /proc/stat is read every CPU_READ_QUIET_S (the first
+    delta of an alarm spans at most that), while one does, every half second."""
+    from mmtrace.agent.daemon import policy_inputs
+
+    class Counting:
+        reads = 0
+
+        def read(self):
+            self.reads += 1
+            return 0.5
+
+    now = [0]
+    cpu = Counting()
+    inputs = PolicyInputs(cpu, clock=lambda: now[0])
+    for _ in range(int(policy_inputs.CPU_READ_QUIET_S / 0.25)):
+        inputs.observations()
+        now[0] += S // 4
+    assert cpu.reads == 1
+    inputs.observations()
+    assert cpu.reads == 2
+    inputs.on_anomaly({"detector": "p99_drift", "series": "e2e", "state": "firing"})
+    for _ in range(8):
+        now[0] += S // 4
+        inputs.observations()
+    assert cpu.reads == 6

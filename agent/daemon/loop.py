@@ -56,6 +56,8 @@ TRIM_GROWTH_BYTES = 2 << 20    # and the resident growth since then that a trim 
 STATUS_MIN_INTERVAL_S = 0.5
 DUMP_REUSE_S = 5.0          # socket dump requests this close share one file
 MAX_IDLE_WAIT_S = 0.25      # the longest sleep without data (see Daemon.idle_wait_s)
+QUIET_WAIT_S = 1.0          # ... while the detectors have nothing to watch (Daemon.quiet)
+QUIET_AFTER_S = 10.0        # no GPU/NPU work for this long, nor a launcher's run-queue record
 EXPLAINS_PER_S = 4          # socket explain requests answered a second, all clients together
 
 
@@ -190,10 +192,28 @@ class Daemon:
         rings before it closes P99 windows, so the wait costs no event, only
         time to an alarm: a window closes at most a quarter window after its
         grace (a quarter window past its end). Waking 8 times a second
-        instead of 4 was half an idle agent's CPU. The watchdog wants a ping
-        every half of its interval."""
-        wait = min(MAX_IDLE_WAIT_S, self.config.p99.window_s / 4)
+        instead of 4 was half an idle agent's CPU. While the daemon is quiet
+        (no launcher to watch) it wakes once a second: nothing is there
+        for a window to hold. The watchdog wants a ping every half of its
+        interval."""
+        wait = QUIET_WAIT_S if self.quiet() else min(MAX_IDLE_WAIT_S, self.config.p99.window_s / 4)
         return min(wait, watchdog_s / 4) if watchdog_s else wait
+
+    def quiet(self, now_ns: int | None = None) -> bool:
+        """Nothing the detectors watch: the probes are all live, no GPU/NPU
+        call nor launcher's run-queue record for QUIET_AFTER_S (the rings
+        hold the host's switches, which feed no detector but through the
+        launchers), no blocking call in flight, no alarm firing and no
+        dispatcher connected (its messages wake the loop, but its alarms
+        close with windows). The first call after a quiet spell is drained
+        within QUIET_WAIT_S, or at once when its ring signals a batch."""
+        now_ns = now_ns or time.monotonic_ns()
+        last = self.streams.last_work_ns
+        return (not self.probes.compiling
+                and (last is None or now_ns - last >= QUIET_AFTER_S * 1e9)
+                and not self.streams.memory.in_flight
+                and not self.steering.inputs.firing
+                and not (self.server is not None and self.server.clients))
 
     def _sleep(self, watchdog_s: float | None):
         """Until a dispatcher writes, or the idle wait is up; ticks stay

@@ -33,6 +33,7 @@ class MemoryWatch:
         self._blocking = calls_in_flight.blocking_ids(infos)
         self._next_check = 0
         self.stuck: list[dict] = []         # the blocking calls past the threshold, last check
+        self.in_flight = 0                  # the blocking calls in flight, last check
         self.kernel_forgotten = 0           # live allocations of exited processes dropped
         self._kernel_pending: set[int] = set()  # exited, their kernel entries not yet dropped
 
@@ -83,6 +84,7 @@ class MemoryWatch:
         out = self.leak.check(self.ledger, now_ns)
         if loaded is not None and loaded.device_table(calls_in_flight.MAP) is not None:
             calls = self.calls_now(loaded)
+            self.in_flight = len(calls)
             self.stuck = self.hang.stuck(calls, now_ns)
             for call in self.stuck if self.unretired is not None else ():
                 scope = self.infos[call["api_id"]].sync_scope

@@ -14,6 +14,9 @@ from mmtrace.agent.daemon.cpu_load import CpuLoad
 
 ACTIVE_WINDOW_S = 2.0           # a modality with a sample this recent is active
 CPU_READ_EVERY_S = 0.5          # /proc/stat deltas over at least this long
+# ... and while no alarm fires (the policy reads the utilisation only for
+# one): the first delta of an alarm then spans at most this long.
+CPU_READ_QUIET_S = 5.0
 MAX_SERVERS = 1024              # pids remembered, least recently heard dropped first
 
 
@@ -80,7 +83,8 @@ class PolicyInputs:
 
     def observations(self, now_ns: int | None = None) -> Observations:
         now = self.clock() if now_ns is None else now_ns
-        if self._cpu_read_ns is None or now - self._cpu_read_ns >= CPU_READ_EVERY_S * 1e9:
+        every = CPU_READ_EVERY_S if self.firing else CPU_READ_QUIET_S
+        if self._cpu_read_ns is None or now - self._cpu_read_ns >= every * 1e9:
             self._cpu_read_ns = now
             got = self.cpu.read()
             if got is not None:

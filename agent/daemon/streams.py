@@ -5,6 +5,7 @@ what the detector says goes to `act`. The dispatchers' samples arrive
 here too, by way of the socket's messages (agent/daemon/client_messages.py).
 """
 
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -75,6 +76,10 @@ class Streams:
         self.otlp = otlp                # live.otlp.OtlpTraces, when configured
         self.launchers = LauncherTime(config.diagnosis, infos, config.ring_seconds)
         self.memory = MemoryWatch(config, infos, unretired=self.aligner.unretired)
+        # When a batch last carried GPU/NPU calls or the run-queue records of
+        # threads that make them: the detectors' inputs (the daemon's loop
+        # waits longer while there have been none for a while).
+        self.last_work_ns: int | None = None
 
     # ---------------------------------------------------------- the sink
 
@@ -84,8 +89,13 @@ class Streams:
             self.runq_ring.push(events)
             self.counts.on_runq(events, self.submitters)
             self.observe(ls.runq_series(self.series_id, events, self.submitters))
-            self.launchers.on_runq(self.submitters.select(events))
+            mine = self.submitters.select(events)
+            self.launchers.on_runq(mine)
+            if len(mine):
+                self.last_work_ns = time.monotonic_ns()
         else:
+            if len(events):
+                self.last_work_ns = time.monotonic_ns()
             self._on_device(events, op_names)
 
     def _on_device(self, batch, rows):

@@ -133,14 +133,21 @@ class Programs:
     def __init__(self, sched, device=None):
         self.sched = sched
         self.device = device
+        # The device program's own tables: a miss in the scheduler's costs
+        # bcc a lookup by name each time (the daemon asks every check).
+        self._device_names: set = set()
 
     def __getitem__(self, name):
+        if name in self._device_names and self.device is not None:
+            return self.device[name]
         try:
             return self.sched[name]
         except KeyError:
             if self.device is None:
                 raise
-            return self.device[name]
+            table = self.device[name]
+            self._device_names.add(name)
+            return table
 
     @property
     def funcs(self) -> dict:
