@@ -2,6 +2,7 @@
 
 import functools
 import hashlib
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -10,6 +11,13 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ROOT / "tests" / "workloads"
 NATIVE = ROOT / "tests" / "native"
 BUILD = ROOT / "tests" / "_build"
+
+
+def _private_tmp(out: Path) -> Path:
+    """Where one builder writes `out` before renaming it into place: two
+    processes building the same binary at once must not rename one's
+    half-written output (open for writing: ETXTBSY at exec) over the other's."""
+    return Path(f"{out}.{os.getpid()}.tmp")
 
 
 def build(source: Path, *, shared: bool = False, flags=(), out_dir: Path = BUILD,
@@ -26,11 +34,12 @@ def build(source: Path, *, shared: bool = False, flags=(), out_dir: Path = BUILD
     stem = name or source.stem
     out = out_dir / (f"lib{stem}-{digest}.so" if shared else f"{stem}-{digest}")
     if not out.exists():
-        cmd = ["gcc", "-O2", "-g", "-pthread", "-o", str(out) + ".tmp", str(source)]
+        tmp = _private_tmp(out)
+        cmd = ["gcc", "-O2", "-g", "-pthread", "-o", str(tmp), str(source)]
         if shared:
             cmd[1:1] = ["-shared", "-fPIC"]
         subprocess.run(cmd + flags, check=True, capture_output=True, text=True)
-        Path(str(out) + ".tmp").rename(out)
+        tmp.rename(out)
     return out
 
 
@@ -48,12 +57,13 @@ def nvcc_build(source: Path, *flags: str, name: str, out_dir: Path = BUILD) -> P
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / f"{name}-{digest}"
     if not out.exists():
-        result = subprocess.run([nvcc, "-o", str(out) + ".tmp", str(source), *flags],
+        tmp = _private_tmp(out)
+        result = subprocess.run([nvcc, "-o", str(tmp), str(source), *flags],
                                 capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"nvcc {source.name} {' '.join(flags)} failed:\n"
                                f"{result.stderr}")
-        Path(str(out) + ".tmp").rename(out)
+        tmp.rename(out)
     return out
 
 
