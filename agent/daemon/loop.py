@@ -106,6 +106,7 @@ class Daemon:
         self.waiter = Waiter()
         self._next_sweep = self._next_exited_sweep = self._next_trim = 0.0
         self._since_trim = 0
+        self._drained_at = 0.0          # monotonic: the last drain of the rings
         self._trimmed_rss = 0           # resident bytes after the last trim
         self._status_cache: tuple[int, dict] | None = None
         self._last_dump: tuple[float, Path] | None = None
@@ -245,8 +246,21 @@ class Daemon:
     def drain_rings(self):
         """What the rings hold now, through the ingest path (between ticks)."""
         with self.lock:
-            if self.probes.ingest is not None:
-                self._since_trim += self.probes.ingest.drain()
+            self._drain()
+
+    def _drain(self):
+        if self.probes.ingest is not None:
+            self._since_trim += self.probes.ingest.drain()
+        self._drained_at = time.monotonic()
+
+    def _drain_due(self) -> bool:
+        """A tick drains the rings when the idle wait has passed since the
+        last drain (or a ring signalled one): a dispatcher's messages wake
+        the loop every tick_s, and draining on each of those wakes cut the
+        streams into batches ten times smaller, whose cost is mostly per
+        batch. P99 windows still close after every event of theirs is in,
+        as without a dispatcher: the drains stay an idle wait apart."""
+        return time.monotonic() - self._drained_at >= 0.9 * self.idle_wait_s()
 
     # ----------------------------------------------------------------- tick
 
@@ -254,8 +268,8 @@ class Daemon:
         if self.probes.compiling:
             self.probes.wire_devices()
         self.probes.attach_new()
-        if self.probes.ingest is not None:
-            self._since_trim += self.probes.ingest.drain()
+        if self._drain_due():
+            self._drain()
         if self.server is not None:
             try:
                 messages = self.server.poll(0)
