@@ -8,6 +8,14 @@ import json
 import numpy as np
 
 _POW10 = 10 ** np.arange(1, 20, dtype=np.uint64)   # 10 .. 10**19
+# Four decimal digits at once, as the uint32 of their bytes: 0..9999 with
+# leading zeros, then 10000 + (0..9999) with NUL for the leading zeros (the
+# highest group of a number: 0 is "0"), then 20000: four NULs (a group
+# above the number's highest).
+_DIGITS4 = np.array([b"%04d" % i for i in range(10000)]
+                    + [(b"%d" % i).rjust(4, b"\0") for i in range(10000)] + [b"\0" * 4],
+                    "S4").view(np.uint32)
+_TEN4 = np.uint64(10000)
 _VARINT_STEPS = np.array([1 << 7 * k for k in range(1, 10)], np.uint64)   # 2**7 .. 2**63
 
 
@@ -40,11 +48,15 @@ class Rows:
             self._lengths += len(text)
         return self
 
-    def _add(self, cols: np.ndarray, lengths: np.ndarray, right: bool):
-        width = cols.shape[1]
-        pos = np.arange(width)
-        keep = pos >= (width - lengths)[:, None] if right else pos < lengths[:, None]
-        if self.text:
+    def _add(self, cols: np.ndarray, lengths: np.ndarray, right: bool, padded: bool = False):
+        """`padded`: the unused bytes of `cols` are NUL already."""
+        if self.text and padded:
+            keep = None
+        else:
+            width = cols.shape[1]
+            pos = np.arange(width)
+            keep = pos >= (width - lengths)[:, None] if right else pos < lengths[:, None]
+        if self.text and keep is not None:
             cols = np.where(keep, cols, np.uint8(0))
             keep = None
         self._cols.append(cols)
@@ -56,12 +68,19 @@ class Rows:
         values = np.asarray(values).astype(np.uint64)
         lengths = decimal_lengths(values)
         width = int(lengths.max(initial=1))
-        cols = np.empty((self.n, width), np.uint8)
-        v = values.copy()
-        for k in range(width - 1, -1, -1):
-            cols[:, k] = (v % 10).astype(np.uint8) + 48
-            v //= 10
-        self._add(cols, lengths, right=True)
+        groups = (width + 3) // 4
+        digits = np.empty((self.n, groups), np.uint32)
+        v = values
+        for k in range(groups - 1, -1, -1):     # four digits a step, NUL before the first
+            above = v // _TEN4
+            at = (v - above * _TEN4).astype(np.intp)
+            at += 10000 * (above == 0)
+            if k < groups - 1:
+                at += 10000 * (v == 0)
+            digits[:, k] = _DIGITS4[at]
+            v = above
+        cols = digits.view(np.uint8).reshape(self.n, 4 * groups)[:, 4 * groups - width:]
+        self._add(cols, lengths, right=True, padded=True)
         return self
 
     def signed(self, values: np.ndarray):
@@ -211,14 +230,35 @@ def json_texts(values) -> tuple[np.ndarray, list[bytes]]:
     return found, [b"null" if v is None else json.dumps(v).encode() for v in distinct]
 
 
+_HASH_BITS = 16
+_HASH_MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F], np.uint64)
+
+
 def strings(values: np.ndarray) -> tuple[np.ndarray, list]:
     """(codes, distinct values) of a byte-string column, for Rows.table.
-    Strings of whole 8-byte words are told apart word by word as integers,
-    several times faster than sorting them as strings."""
+    Strings of whole 8-byte words are hashed as integers into a table of
+    2**16 slots, without sorting: each row's slot names the first row that
+    hashed there, and the rows are checked equal to it (where two
+    distinct strings share a slot, they are told apart word by word as
+    integers, several times faster than sorting them as strings)."""
     if values.dtype.kind != "S" or values.dtype.itemsize % 8 or not len(values):
         distinct, found = np.unique(values, return_inverse=True)
         return found.reshape(-1), distinct.tolist()
-    words = np.ascontiguousarray(values).view(np.uint64).reshape(len(values), -1)
+    n = len(values)
+    words = np.ascontiguousarray(values).view(np.uint64).reshape(n, -1)
+    mixed = np.zeros(n, np.uint64)
+    for k, column in enumerate(words.T):
+        mixed ^= column * _HASH_MIX[k % 2]
+        mixed = mixed << np.uint64(29) | mixed >> np.uint64(35)
+    slot = ((mixed * _HASH_MIX[0]) >> np.uint64(64 - _HASH_BITS)).astype(np.intp)
+    first = np.empty(1 << _HASH_BITS, np.intp)
+    first[slot[::-1]] = np.arange(n - 1, -1, -1)    # the last write wins: the first row
+    same = first[slot]
+    if (words[same] == words).all():
+        firsts = np.flatnonzero(same == np.arange(n))
+        code = np.empty(1 << _HASH_BITS, np.int64)
+        code[slot[firsts]] = np.arange(len(firsts))
+        return code[slot], values[firsts].tolist()
     found = np.zeros(len(values), np.int64)
     for column in words.T:
         seen, inverse = np.unique(column, return_inverse=True)
