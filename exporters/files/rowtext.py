@@ -50,8 +50,8 @@ class Rows:
 
     def _add(self, cols: np.ndarray, lengths: np.ndarray, right: bool, padded: bool = False):
         """`padded`: the unused bytes of `cols` are NUL already."""
-        if self.text and padded:
-            keep = None
+        if (self.text and padded) or not len(lengths) or int(lengths.min()) == cols.shape[1]:
+            keep = None         # NUL where unused already, or every byte used
         else:
             width = cols.shape[1]
             pos = np.arange(width)
@@ -107,10 +107,12 @@ class Rows:
         lengths = varint_lengths(values)
         width = int(lengths.max(initial=1))
         cols = np.empty((self.n, width), np.uint8)
+        even = not len(lengths) or int(lengths.min()) == width     # no mask to make
         v = values.copy()
         for k in range(width):
-            cols[:, k] = (v & np.uint64(0x7F)).astype(np.uint8) | np.where(
-                k + 1 < lengths, 0x80, 0).astype(np.uint8)
+            cols[:, k] = v & np.uint64(0x7F)
+            if k + 1 < width:
+                cols[:, k] |= 0x80 if even else np.where(k + 1 < lengths, 0x80, 0).astype(np.uint8)
             v >>= np.uint64(7)
         self._add(cols, lengths, right=False)
         return self
@@ -189,6 +191,8 @@ class Rows:
             for stand_in, text in self._stand_ins:
                 out = out.replace(stand_in, text)
             return out
+        if all(mask is None for mask in self._keep):
+            return cols.tobytes()       # every row as wide as the others
         keep = np.ones(cols.shape, bool)
         at = 0
         for col, mask in zip(self._cols, self._keep):
