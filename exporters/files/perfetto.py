@@ -99,7 +99,8 @@ class PerfettoWriter:
             self._tracks(*first_per_thread(ev))
             self._device_tracks(device)
             for part in device.batches(BATCH // 4):
-                self.order.add_packets(*self.device.timed_packets(part))
+                ts, lengths, blob, starts = self.device.timed_packets(part)
+                self.order.add(ts, lengths, blob, starts)
             newest.append(int(ev["ts_ns"].max()))
             self.slices += len(device)
         self._write(extra)

@@ -83,9 +83,10 @@ class _Batch:
     their stamps; those before `at` (in that order) are written."""
 
     def __init__(self, ts: np.ndarray, lengths: np.ndarray, data: np.ndarray,
-                 in_order: bool = False):
+                 in_order: bool = False, starts: np.ndarray | None = None):
         lengths = lengths.astype(np.int32)      # an add is far below 2 GiB
-        starts = np.cumsum(lengths, dtype=np.int64) - lengths
+        if starts is None:                      # laid out one after the other
+            starts = np.cumsum(lengths, dtype=np.int64) - lengths
         if in_order:                            # already by stamp: no sort
             self.ts, self.starts, self.lengths = ts, starts, lengths
         else:
@@ -178,8 +179,10 @@ class PacketOrder:
         self.written_to = 0                 # the latest timestamp written
         self.late = _LatePackets()
 
-    def add(self, ts, lengths, blob: bytes):
-        """Packets of `blob` (packet i is lengths[i] bytes, stamped ts[i])."""
+    def add(self, ts, lengths, blob: bytes, starts=None):
+        """Packets of `blob` (packet i is lengths[i] bytes, stamped ts[i],
+        at starts[i]; by default each after the one before), in that
+        order where stamps tie."""
         ts = np.asarray(ts, np.uint64)
         lengths = np.asarray(lengths, np.int64)
         if not len(ts):
@@ -187,16 +190,17 @@ class PacketOrder:
         data = np.frombuffer(blob, np.uint8)
         late = ts < np.uint64(self.written_to)
         if late.any():
-            starts = np.cumsum(lengths) - lengths
+            if starts is None:
+                starts = np.cumsum(lengths) - lengths
             for i in np.flatnonzero(late).tolist():
                 raw = bytes(data[starts[i]:starts[i] + lengths[i]])
                 self.late.add(int(ts[i]), on_sequence(raw, LATE_SEQUENCE))
             keep = np.flatnonzero(~late)
             data = np.frombuffer(b"".join(_gather(data, starts, lengths, keep)), np.uint8)
-            ts, lengths = ts[keep], lengths[keep]
+            ts, lengths, starts = ts[keep], lengths[keep], None
             if not len(ts):
                 return
-        self._batches.append(_Batch(ts, lengths, data))
+        self._batches.append(_Batch(ts, lengths, data, starts=starts))
         self._bound()
 
     def add_packets(self, ts, packets: list[bytes]):
