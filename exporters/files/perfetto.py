@@ -86,13 +86,11 @@ class PerfettoWriter:
         if gpus is not None:
             self._write(gpu_state_packets(gpus, self.tracks))
         if runq is not None:
-            start = wait_start_ns(runq)
-            order = np.argsort(start, kind="stable")
-            runq, start = runq[order], start[order]
-            self._tracks(*first_per_thread(runq))
+            # By the waits' begins, a batch at a time (not a sorted copy of the step).
+            order = np.argsort(wait_start_ns(runq), kind="stable")
+            self._tracks(*first_per_thread(runq, order))
             for lo in range(0, len(runq), BATCH):
-                part = runq[lo:lo + BATCH]
-                self.order.add(*_runq_slice_packets(part))
+                self.order.add(*_runq_slice_packets(runq[order[lo:lo + BATCH]]))
             self.slices += len(runq)
         if device is not None:
             ev = device.events

@@ -202,12 +202,18 @@ class Rows:
         return cols[keep].tobytes()
 
 
-def first_per_thread(records: np.ndarray) -> tuple[list, list, list]:
-    """(pids, tids, comms) of each thread's first record, in record order."""
-    keys = records["pid"].astype(np.uint64) << np.uint64(32) | records["tid"]
+def first_per_thread(records: np.ndarray, order: np.ndarray | None = None
+                     ) -> tuple[list, list, list]:
+    """(pids, tids, comms) of each thread's first record, in record order
+    (that of records[order], where given)."""
+    pid, tid = records["pid"], records["tid"]
+    if order is not None:
+        pid, tid = pid[order], tid[order]
+    keys = pid.astype(np.uint64) << np.uint64(32) | tid
     first = np.sort(np.unique(keys, return_index=True)[1])
-    return (records["pid"][first].tolist(), records["tid"][first].tolist(),
-            records["comm"][first].tolist())
+    at = first if order is None else order[first]
+    return (records["pid"][at].tolist(), records["tid"][at].tolist(),
+            records["comm"][at].tolist())
 
 
 def decimal_lengths(values: np.ndarray) -> np.ndarray:
