@@ -29,6 +29,7 @@ REORDER_NS = 500_000_000
 MAX_BATCHES = 64
 MAX_HELD_BYTES = 8 << 20       # past this, the oldest are written before their window ends
 GATHER_PACKETS = 1 << 13        # packets gathered at once
+PIECE = 48                      # bytes a row, where packets' lengths are uneven
 RELEASE_PACKETS = 1 << 15       # packets whose bytes are drawn together from the adds held
 _SEQ_TAG = varint(TP_SEQUENCE_ID << 3)[0]
 
@@ -50,17 +51,27 @@ def _gather(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
             at: np.ndarray | None = None):
     """The bytes of packets `at` (in that order; None: all, as given), a
     chunk at a time: each chunk's packets as the rows of a window view over
-    `data` as wide as its longest, copied row by row and trimmed to their
-    lengths (a third of the work of an index of every byte, where the
-    lengths are even)."""
+    `data` as wide as its longest (where some are much longer than most,
+    rows of PIECE bytes, a long packet taking several), copied row by row
+    and trimmed to their lengths (a third of the work of an index of every
+    byte)."""
     for lo in range(0, len(starts) if at is None else len(at), GATHER_PACKETS):
         pick = slice(lo, lo + GATHER_PACKETS) if at is None else at[lo:lo + GATHER_PACKETS]
         ln, st = lengths[pick], starts[pick]
         if not len(ln):
             continue
         width = int(ln.max())
+        if width > PIECE and width * len(ln) > 2 * int(ln.sum()):
+            # Lengths too uneven for rows as wide as the longest: the long
+            # packets as several rows of PIECE bytes, one after the other.
+            count = (ln + PIECE - 1) // PIECE
+            owner = np.repeat(np.arange(len(ln)), count)
+            part = np.arange(len(owner)) - np.repeat(np.cumsum(count) - count, count)
+            st = st[owner] + part * PIECE
+            ln = np.minimum(ln[owner] - part * PIECE, PIECE)
+            width = PIECE
         windows = len(data) - width + 1
-        if windows <= 0 or int(st.max()) >= windows or width * len(ln) > 2 * int(ln.sum()):
+        if windows <= 0 or int(st.max()) >= windows or width * len(ln) > 4 * int(ln.sum()):
             # A packet too near the end for a window, or lengths too uneven
             # for rows as wide as the longest.
             yield _gather_bytes(data, st, ln).tobytes()

@@ -210,7 +210,9 @@ def first_per_thread(records: np.ndarray, order: np.ndarray | None = None
     if order is not None:
         pid, tid = pid[order], tid[order]
     keys = pid.astype(np.uint64) << np.uint64(32) | tid
-    first = np.sort(np.unique(keys, return_index=True)[1])
+    first = _firsts(keys[:, None])
+    if first is None:
+        first = np.sort(np.unique(keys, return_index=True)[1])
     at = first if order is None else order[first]
     return (records["pid"][at].tolist(), records["tid"][at].tolist(),
             records["comm"][at].tolist())
@@ -244,28 +246,44 @@ _HASH_BITS = 16
 _HASH_MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F], np.uint64)
 
 
+def _slots(words: np.ndarray) -> np.ndarray:
+    """A slot of 2**16 per row of 8-byte words, by a multiplicative hash."""
+    mixed = np.zeros(len(words), np.uint64)
+    for k, column in enumerate(words.T):
+        mixed ^= column * _HASH_MIX[k % 2]
+        mixed = mixed << np.uint64(29) | mixed >> np.uint64(35)
+    return ((mixed * _HASH_MIX[0]) >> np.uint64(64 - _HASH_BITS)).astype(np.intp)
+
+
+def _firsts(words: np.ndarray, slot: np.ndarray | None = None) -> np.ndarray | None:
+    """The first row of each distinct row of `words` (n rows of 8-byte
+    words), in row order, without sorting them: each slot of a hash table
+    keeps the first row that hashed there, and every row is checked equal
+    to its slot's. None where two distinct rows share a slot."""
+    n = len(words)
+    slot = _slots(words) if slot is None else slot
+    first = np.full(1 << _HASH_BITS, n, np.intp)
+    np.minimum.at(first, slot, np.arange(n))
+    same = first[slot]
+    if not (words[same] == words).all():
+        return None
+    return np.flatnonzero(same == np.arange(n))
+
+
 def strings(values: np.ndarray) -> tuple[np.ndarray, list]:
     """(codes, distinct values) of a byte-string column, for Rows.table.
     Strings of whole 8-byte words are hashed as integers into a table of
-    2**16 slots, without sorting: each row's slot names the first row that
-    hashed there, and the rows are checked equal to it (where two
-    distinct strings share a slot, they are told apart word by word as
-    integers, several times faster than sorting them as strings)."""
+    2**16 slots, without sorting (_firsts); where two distinct strings
+    share a slot, they are told apart word by word as integers, several
+    times faster than sorting them as strings."""
     if values.dtype.kind != "S" or values.dtype.itemsize % 8 or not len(values):
         distinct, found = np.unique(values, return_inverse=True)
         return found.reshape(-1), distinct.tolist()
     n = len(values)
     words = np.ascontiguousarray(values).view(np.uint64).reshape(n, -1)
-    mixed = np.zeros(n, np.uint64)
-    for k, column in enumerate(words.T):
-        mixed ^= column * _HASH_MIX[k % 2]
-        mixed = mixed << np.uint64(29) | mixed >> np.uint64(35)
-    slot = ((mixed * _HASH_MIX[0]) >> np.uint64(64 - _HASH_BITS)).astype(np.intp)
-    first = np.empty(1 << _HASH_BITS, np.intp)
-    first[slot[::-1]] = np.arange(n - 1, -1, -1)    # the last write wins: the first row
-    same = first[slot]
-    if (words[same] == words).all():
-        firsts = np.flatnonzero(same == np.arange(n))
+    slot = _slots(words)
+    firsts = _firsts(words, slot)
+    if firsts is not None:
         code = np.empty(1 << _HASH_BITS, np.int64)
         code[slot[firsts]] = np.arange(len(firsts))
         return code[slot], values[firsts].tolist()
