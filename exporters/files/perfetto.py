@@ -27,7 +27,7 @@ from mmtrace.exporters.files.perfetto_order import PacketOrder, on_sequence
 from mmtrace.exporters.files.perfetto_rows import labels, paired, slice_rows_apart
 from mmtrace.exporters.files.perfetto_telemetry import Telemetry, hint_packets
 from mmtrace.exporters.files.perfetto_tracks import Tracks
-from mmtrace.exporters.files.rowtext import BATCH, first_per_thread
+from mmtrace.exporters.files.rowtext import BATCH, first_per_thread, records_at
 
 
 class PerfettoWriter:
@@ -90,7 +90,7 @@ class PerfettoWriter:
             order = np.argsort(wait_start_ns(runq), kind="stable")
             self._tracks(*first_per_thread(runq, order))
             for lo in range(0, len(runq), BATCH):
-                self.order.add(*_runq_slice_packets(runq[order[lo:lo + BATCH]]))
+                self.order.add(*_runq_slice_packets(records_at(runq, order[lo:lo + BATCH])))
             self.slices += len(runq)
         if device is not None:
             ev = device.events

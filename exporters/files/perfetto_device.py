@@ -18,7 +18,7 @@ from mmtrace.exporters.files.perfetto_rows import (counter_rows, event_rows, fix
                                                    slice_rows_apart)
 from mmtrace.exporters.files.perfetto_tracks import flow_ids, stream_uuids, thread_uuid, thread_uuids
 from mmtrace.exporters.files.protowire import field_bytes, field_varint, varint
-from mmtrace.exporters.files.rowtext import Rows
+from mmtrace.exporters.files.rowtext import Rows, records_at
 from mmtrace.exporters.files.rowtext import codes as rowtext_codes
 
 MAX_PENDING_FLOWS = 1 << 16     # submissions awaiting their sync at once
@@ -176,14 +176,14 @@ class DeviceEncoder:
                 pieces.append((np.array([i]), slot, [t], np.array([len(made)]), made))
         inflight = np.flatnonzero(submission & retired)
         if len(inflight):
-            e = ev[inflight]
+            e = records_at(ev, inflight)
             begins, ends_ = slice_rows_apart(
                 e["ts_ns"], e["retired_ns"].astype(np.uint64) - e["ts_ns"], e["pid"], e["tid"],
                 (codes[inflight], entries), stream_uuids(e["pid"], e["stream_handle"]))
             _append(pieces, inflight, 2, e["ts_ns"], begins, e["retired_ns"], ends_)
         copies = np.flatnonzero(kinds == "memcpy")
         if len(copies):
-            e = ev[copies]
+            e = records_at(ev, copies)
             totals = np.zeros(len(e), np.uint64)
             for pid in np.unique(e["pid"]).tolist():
                 mine = e["pid"] == pid
@@ -204,7 +204,7 @@ class DeviceEncoder:
         for sub, kind in ((at[returned], SLICE_BEGIN), (at[~returned], INSTANT)):
             if not len(sub):
                 continue
-            e = ev[sub]
+            e = records_at(ev, sub)
 
             def flows(body: Rows, sub=sub) -> Rows:
                 return (body.fixed(fixed64_rows(FLOW_TAG, fid[sub]), starts[sub])
