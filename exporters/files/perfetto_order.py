@@ -71,14 +71,23 @@ def _gather(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
             ln = np.minimum(ln[owner] - part * PIECE, PIECE)
             width = PIECE
         windows = len(data) - width + 1
-        if windows <= 0 or int(st.max()) >= windows or width * len(ln) > 4 * int(ln.sum()):
-            # A packet too near the end for a window, or lengths too uneven
-            # for rows as wide as the longest.
+        if windows <= 0 or width * len(ln) > 4 * int(ln.sum()):
+            # Fewer bytes than a row, or lengths too uneven for rows.
             yield _gather_bytes(data, st, ln).tobytes()
             continue
+        pos = np.arange(width)
+        near_end = np.flatnonzero(st >= windows)
+        if len(near_end):
+            # A packet in the last row's width: its row begins earlier.
+            back = st[near_end] - (windows - 1)
+            st = st.copy()
+            st[near_end] = windows - 1
         rows = np.lib.stride_tricks.as_strided(data, shape=(windows, width), strides=(1, 1),
                                                writeable=False)[st]
-        yield rows[np.arange(width) < ln[:, None]].tobytes()
+        keep = pos < ln[:, None]
+        if len(near_end):
+            keep[near_end] = (pos >= back[:, None]) & (pos < (back + ln[near_end])[:, None])
+        yield rows[keep].tobytes()
 
 
 def _gather_bytes(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
