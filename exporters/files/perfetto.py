@@ -27,7 +27,7 @@ from mmtrace.exporters.files.perfetto_order import PacketOrder, on_sequence
 from mmtrace.exporters.files.perfetto_rows import labels, paired, slice_rows_apart
 from mmtrace.exporters.files.perfetto_telemetry import Telemetry, hint_packets
 from mmtrace.exporters.files.perfetto_tracks import Tracks
-from mmtrace.exporters.files.rowtext import BATCH, first_per_thread
+from mmtrace.exporters.files.rowtext import BATCH, first_per_thread, records_at
 
 
 class PerfettoWriter:
@@ -86,20 +86,19 @@ class PerfettoWriter:
         if gpus is not None:
             self._write(gpu_state_packets(gpus, self.tracks))
         if runq is not None:
-            start = wait_start_ns(runq)
-            order = np.argsort(start, kind="stable")
-            runq, start = runq[order], start[order]
-            self._tracks(*first_per_thread(runq))
+            # By the waits' begins, a batch at a time (not a sorted copy of the step).
+            order = np.argsort(wait_start_ns(runq), kind="stable")
+            self._tracks(*first_per_thread(runq, order))
             for lo in range(0, len(runq), BATCH):
-                part = runq[lo:lo + BATCH]
-                self.order.add(*_runq_slice_packets(part))
+                self.order.add(*_runq_slice_packets(records_at(runq, order[lo:lo + BATCH])))
             self.slices += len(runq)
         if device is not None:
             ev = device.events
             self._tracks(*first_per_thread(ev))
             self._device_tracks(device)
             for part in device.batches(BATCH // 4):
-                self.order.add_packets(*self.device.timed_packets(part))
+                ts, lengths, blob, starts = self.device.timed_packets(part)
+                self.order.add(ts, lengths, blob, starts)
             newest.append(int(ev["ts_ns"].max()))
             self.slices += len(device)
         self._write(extra)

@@ -18,7 +18,7 @@ from mmtrace.exporters.files.perfetto_rows import (counter_rows, event_rows, fix
                                                    slice_rows_apart)
 from mmtrace.exporters.files.perfetto_tracks import flow_ids, stream_uuids, thread_uuid, thread_uuids
 from mmtrace.exporters.files.protowire import field_bytes, field_varint, varint
-from mmtrace.exporters.files.rowtext import Rows, split
+from mmtrace.exporters.files.rowtext import Rows, records_at
 from mmtrace.exporters.files.rowtext import codes as rowtext_codes
 
 MAX_PENDING_FLOWS = 1 << 16     # submissions awaiting their sync at once
@@ -98,13 +98,35 @@ class DeviceEncoder:
         """One bytes object per call: its packets."""
         return [b"".join(packet for _, packet in call) for call in self.timed(rows)]
 
-    def timed_packets(self, rows) -> tuple[np.ndarray, list[bytes]]:
-        """Every packet of the calls on its own, and its timestamp."""
-        flat = [item for call in self.timed(rows) for item in call]
-        return np.array([ts for ts, _ in flat], np.uint64), [packet for _, packet in flat]
+    def timed_packets(self, rows) -> tuple[np.ndarray, np.ndarray, bytes, np.ndarray]:
+        """Every packet of the calls, call by call: (timestamps, lengths,
+        the packets' bytes, where each starts in them), with no Python
+        object per packet (PacketOrder.add takes them)."""
+        pieces = self._pieces(rows)
+        if not pieces:
+            return np.zeros(0, np.uint64), np.zeros(0, np.int64), b"", np.zeros(0, np.int64)
+        at = np.concatenate([p[0] for p in pieces])
+        slot = np.concatenate([np.full(len(p[0]), p[1], np.int64) for p in pieces])
+        ts = np.concatenate([np.asarray(p[2], np.uint64) for p in pieces])
+        lengths = np.concatenate([p[3] for p in pieces])
+        starts = np.cumsum(lengths) - lengths
+        order = np.argsort(at * _SLOTS + slot, kind="stable")
+        return ts[order], lengths[order], b"".join(p[4] for p in pieces), starts[order]
 
     def timed(self, rows) -> list[list[tuple[int, bytes]]]:
         """Per call, its packets as (timestamp, bytes)."""
+        out = [[] for _ in range(len(rows.events))]
+        for at, _, ts, lengths, blob in self._pieces(rows):
+            ends = np.cumsum(lengths).tolist()
+            for i, t, a, b in zip(at.tolist(), np.asarray(ts).tolist(), [0] + ends[:-1], ends):
+                out[i].append((t, blob[a:b]))
+        return out
+
+    def _pieces(self, rows) -> list:
+        """The calls' packets as pieces (calls, slot, timestamps, lengths,
+        bytes): a call's packets are those of its rows in the pieces, in
+        the order of their slots (0, 1: the call on its thread; 2, 3: its
+        time in flight; 4: the bytes its process has copied)."""
         ev = rows.events
         n = len(ev)
         codes, keys = rowtext_codes(list(zip(rows.stream, rows.kind, rows.op_name, rows.api)))
@@ -129,7 +151,7 @@ class DeviceEncoder:
                             for a, c in zip(first.tolist(), count.tolist())]
             end_codes[rows_with] = np.arange(1, len(rows_with) + 1)
         lengths = np.array([len(e) for e in end_entries], np.int64)[end_codes]
-        out = [[] for _ in range(n)]
+        pieces = []
         # A sync that ends many flows would widen the whole batch's matrix:
         # such syncs are few (each ends more than WIDE_FLOWS flows that
         # as many submissions started) and are written one by one.
@@ -139,7 +161,7 @@ class DeviceEncoder:
         fields = call_fields(rows)
         notes = call_rows(fields, n)
         self._calls(ev, np.flatnonzero(~wide), (codes, entries), starts, fid,
-                    (end_codes, narrow), notes, out)
+                    (end_codes, narrow), notes, pieces)
         for i in np.flatnonzero(wide).tolist():     # a returned sync: a slice
             e = ev[i]
             track = field_varint(TE_TRACK_UUID, thread_uuid(int(e["pid"]), int(e["tid"])))
@@ -147,20 +169,21 @@ class DeviceEncoder:
                      + end_entries[end_codes[i]] + call_bytes(fields, i))
             end = field_varint(TE_TYPE, SLICE_END) + track
             t0, t1 = int(e["ts_ns"]), int(e["ts_ns"] + e["duration_ns"])
-            out[i] = [(t0, packet(field_varint(TP_TIMESTAMP, t0),
-                                  field_bytes(TP_TRACK_EVENT, begin))),
-                      (t1, packet(field_varint(TP_TIMESTAMP, t1),
-                                  field_bytes(TP_TRACK_EVENT, end)))]
+            for slot, t, made in ((0, t0, packet(field_varint(TP_TIMESTAMP, t0),
+                                                 field_bytes(TP_TRACK_EVENT, begin))),
+                                  (1, t1, packet(field_varint(TP_TIMESTAMP, t1),
+                                                 field_bytes(TP_TRACK_EVENT, end)))):
+                pieces.append((np.array([i]), slot, [t], np.array([len(made)]), made))
         inflight = np.flatnonzero(submission & retired)
         if len(inflight):
-            e = ev[inflight]
+            e = records_at(ev, inflight)
             begins, ends_ = slice_rows_apart(
                 e["ts_ns"], e["retired_ns"].astype(np.uint64) - e["ts_ns"], e["pid"], e["tid"],
                 (codes[inflight], entries), stream_uuids(e["pid"], e["stream_handle"]))
-            _append(out, inflight, e["ts_ns"], begins, e["retired_ns"], ends_)
+            _append(pieces, inflight, 2, e["ts_ns"], begins, e["retired_ns"], ends_)
         copies = np.flatnonzero(kinds == "memcpy")
         if len(copies):
-            e = ev[copies]
+            e = records_at(ev, copies)
             totals = np.zeros(len(e), np.uint64)
             for pid in np.unique(e["pid"]).tolist():
                 mine = e["pid"] == pid
@@ -168,11 +191,11 @@ class DeviceEncoder:
                 self.copied[pid] = int(totals[mine][-1])
             made = counter_rows(e["ts_ns"], np.uint64(1 << 60) | e["pid"].astype(np.uint64),
                                 totals)
-            _append(out, copies, e["ts_ns"], made)
-        return out
+            _append(pieces, copies, 4, e["ts_ns"], made)
+        return pieces
 
     @staticmethod
-    def _calls(ev, at: np.ndarray, labels, starts, fid, ends, notes: Rows, out: list):
+    def _calls(ev, at: np.ndarray, labels, starts, fid, ends, notes: Rows, pieces: list):
         if not len(at):
             return
         codes, entries = labels
@@ -181,7 +204,7 @@ class DeviceEncoder:
         for sub, kind in ((at[returned], SLICE_BEGIN), (at[~returned], INSTANT)):
             if not len(sub):
                 continue
-            e = ev[sub]
+            e = records_at(ev, sub)
 
             def flows(body: Rows, sub=sub) -> Rows:
                 return (body.fixed(fixed64_rows(FLOW_TAG, fid[sub]), starts[sub])
@@ -191,23 +214,23 @@ class DeviceEncoder:
             if kind == SLICE_BEGIN:
                 begins, ends_ = slice_rows_apart(e["ts_ns"], e["duration_ns"], e["pid"],
                                                  e["tid"], (codes[sub], entries), extra=flows)
-                _append(out, sub, e["ts_ns"], begins, e["ts_ns"] + e["duration_ns"], ends_)
+                _append(pieces, sub, 0, e["ts_ns"], begins, e["ts_ns"] + e["duration_ns"], ends_)
             else:
                 made = event_rows(len(e), e["ts_ns"], thread_uuids(e["pid"], e["tid"]),
                                    field_varint(TE_TYPE, INSTANT), (codes[sub], entries), flows)
-                _append(out, sub, e["ts_ns"], made)
+                _append(pieces, sub, 0, e["ts_ns"], made)
 
 
-def _append(out: list, at: np.ndarray, ts, made: Rows, end_ts=None, ends: Rows | None = None):
-    """Each row's packet of `made` (stamped ts), then its packet of `ends`
-    (stamped end_ts), onto the calls `at`."""
-    items = zip(at.tolist(), np.asarray(ts).tolist(), split(made))
-    if ends is None:
-        for i, t, p in items:
-            out[i].append((t, p))
-        return
-    for (i, t, p), t1, q in zip(items, np.asarray(end_ts).tolist(), split(ends)):
-        out[i] += [(t, p), (t1, q)]
+_SLOTS = 8
+
+
+def _append(pieces: list, at: np.ndarray, slot: int, ts, made: Rows, end_ts=None,
+            ends: Rows | None = None):
+    """The calls `at`: each one's packet of `made` (stamped ts) in `slot`,
+    then its packet of `ends` (stamped end_ts) in the next."""
+    pieces.append((at, slot, ts, made.lengths(), made.bytes()))
+    if ends is not None:
+        pieces.append((at, slot + 1, end_ts, ends.lengths(), ends.bytes()))
 
 
 def device_packets(rows) -> list[bytes]:

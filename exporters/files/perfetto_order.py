@@ -29,6 +29,8 @@ REORDER_NS = 500_000_000
 MAX_BATCHES = 64
 MAX_HELD_BYTES = 8 << 20       # past this, the oldest are written before their window ends
 GATHER_PACKETS = 1 << 13        # packets gathered at once
+PIECE = 48                      # bytes a row, where packets' lengths are uneven
+RELEASE_PACKETS = 1 << 15       # packets whose bytes are drawn together from the adds held
 _SEQ_TAG = varint(TP_SEQUENCE_ID << 3)[0]
 
 
@@ -49,33 +51,52 @@ def _gather(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
             at: np.ndarray | None = None):
     """The bytes of packets `at` (in that order; None: all, as given), a
     chunk at a time: each chunk's packets as the rows of a window view over
-    `data` as wide as its longest, copied row by row and trimmed to their
-    lengths (a third of the work of an index of every byte, where the
-    lengths are even)."""
+    `data` as wide as its longest (where some are much longer than most,
+    rows of PIECE bytes, a long packet taking several), copied row by row
+    and trimmed to their lengths (a third of the work of an index of every
+    byte)."""
     for lo in range(0, len(starts) if at is None else len(at), GATHER_PACKETS):
         pick = slice(lo, lo + GATHER_PACKETS) if at is None else at[lo:lo + GATHER_PACKETS]
         ln, st = lengths[pick], starts[pick]
         if not len(ln):
             continue
         width = int(ln.max())
+        if width > PIECE and width * len(ln) > 2 * int(ln.sum()):
+            # Lengths too uneven for rows as wide as the longest: the long
+            # packets as several rows of PIECE bytes, one after the other.
+            count = (ln + PIECE - 1) // PIECE
+            owner = np.repeat(np.arange(len(ln)), count)
+            part = np.arange(len(owner)) - np.repeat(np.cumsum(count) - count, count)
+            st = st[owner] + part * PIECE
+            ln = np.minimum(ln[owner] - part * PIECE, PIECE)
+            width = PIECE
         windows = len(data) - width + 1
-        if windows <= 0 or int(st.max()) >= windows or width * len(ln) > 2 * int(ln.sum()):
-            # A packet too near the end for a window, or lengths too uneven
-            # for rows as wide as the longest.
-            yield _gather_bytes(data, st, ln)
+        if windows <= 0 or width * len(ln) > 4 * int(ln.sum()):
+            # Fewer bytes than a row, or lengths too uneven for rows.
+            yield _gather_bytes(data, st, ln).tobytes()
             continue
+        pos = np.arange(width)
+        near_end = np.flatnonzero(st >= windows)
+        if len(near_end):
+            # A packet in the last row's width: its row begins earlier.
+            back = st[near_end] - (windows - 1)
+            st = st.copy()
+            st[near_end] = windows - 1
         rows = np.lib.stride_tricks.as_strided(data, shape=(windows, width), strides=(1, 1),
                                                writeable=False)[st]
-        yield rows[np.arange(width) < ln[:, None]].tobytes()
+        keep = pos < ln[:, None]
+        if len(near_end):
+            keep[near_end] = (pos >= back[:, None]) & (pos < (back + ln[near_end])[:, None])
+        yield rows[keep].tobytes()
 
 
-def _gather_bytes(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> bytes:
+def _gather_bytes(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """The same by an index of every byte (4 bytes a byte)."""
     index_type = np.int32 if len(data) < 1 << 31 else np.int64
     ln, st = lengths.astype(index_type), starts.astype(index_type)
     index = np.repeat(st - (np.cumsum(ln) - ln), ln)
     index += np.arange(len(index), dtype=index_type)
-    return data[index].tobytes()
+    return data[index]
 
 
 class _Batch:
@@ -83,15 +104,22 @@ class _Batch:
     their stamps; those before `at` (in that order) are written."""
 
     def __init__(self, ts: np.ndarray, lengths: np.ndarray, data: np.ndarray,
-                 in_order: bool = False):
+                 in_order: bool = False, starts: np.ndarray | None = None):
         lengths = lengths.astype(np.int32)      # an add is far below 2 GiB
-        starts = np.cumsum(lengths, dtype=np.int64) - lengths
+        # Places as 4-byte integers where they fit: what is held per packet
+        # is as much as a run-queue packet's own bytes otherwise.
+        place = np.int32 if max(len(data), int(lengths.sum())) < 1 << 31 else np.int64
+        if starts is None:                      # laid out one after the other
+            starts = np.cumsum(lengths, dtype=place) - lengths
+        else:
+            starts = starts.astype(place)
         if in_order:                            # already by stamp: no sort
             self.ts, self.starts, self.lengths = ts, starts, lengths
         else:
             order = np.argsort(ts, kind="stable")
             self.ts, self.starts, self.lengths = ts[order], starts[order], lengths[order]
-        self.bytes_before = np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)])
+        self.bytes_before = np.zeros(len(self.lengths) + 1, place)
+        np.cumsum(self.lengths, dtype=place, out=self.bytes_before[1:])
         self.data = data
         self.at = 0
 
@@ -178,8 +206,10 @@ class PacketOrder:
         self.written_to = 0                 # the latest timestamp written
         self.late = _LatePackets()
 
-    def add(self, ts, lengths, blob: bytes):
-        """Packets of `blob` (packet i is lengths[i] bytes, stamped ts[i])."""
+    def add(self, ts, lengths, blob: bytes, starts=None):
+        """Packets of `blob` (packet i is lengths[i] bytes, stamped ts[i],
+        at starts[i]; by default each after the one before), in that
+        order where stamps tie."""
         ts = np.asarray(ts, np.uint64)
         lengths = np.asarray(lengths, np.int64)
         if not len(ts):
@@ -187,16 +217,17 @@ class PacketOrder:
         data = np.frombuffer(blob, np.uint8)
         late = ts < np.uint64(self.written_to)
         if late.any():
-            starts = np.cumsum(lengths) - lengths
+            if starts is None:
+                starts = np.cumsum(lengths) - lengths
             for i in np.flatnonzero(late).tolist():
                 raw = bytes(data[starts[i]:starts[i] + lengths[i]])
                 self.late.add(int(ts[i]), on_sequence(raw, LATE_SEQUENCE))
             keep = np.flatnonzero(~late)
             data = np.frombuffer(b"".join(_gather(data, starts, lengths, keep)), np.uint8)
-            ts, lengths = ts[keep], lengths[keep]
+            ts, lengths, starts = ts[keep], lengths[keep], None
             if not len(ts):
                 return
-        self._batches.append(_Batch(ts, lengths, data))
+        self._batches.append(_Batch(ts, lengths, data, starts=starts))
         self._bound()
 
     def add_packets(self, ts, packets: list[bytes]):
@@ -254,23 +285,42 @@ class PacketOrder:
                  if (end := batch.until(before_ns)) > batch.at]
         if not heads:
             return
-        base, ts, starts, lengths = 0, [], [], []
-        for batch, end in heads:
-            t, st, ln = batch.take(end)
-            ts.append(t)
-            starts.append(st + base)
-            lengths.append(ln)
-            base += len(batch.data)
-        data = heads[0][0].data if len(heads) == 1 else np.concatenate(
-            [batch.data for batch, _ in heads])     # a copy, but no gather
+        taken = [batch.take(end) + (batch.data,) for batch, end in heads]
         self._batches = [b for b in self._batches if b.at < len(b.ts)]
         self._compact()
-        ts, starts, lengths = (np.concatenate(x) for x in (ts, starts, lengths))
+        ts, starts, lengths = (np.concatenate([t[k] for t in taken]) for k in range(3))
+        head = np.concatenate([np.full(len(t[0]), h, np.int32) for h, t in enumerate(taken)])
         order = np.argsort(ts, kind="stable") if len(heads) > 1 else np.arange(len(ts))
-        starts, lengths = starts[order], lengths[order]
-        if (starts[1:] == starts[:-1] + lengths[:-1]).all():
-            self.out.write(data[starts[0]:starts[-1] + lengths[-1]].tobytes())
-        else:
-            for chunk in _gather(data, starts, lengths):
-                self.out.write(chunk)
+        data = [t[3] for t in taken]
+        for lo in range(0, len(order), RELEASE_PACKETS):
+            pick = order[lo:lo + RELEASE_PACKETS]
+            self._write_packets(data, head[pick], starts[pick], lengths[pick])
         self.written_to = max(self.written_to, int(ts[order[-1]]))
+
+    def _write_packets(self, data: list[np.ndarray], head: np.ndarray, starts: np.ndarray,
+                       lengths: np.ndarray):
+        """Packets from several adds' bytes (packet i: lengths[i] bytes at
+        starts[i] in data[head[i]]), in that order. Each add gives only the
+        span of its bytes that these packets lie in (an add's packets come
+        nearly in their stamps' order), so that what is copied follows
+        what is written, not what is held."""
+        starts = starts.astype(np.int64)
+        spans, base = [], 0
+        for h in np.unique(head).tolist():
+            mine = np.flatnonzero(head == h)
+            st, ln = starts[mine], lengths[mine]
+            lo, hi, need = int(st.min()), int((st + ln).max()), int(ln.sum())
+            if hi - lo <= 2 * need + 4096:
+                spans.append(data[h][lo:hi])
+                starts[mine] = st - lo + base
+                base += hi - lo
+            else:                           # scattered: only its own bytes
+                spans.append(_gather_bytes(data[h], st, ln))
+                starts[mine] = np.cumsum(ln) - ln + base
+                base += need
+        whole = spans[0] if len(spans) == 1 else np.concatenate(spans)
+        if (starts[1:] == starts[:-1] + lengths[:-1]).all():
+            self.out.write(whole[starts[0]:starts[-1] + lengths[-1]].tobytes())
+        else:
+            for chunk in _gather(whole, starts, lengths):
+                self.out.write(chunk)

@@ -8,6 +8,14 @@ import json
 import numpy as np
 
 _POW10 = 10 ** np.arange(1, 20, dtype=np.uint64)   # 10 .. 10**19
+# Four decimal digits at once, as the uint32 of their bytes: 0..9999 with
+# leading zeros, then 10000 + (0..9999) with NUL for the leading zeros (the
+# highest group of a number: 0 is "0"), then 20000: four NULs (a group
+# above the number's highest).
+_DIGITS4 = np.array([b"%04d" % i for i in range(10000)]
+                    + [(b"%d" % i).rjust(4, b"\0") for i in range(10000)] + [b"\0" * 4],
+                    "S4").view(np.uint32)
+_TEN4 = np.uint64(10000)
 _VARINT_STEPS = np.array([1 << 7 * k for k in range(1, 10)], np.uint64)   # 2**7 .. 2**63
 
 
@@ -40,11 +48,15 @@ class Rows:
             self._lengths += len(text)
         return self
 
-    def _add(self, cols: np.ndarray, lengths: np.ndarray, right: bool):
-        width = cols.shape[1]
-        pos = np.arange(width)
-        keep = pos >= (width - lengths)[:, None] if right else pos < lengths[:, None]
-        if self.text:
+    def _add(self, cols: np.ndarray, lengths: np.ndarray, right: bool, padded: bool = False):
+        """`padded`: the unused bytes of `cols` are NUL already."""
+        if (self.text and padded) or not len(lengths) or int(lengths.min()) == cols.shape[1]:
+            keep = None         # NUL where unused already, or every byte used
+        else:
+            width = cols.shape[1]
+            pos = np.arange(width)
+            keep = pos >= (width - lengths)[:, None] if right else pos < lengths[:, None]
+        if self.text and keep is not None:
             cols = np.where(keep, cols, np.uint8(0))
             keep = None
         self._cols.append(cols)
@@ -56,12 +68,19 @@ class Rows:
         values = np.asarray(values).astype(np.uint64)
         lengths = decimal_lengths(values)
         width = int(lengths.max(initial=1))
-        cols = np.empty((self.n, width), np.uint8)
-        v = values.copy()
-        for k in range(width - 1, -1, -1):
-            cols[:, k] = (v % 10).astype(np.uint8) + 48
-            v //= 10
-        self._add(cols, lengths, right=True)
+        groups = (width + 3) // 4
+        digits = np.empty((self.n, groups), np.uint32)
+        v = values
+        for k in range(groups - 1, -1, -1):     # four digits a step, NUL before the first
+            above = v // _TEN4
+            at = (v - above * _TEN4).astype(np.intp)
+            at += 10000 * (above == 0)
+            if k < groups - 1:
+                at += 10000 * (v == 0)
+            digits[:, k] = _DIGITS4[at]
+            v = above
+        cols = digits.view(np.uint8).reshape(self.n, 4 * groups)[:, 4 * groups - width:]
+        self._add(cols, lengths, right=True, padded=True)
         return self
 
     def signed(self, values: np.ndarray):
@@ -88,10 +107,12 @@ class Rows:
         lengths = varint_lengths(values)
         width = int(lengths.max(initial=1))
         cols = np.empty((self.n, width), np.uint8)
+        even = not len(lengths) or int(lengths.min()) == width     # no mask to make
         v = values.copy()
         for k in range(width):
-            cols[:, k] = (v & np.uint64(0x7F)).astype(np.uint8) | np.where(
-                k + 1 < lengths, 0x80, 0).astype(np.uint8)
+            cols[:, k] = v & np.uint64(0x7F)
+            if k + 1 < width:
+                cols[:, k] |= 0x80 if even else np.where(k + 1 < lengths, 0x80, 0).astype(np.uint8)
             v >>= np.uint64(7)
         self._add(cols, lengths, right=False)
         return self
@@ -170,6 +191,8 @@ class Rows:
             for stand_in, text in self._stand_ins:
                 out = out.replace(stand_in, text)
             return out
+        if all(mask is None for mask in self._keep):
+            return cols.tobytes()       # every row as wide as the others
         keep = np.ones(cols.shape, bool)
         at = 0
         for col, mask in zip(self._cols, self._keep):
@@ -179,12 +202,28 @@ class Rows:
         return cols[keep].tobytes()
 
 
-def first_per_thread(records: np.ndarray) -> tuple[list, list, list]:
-    """(pids, tids, comms) of each thread's first record, in record order."""
-    keys = records["pid"].astype(np.uint64) << np.uint64(32) | records["tid"]
-    first = np.sort(np.unique(keys, return_index=True)[1])
-    return (records["pid"][first].tolist(), records["tid"][first].tolist(),
-            records["comm"][first].tolist())
+def records_at(records: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """records[at], copied as whole records' bytes: numpy copies records
+    that hold byte-string fields field by field, ten times slower (as
+    agent/ingest/record_arrays.take, which this layer may not import)."""
+    rows = np.ascontiguousarray(records).view(np.uint8).reshape(len(records), -1)
+    return np.ascontiguousarray(rows[at]).view(records.dtype).reshape(-1)
+
+
+def first_per_thread(records: np.ndarray, order: np.ndarray | None = None
+                     ) -> tuple[list, list, list]:
+    """(pids, tids, comms) of each thread's first record, in record order
+    (that of records[order], where given)."""
+    pid, tid = records["pid"], records["tid"]
+    if order is not None:
+        pid, tid = pid[order], tid[order]
+    keys = pid.astype(np.uint64) << np.uint64(32) | tid
+    first = _firsts(keys[:, None])
+    if first is None:
+        first = np.sort(np.unique(keys, return_index=True)[1])
+    at = first if order is None else order[first]
+    return (records["pid"][at].tolist(), records["tid"][at].tolist(),
+            records["comm"][at].tolist())
 
 
 def decimal_lengths(values: np.ndarray) -> np.ndarray:
@@ -211,14 +250,51 @@ def json_texts(values) -> tuple[np.ndarray, list[bytes]]:
     return found, [b"null" if v is None else json.dumps(v).encode() for v in distinct]
 
 
+_HASH_BITS = 16
+_HASH_MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F], np.uint64)
+
+
+def _slots(words: np.ndarray) -> np.ndarray:
+    """A slot of 2**16 per row of 8-byte words, by a multiplicative hash."""
+    mixed = np.zeros(len(words), np.uint64)
+    for k, column in enumerate(words.T):
+        mixed ^= column * _HASH_MIX[k % 2]
+        mixed = mixed << np.uint64(29) | mixed >> np.uint64(35)
+    return ((mixed * _HASH_MIX[0]) >> np.uint64(64 - _HASH_BITS)).astype(np.intp)
+
+
+def _firsts(words: np.ndarray, slot: np.ndarray | None = None) -> np.ndarray | None:
+    """The first row of each distinct row of `words` (n rows of 8-byte
+    words), in row order, without sorting them: each slot of a hash table
+    keeps the first row that hashed there, and every row is checked equal
+    to its slot's. None where two distinct rows share a slot."""
+    n = len(words)
+    slot = _slots(words) if slot is None else slot
+    first = np.full(1 << _HASH_BITS, n, np.intp)
+    np.minimum.at(first, slot, np.arange(n))
+    same = first[slot]
+    if not (words[same] == words).all():
+        return None
+    return np.flatnonzero(same == np.arange(n))
+
+
 def strings(values: np.ndarray) -> tuple[np.ndarray, list]:
     """(codes, distinct values) of a byte-string column, for Rows.table.
-    Strings of whole 8-byte words are told apart word by word as integers,
-    several times faster than sorting them as strings."""
+    Strings of whole 8-byte words are hashed as integers into a table of
+    2**16 slots, without sorting (_firsts); where two distinct strings
+    share a slot, they are told apart word by word as integers, several
+    times faster than sorting them as strings."""
     if values.dtype.kind != "S" or values.dtype.itemsize % 8 or not len(values):
         distinct, found = np.unique(values, return_inverse=True)
         return found.reshape(-1), distinct.tolist()
-    words = np.ascontiguousarray(values).view(np.uint64).reshape(len(values), -1)
+    n = len(values)
+    words = np.ascontiguousarray(values).view(np.uint64).reshape(n, -1)
+    slot = _slots(words)
+    firsts = _firsts(words, slot)
+    if firsts is not None:
+        code = np.empty(1 << _HASH_BITS, np.int64)
+        code[slot[firsts]] = np.arange(len(firsts))
+        return code[slot], values[firsts].tolist()
     found = np.zeros(len(values), np.int64)
     for column in words.T:
         seen, inverse = np.unique(column, return_inverse=True)
