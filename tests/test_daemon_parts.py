@@ -359,6 +359,19 @@ def test_between_sweeps_the_heap_is_trimmed_only_once_the_process_has_grown(tmp_
         daemon.close()
 
 
+def test_a_quiet_loop_still_wakes_for_each_discovery_poll(tmp_path):
+    """Discovery polls from the tick: quiet, the loop still wakes every
+    discover_interval_s when that is shorter than a second."""
+    from mmtrace.agent.daemon import loop
+    cfg = config_mod.DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "s.sock",
+                                  discover_interval_s=0.2)
+    daemon = loop.Daemon(cfg)
+    try:
+        assert daemon.quiet() and daemon.idle_wait_s() == 0.2
+    finally:
+        daemon.close()
+
+
 def test_the_loop_wakes_once_a_second_only_while_there_is_nothing_to_watch(tmp_path):
     """Quiet (no GPU/NPU work nor a launcher's run-queue record for
     QUIET_AFTER_S, no call in flight, no alarm, no dispatcher): one wake-up a

@@ -38,6 +38,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bpf_maps import bpf_maps_of, map_entries
 from gpu_fixtures import (api_names, build_library, build_program,  # noqa: F401
                           natives)
 from mmtrace.agent.recording import file_format as recording
@@ -60,33 +61,6 @@ KERNELS = {"vector_add(float const*, float const*, float*, int)", "kernel::softm
 
 
 # ----- helpers ---------------------------------------------------------------
-
-def bpf_maps_of(pid: int) -> dict[str, dict]:
-    """Name -> bpftool's description (id, max_entries, ...) of the eBPF maps
-    process `pid` holds open."""
-    ids = set()
-    for fd in os.listdir(f"/proc/{pid}/fdinfo"):
-        try:
-            text = open(f"/proc/{pid}/fdinfo/{fd}").read()
-        except OSError:
-            continue
-        match = re.search(r"^map_id:\s*(\d+)", text, re.M)
-        if match:
-            ids.add(int(match.group(1)))
-    out = {}
-    for map_id in ids:
-        show = subprocess.run(["bpftool", "-j", "map", "show", "id", str(map_id)],
-                              capture_output=True, text=True, check=True).stdout
-        info = json.loads(show)
-        out[info["name"]] = info
-    return out
-
-
-def map_entries(map_id: int) -> int:
-    dump = subprocess.run(["bpftool", "-j", "map", "dump", "id", str(map_id)],
-                          capture_output=True, text=True, check=True).stdout
-    return len(json.loads(dump))
-
 
 def map_sizes(maps: dict[str, dict], names) -> dict[str, int]:
     return {name: map_entries(maps[name]["id"]) for name in names}

@@ -12,6 +12,7 @@ when it exits (tests/test_p99_drift.py, test_daemon_parts.py), and
 bench_library_churn.py with CALLS=1 measures that churn (BENCHMARKS.md).
 A process that exits before any scan reads it is counted."""
 
+import os
 import re
 import secrets
 import shutil
@@ -26,6 +27,7 @@ from pathlib import Path
 import pytest
 
 import library_churn
+from bpf_maps import bpf_maps_of, map_dump
 from library_churn import open_fds, rss_anon_kib
 from mmtrace.agent.daemon.loop import SWEEP_INTERVAL_S
 from mmtrace.exporters.terminal.daemon_client import ask
@@ -33,7 +35,7 @@ from mmtrace.exporters.terminal.daemon_client import ask
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 
 COPIES = 2000
-PARALLEL = 16           # processes alive at once
+PARALLEL = 16           # processes alive at once: 40 new copies a second to probe
 LIVE_MS = 400           # two discovery intervals
 WARM_UP = 50            # copies churned before the baseline is taken
 DISCOVER_INTERVAL_S = 0.2
@@ -105,6 +107,11 @@ class Daemon:
         with urllib.request.urlopen(self.metrics, timeout=5) as reply:
             return reply.read().decode()
 
+    def probed(self) -> list[str]:
+        """The names of the files probed now (a copy is libchurn-N.so; the
+        others are the host's own)."""
+        return sorted(set(re.findall(r'mmtrace_probe_up\{library="([^"]*)"', self.scrape())))
+
     def held(self) -> tuple[int, int]:
         """(open descriptors, RssAnon in KiB)."""
         return open_fds(self.proc.pid), rss_anon_kib(self.proc.pid)
@@ -152,6 +159,13 @@ def wait_until(condition, timeout_s: float, what: str):
         time.sleep(0.1)
 
 
+def runs(pid: int, program: str) -> bool:
+    try:
+        return os.readlink(f"/proc/{pid}/exe") == program
+    except OSError:             # exited
+        return False
+
+
 def as_user(user: str, *command: str) -> list[str]:
     return ["setpriv", f"--reuid={user}", "--regid=nogroup", "--clear-groups", *command]
 
@@ -159,11 +173,12 @@ def as_user(user: str, *command: str) -> list[str]:
 def test_processes_that_exit_before_any_scan_reads_them_are_counted(daemon, user):
     """Run before the churn (which ends with the daemon's SIGTERM). 300 runs
     of /bin/true live about a millisecond each, scans come every 200 ms:
-    nearly all exit unread. 20 sleepers of 1.5 s are read by several scans,
-    and none of them counts, beyond what the host's own processes make over
-    as long (and 5 more: a scan may come a moment too late for one). A shell
-    read by scans that exec()s a program exiting at once counts: the new
-    program was not read."""
+    nearly all exit unread. 20 sleepers of 1.5 s are each read by a scan
+    once they run sleep, and their exits find the marks those reads left
+    (checked by pid in the kernel's map: the counter also counts the host's
+    own short-lived processes, whose bursts no window before or after the
+    sleepers predicts). A shell read by scans that exec()s a program
+    exiting at once counts: the new program was not read."""
     def unread() -> int:
         time.sleep(STATUS_REUSE_S)          # a newer status than the last one
         return daemon.probes()["discovery_exited_unread"]
@@ -176,16 +191,24 @@ def test_processes_that_exit_before_any_scan_reads_them_are_counted(daemon, user
                    check=True, env={"PATH": "/usr/bin:/bin"})
     short = unread() - before
     assert short >= 285, f"{short} of 300 short-lived processes counted as exited unread"
-    began, before = time.monotonic(), unread()
-    sleepers = [subprocess.Popen(as_user(user, "/bin/sleep", "1.5")) for _ in range(20)]
-    assert [p.wait(timeout=30) for p in sleepers] == [0] * 20
-    read = unread() - before
-    # the host's own short-lived processes over as long, with no sleepers
-    idle_for, before = time.monotonic() - began, unread()
-    time.sleep(max(0.0, idle_for - STATUS_REUSE_S))
-    host = unread() - before
-    assert read <= host + 5, (f"{read} exits counted unread while 20 processes were read by "
-                              f"scans; the host alone made {host} as long")
+    # A read marks the process in processes_read, an exec clears the mark,
+    # and the exit of a marked process takes its mark instead of counting.
+    marks = bpf_maps_of(daemon.proc.pid)["processes_read"]["id"]
+    sleep = os.path.realpath("/bin/sleep")
+    sleepers = {p.pid: p for p in [subprocess.Popen(as_user(user, "/bin/sleep", "1.5"))
+                                   for _ in range(20)]}
+    # A mark counts once the process was seen running sleep at the look
+    # before (its exec, which clears marks, long over).
+    asleep, read = set(), set()
+    while any(p.poll() is None for p in sleepers.values()):
+        read |= asleep & {entry["formatted"]["key"] for entry in map_dump(marks)}
+        asleep = {pid for pid in sleepers if runs(pid, sleep)}
+        time.sleep(0.05)
+    assert [p.returncode for p in sleepers.values()] == [0] * 20
+    assert read == set(sleepers), (f"{len(read)} of 20 processes of 1.5 s were read by a scan "
+                                   f"while they ran sleep; not {sorted(set(sleepers) - read)}")
+    left = set(sleepers) & {entry["formatted"]["key"] for entry in map_dump(marks)}
+    assert not left, f"marks their exits did not take (so counted): {sorted(left)}"
     # read as a shell for a second, then a new program that exits at once: unread
     before = unread()
     wrappers = [subprocess.Popen(as_user(user, "/bin/sh", "-c", "sleep 1; exec /bin/true"))
@@ -203,7 +226,7 @@ def test_library_churn_gives_back_every_descriptor_and_its_memory(daemon, built,
     # what is checked is that no copy stays.
     wait_until(lambda: daemon.probes()["libraries"] <= at_rest["libraries"]
                and daemon.probes()["retired"] == 0, 30,
-               lambda: f"warm-up copies still probed: {daemon.probes()}")
+               lambda: f"warm-up copies still probed: {daemon.probes()}, {daemon.probed()}")
     base_fds, base_rss = daemon.held()
     released_before = daemon.probes()["released_libraries"]
 
@@ -216,7 +239,9 @@ def test_library_churn_gives_back_every_descriptor_and_its_memory(daemon, built,
         answered += 1
         time.sleep(0.5)
     assert finished(proc) == f"done {COPIES} failed 0"
-    assert answered > 10
+    # Asked while it churned: an answer for every 5 s of its nominal length
+    # (each answer within its timeout, or ask and urlopen raise).
+    assert answered >= COPIES / PARALLEL * LIVE_MS / 1000 / 5, answered
 
     def settled() -> bool:
         # released files stay open 5 s for decoding (retired): those closed too
@@ -226,7 +251,8 @@ def test_library_churn_gives_back_every_descriptor_and_its_memory(daemon, built,
             and probes["libraries"] <= at_rest["libraries"] and probes["retired"] == 0
     wait_until(settled, SETTLE_S, lambda: (
         f"{SETTLE_S} s after the churn the daemon holds {daemon.held()} (descriptors, "
-        f"RssAnon KiB); before it: {(base_fds, base_rss)}; probes: {daemon.probes()}"))
+        f"RssAnon KiB); before it: {(base_fds, base_rss)}; probes: {daemon.probes()}; "
+        f"probed: {daemon.probed()}"))
 
     probes = daemon.probes()
     # The copies were probed (not missed by discovery) and every one released.

@@ -195,9 +195,12 @@ class Daemon:
         grace (a quarter window past its end). Waking 8 times a second
         instead of 4 was half an idle agent's CPU. While the daemon is quiet
         (no launcher to watch) it wakes once a second: nothing is there
-        for a window to hold. The watchdog wants a ping every half of its
-        interval."""
+        for a window to hold. Discovery polls from the tick: no wait is
+        longer than its interval (a quiet second read a 0.2 s interval's
+        processes five times less often). The watchdog wants a ping every
+        half of its interval."""
         wait = QUIET_WAIT_S if self.quiet() else min(MAX_IDLE_WAIT_S, self.config.p99.window_s / 4)
+        wait = min(wait, self.config.discover_interval_s)
         return min(wait, watchdog_s / 4) if watchdog_s else wait
 
     def quiet(self, now_ns: int | None = None) -> bool:
