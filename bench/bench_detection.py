@@ -91,7 +91,7 @@ class Background:
         self.rng, self.tmp, self.source, self.mode = rng, tmp, source, mode
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._job, args=(cmd,), daemon=True)
-                        for cmd in self._jobs()]
+                        for cmd in (self._jobs() if mode != "none" else [])]
 
     def _jobs(self):
         spin = [sys.executable, "-c", "while True: pass"]
@@ -206,9 +206,10 @@ def main(argv=None):
     p.add_argument("--minutes", type=float, default=30.0,
                    help="the injected schedule's length (default 30)")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--background", choices=("idle", "nice"), default="idle",
+    p.add_argument("--background", choices=("idle", "nice", "none"), default="idle",
                    help="how the batch and compile jobs run: SCHED_IDLE (default, a busy but "
-                        "healthy host) or at nice 10 and 5 (they starve the launchers)")
+                        "healthy host), at nice 10 and 5 (they starve the launchers), or no "
+                        "background at all (the launchers' own waiting, for reference)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "detection.json")
     args = p.parse_args(argv)
     # Stopped early, it still stops its daemon, workers and background jobs.
