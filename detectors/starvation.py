@@ -8,10 +8,18 @@ a time slice, so p99 hardly moves while the time spent waiting triples. The
 share of time does not saturate. A window is starved when its share is at
 least the threshold:
 
-    threshold = min(alarm_share, max(baseline * rise_factor, baseline + rise_share))
+    threshold = min(alarm_share, max(baseline * rise_factor, baseline + rise_share,
+                                     noise + rise_share))
 
 where the baseline is the median share of the process's last
-`baseline_windows` windows that were not starved, capped at `baseline_cap`.
+`baseline_windows` windows that were not starved, capped at `baseline_cap`,
+and the noise the `noise_quantile` of those windows, capped likewise. A
+launcher's own seconds spread: alone on a virtual machine, one that
+sleeps between 2 ms steps waits 15 % of a median second and 24 % of one
+second in ten, so a threshold drawn from the median alone (about 0.25)
+was crossed twice in a row within minutes, with nothing on the host;
+the noise term keeps the threshold above the seconds the launcher
+itself makes.
 So a quiet launcher fires on a small rise (5 % -> 15 %), one that waits a
 third of its time on a busy host fires when that grows by half, and no
 baseline, however noisy the host, raises the threshold past `alarm_share`
@@ -47,6 +55,7 @@ class _State:
     comm: str = ""
     shares: deque = field(default_factory=deque)     # normal windows' shares
     median: float | None = None     # of the shares, until they change (asked each window)
+    noise: float | None = None      # their noise_quantile, likewise
     run: int = 0            # starved windows in a row
     calm: int = 0           # windows in a row that were not, while firing
     firing: bool = False
@@ -66,8 +75,11 @@ class Starvation:
                  rise_factor: float = 1.5, rise_share: float = 0.1, consecutive: int = 2,
                  clear_windows: int = 3, baseline_windows: int = 60,
                  baseline_cap: float = 0.35, max_processes: int = 4096,
-                 state: str = "runnable"):
-        """`level`: the part's level (None: only a rise fires)."""
+                 state: str = "runnable", noise_quantile: float | None = None):
+        """`level`: the part's level (None: only a rise fires);
+        `noise_quantile`: the quantile of the normal windows the threshold
+        stays rise_share above (None: the median's rule alone)."""
+        self.noise_quantile = noise_quantile
         self.part = state
         self.detector, self.kind = WATCHED[state]
         self.window_ns = int(window_s * 1e9)
@@ -86,10 +98,12 @@ class Starvation:
         80 % may be built so; their watches fire on a rise alone."""
         level = d.alarm_share if state == "runnable" else None
         cap = d.baseline_cap if state == "runnable" else 1.0
+        noise = d.noise_quantile if state == "runnable" and d.noise_quantile > 0 else None
         return cls(window_s=d.window_s, level=level,
                    rise_factor=d.rise_factor, rise_share=d.rise_share,
                    consecutive=d.consecutive, clear_windows=d.clear_windows,
-                   baseline_windows=d.baseline_windows, baseline_cap=cap, state=state)
+                   baseline_windows=d.baseline_windows, baseline_cap=cap, state=state,
+                   noise_quantile=noise)
 
     def baseline(self, pid: int) -> float | None:
         state = self.states.get(pid)
@@ -99,6 +113,15 @@ class Starvation:
             state.median = float(np.median(state.shares))
         return min(state.median, self.baseline_cap)
 
+    def noise(self, pid: int) -> float | None:
+        """The noise_quantile of the normal windows, capped as the baseline."""
+        state = self.states.get(pid)
+        if self.noise_quantile is None or state is None or not state.shares:
+            return None
+        if state.noise is None:
+            state.noise = float(np.quantile(state.shares, self.noise_quantile))
+        return min(state.noise, self.baseline_cap)
+
     def threshold(self, pid: int) -> float | None:
         """None: nothing fires yet (a part with no level, before its baseline)."""
         base = self.baseline(pid)
@@ -106,6 +129,9 @@ class Starvation:
         if base is None:
             return level
         rise = rise_level(base, self.rise_factor, self.rise_share)
+        noise = self.noise(pid)
+        if noise is not None:
+            rise = max(rise, noise + self.rise_share)
         return rise if level is None else min(level, rise)
 
     def disturbed(self, pid: int, share: float) -> bool:
@@ -152,7 +178,7 @@ class Starvation:
             state.run = 0
             if pid not in disturbed:
                 state.shares.append(share)
-                state.median = None
+                state.median = state.noise = None
                 while len(state.shares) > self.baseline_windows:
                     state.shares.popleft()
             if state.firing:

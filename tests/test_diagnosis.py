@@ -13,6 +13,7 @@ from mmtrace.detectors.diagnosis import DiagnosisRules, diagnose, window_shares
 from mmtrace.detectors.starvation import Starvation
 from mmtrace.detectors.time_split import ThreadInfo, TimeSplit, split_intervals
 
+from mmtrace.agent.config.settings import DiagnosisSettings
 from mmtrace.agent.errors import MmtraceError
 from mmtrace.agent.recording.explain import device_roles, entropy_windows
 from mmtrace.agent.recording.window_arg import parse_window
@@ -245,10 +246,45 @@ def test_a_busy_hosts_usual_waiting_is_no_alarm_but_half_the_time_always_is():
     assert busy.observe(60 * S, {1: (0.42, 1.0, "x")}) == []
     (fired,) = busy.observe(61 * S, {1: (0.42, 1.0, "x")})
     assert fired["state"] == "firing" and fired["evidence"]["threshold"] == 0.4125
+    # The daemon's watch (noise_quantile 0.9): a second in ten of this
+    # launcher waits 35 %, so its threshold stays rise_share above that.
+    noisy = Starvation(noise_quantile=0.9)
+    for w in range(60):
+        assert noisy.observe(w * S, {1: (0.2 + 0.15 * ((w * 7) % 5) / 4, 1.0, "x")}) == []
+    assert noisy.threshold(1) == pytest.approx(0.35 + 0.1)
+    assert noisy.observe(60 * S, {1: (0.42, 1.0, "x")}) == []
+    assert noisy.observe(61 * S, {1: (0.42, 1.0, "x")}) == []
+    assert noisy.observe(62 * S, {1: (0.46, 1.0, "x")}) == []
+    (fired,) = noisy.observe(63 * S, {1: (0.46, 1.0, "x")})
+    assert fired["evidence"]["threshold"] == 0.45
     fresh_host = Starvation()
     assert fresh_host.observe(0, {2: (0.6, 1.0, "y")}) == []
     (starved,) = fresh_host.observe(S, {2: (0.6, 1.0, "y")})
     assert starved["evidence"]["threshold"] == 0.5 and starved["evidence"]["baseline"] is None
+
+
+def test_a_launchers_own_noise_is_no_alarm_and_the_daemon_watches_with_it():
+    """Alone on a host, a launcher sleeping between 2 ms steps waits 15 % of
+    a median second and 24 % of one in ten (bench_detection.py
+    --background none): the median's rule alone puts the threshold at
+    0.25 and two such seconds in a row fired it. The noise term keeps it
+    quiet there, and three hogs (half its time waiting) still fire it."""
+    seconds = (0.10, 0.12, 0.13, 0.14, 0.15, 0.15, 0.16, 0.18, 0.22, 0.24)
+    shares = [seconds[(w * 7) % 10] for w in range(60)]      # median 0.15, p90 0.222
+    plain, noisy = Starvation(), Starvation(noise_quantile=0.9)
+    for w, share in enumerate(shares):
+        plain.observe(w * S, {1: (share, 1.0, "x")})
+        noisy.observe(w * S, {1: (share, 1.0, "x")})
+    assert plain.threshold(1) == pytest.approx(0.25)
+    assert noisy.threshold(1) == pytest.approx(0.322)
+    spike = [(60, 0.26), (61, 0.26)]
+    assert [a["state"] for w, x in spike for a in plain.observe(w * S, {1: (x, 1.0, "x")})] \
+        == ["firing"]
+    assert [a for w, x in spike for a in noisy.observe(w * S, {1: (x, 1.0, "x")})] == []
+    hogs = [a for w in (62, 63) for a in noisy.observe(w * S, {1: (0.48, 1.0, "x")})]
+    assert [a["state"] for a in hogs] == ["firing"]
+    assert Starvation.of(DiagnosisSettings()).noise_quantile == 0.9
+    assert Starvation.of(DiagnosisSettings(), state="on_cpu").noise_quantile is None
 
 
 def test_a_quiet_launcher_fires_on_a_smaller_rise_and_sleep_only_on_a_rise():

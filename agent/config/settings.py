@@ -216,6 +216,7 @@ class DiagnosisSettings:
     baseline_windows: int = _count(60, 3600)                # the baseline: their median...
     baseline_cap: float = _setting(0.35, Number(0.0, 1.0))  # ...never above this share
     alarm_share: float = _setting(0.5, Number(0.0, 1.0, low_open=True))  # fires whatever the baseline
+    noise_quantile: float = _setting(0.9, Number(0.0, 1.0))  # and rise_share above this quantile (0: off)
 
 
 @dataclass
