@@ -367,9 +367,12 @@ class Daemon:
         """A status, explain, series or dump request from the socket."""
         if msg["type"] == "status":
             self.server.reply(client, self.status())
-        elif msg["type"] in ("explain", "series") and not self._within_rate(client, msg):
             return
-        elif msg["type"] == "series":
+        if msg["type"] in ("explain", "series"):
+            if not self._within_rate(client, msg):
+                return
+            self._drain()               # a live answer holds everything up to its asking
+        if msg["type"] == "series":
             try:
                 answer = self.streams.series_window(msg["name"], msg["window_s"],
                                                     time.monotonic_ns())
@@ -407,7 +410,10 @@ class Daemon:
 
     def dump(self, reason: str) -> Path:
         """The flight recorder's ring written now (`mmtrace dump`, SIGUSR2),
-        past its interval; OSError when it cannot be written."""
+        past its interval; OSError when it cannot be written. What the
+        kernel's rings hold goes in first: drains are a quarter second
+        apart, and a dump holds everything up to its asking."""
+        self._drain()
         return self.alarms.dump(reason)
 
     def dump_logged(self, reason: str) -> Path | None:
