@@ -14,10 +14,9 @@ with fsync) and a sidecar that wakes every 50 ms for 2 ms of work. With
 SCHED_IDLE, as batch work is kept beside latency-critical services (cpu.idle
 cgroups do the same): the host is busy, its CPUs full, and the launchers
 still wait little, a healthy host. With `--background nice` they run at nice
-10 and 5 as ordinary tasks: on this kernel a task that holds the CPU keeps
-it for its slice when a launcher wakes, so the launchers wait 40-56 % of
-their time runnable between incidents, which is starvation, and the alarm
-says so. One incident at a time goes to one launcher, for 8-15 s, with
+10 and 5 as ordinary tasks. Every job runs in the bench's own session: with
+autogroup on, a job in a session of its own would be weighed as a group
+of its own, whatever its policy or niceness (see Background._job). One incident at a time goes to one launcher, for 8-15 s, with
 10-25 s of quiet between:
 - cpu_starved: 2-4 processes spinning on its CPU at its niceness;
 - host_bound: 3-8 ms of host work a step;
@@ -106,8 +105,15 @@ class Background:
 
     def _job(self, cmd):
         while not self.stop.is_set():
+            # A process group of its own (to be killed whole), not a session:
+            # with autogroup on (sched_autogroup_enabled, the default), a new
+            # session is a task group of its own, which the scheduler weighs
+            # as one nice-0 task beside the launchers' group whatever the
+            # jobs' policy. Two SCHED_IDLE spinners in their own sessions
+            # left a pinned launcher (1 ms of work, 1 ms asleep) waiting 25-30 %
+            # of its time; in the launchers' session, 0.4 %.
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                    start_new_session=True)
+                                    process_group=0)
             self.stop.wait(self.rng.uniform(3, 15))
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -278,14 +284,29 @@ def main(argv=None):
     print(json.dumps(summary, indent=1))
 
 
+def nearest_rank(ordered: list[float], q: float) -> float:
+    """The q-quantile of sorted values (nearest rank: one of them)."""
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
 def spread(values: list[float]) -> dict | None:
     """Median, p90 and max of a launcher's runnable shares, as polled."""
     if not values:
         return None
     values = sorted(values)
     return {"polls": len(values), "median": round(statistics.median(values), 3),
-            "p90": round(values[max(0, math.ceil(0.9 * len(values)) - 1)], 3),
-            "max": round(values[-1], 3)}
+            "p90": round(nearest_rank(values, 0.9), 3), "max": round(values[-1], 3)}
+
+
+def false_alarm_row(alarm: dict, worker, mine: list[dict]) -> dict:
+    """A false alarm as the engineer would look into it: what fired, on
+    which launcher, how long after that launcher's last incident, and the
+    figures it fired on."""
+    before = [s["end_ns"] for s in mine if s["end_ns"] <= alarm["ts_ns"]]
+    return {"detector": alarm.get("detector"), "what": alarm.get("what"), "worker": worker.name,
+            "after_last_incident_s": round((alarm["ts_ns"] - max(before)) / 1e9, 1)
+            if before else None,
+            **{k: alarm.get(k) for k in ("share", "threshold", "baseline") if k in alarm}}
 
 
 def score(schedule, workers, alarms, args) -> dict:
@@ -321,7 +342,8 @@ def score(schedule, workers, alarms, args) -> dict:
         quiet.append((at, last))
         quiet = [(a, b) for a, b in quiet if b > a]
         quiet_ns += sum(b - a for a, b in quiet)
-        false_alarms += [a for a in fired if any(lo <= a["ts_ns"] < hi for lo, hi in quiet)]
+        false_alarms += [false_alarm_row(a, w, mine) for a in fired
+                         if any(lo <= a["ts_ns"] < hi for lo, hi in quiet)]
         # Was the quiet healthy? The launcher's runnable share there, and in its starved stretches.
         mine_shares = [(t, x) for t, pid, x in alarms.shares if pid == w.pid]
         quiet_shares += [x for t, x in mine_shares if any(lo <= t < hi for lo, hi in quiet)]
@@ -336,13 +358,12 @@ def score(schedule, workers, alarms, args) -> dict:
         "detected": round(len(detect_s) / n, 4) if n else None,
         "missed_by_kind": dict(missed),
         "detect_s_median": round(statistics.median(detect_s), 3) if detect_s else None,
-        "detect_s_p95": round(sorted(detect_s)[max(0, math.ceil(0.95 * len(detect_s)) - 1)], 3)
-        if detect_s else None,
+        "detect_s_p95": round(nearest_rank(sorted(detect_s), 0.95), 3) if detect_s else None,
         "quiet_hours": round(hours, 3),
         "false_alarms": len(false_alarms),
         "false_alarms_per_hour": round(len(false_alarms) / hours, 2) if hours else None,
-        "false_alarm_kinds": dict(Counter(f"{a.get('detector')}:{a.get('what')}"
-                                          for a in false_alarms)),
+        "false_alarm_kinds": dict(Counter(f"{a['detector']}:{a['what']}" for a in false_alarms)),
+        "false_alarm_list": false_alarms,
         "verdicts_right": round(right / n, 4) if n else None,
         "background": args.background,
         "runnable_share": {"quiet": spread(quiet_shares), "cpu_starved": spread(starved_shares)},
