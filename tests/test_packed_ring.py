@@ -173,3 +173,57 @@ def test_a_position_is_judged_once_every_few_blocks_and_every_record_reads_back(
     raws = [b.packed.raw for b in ring._blocks]
     assert all((r == raws[-1]).all() for r in raws[3:])
     assert ring.window().tobytes() == np.concatenate(pushed).tobytes()
+
+
+def _every_third_thread(records: np.ndarray) -> np.ndarray:
+    return records[records["tid"] % 3 == 0]
+
+
+def _joined(parts) -> bytes:
+    return b"".join(p.tobytes() for p in parts)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 400), st.integers(0, 3)), min_size=1, max_size=25),
+       st.integers(200, 3000), st.integers(1, 500), st.integers(0, 2 * 10**8), st.data())
+def test_kept_extracts_are_what_the_window_gives_however_records_change(
+        steps, capacity, block, since, data):
+    """A sealed block's extract is kept between asks (top's status asks
+    every half second): it must still be what the window gives after
+    pushes, capacity evictions and values set in sealed blocks."""
+    packed = PackedRing(RUNQ_EVENT, capacity, 2 * 10**8, block_records=block, block_ns=5 * 10**7)
+    ts = 0
+    for i, (n, asks) in enumerate(steps):
+        batch = runq_like(ts, n, 100_000, seed=i)
+        ts = int(batch["ts_ns"].max()) + 1
+        packed.push(batch)
+        seq = np.array(data.draw(st.lists(st.integers(0, packed.end - 1), max_size=6)),
+                       dtype=np.int64)
+        packed.update(seq, "tid", np.full(len(seq), 3 * (i + 400), np.uint32))
+        for _ in range(asks):
+            want = _every_third_thread(packed.window(since))
+            got = _joined(packed.extracts(since, "thirds", _every_third_thread))
+            assert got == want.tobytes()
+
+
+def test_a_second_ask_extracts_only_the_hot_block_and_a_new_key_extracts_again():
+    ring = PackedRing(RUNQ_EVENT, 1 << 20, 30 * 10**9, block_ns=10**9)
+    for i in range(60):                               # 6 s: 5 sealed blocks and a hot one
+        ring.push(runq_like(i * 10**8, 100, 10**6, seed=i))
+    calls = []
+
+    def counted(records):
+        calls.append(len(records))
+        return _every_third_thread(records)
+
+    since = 2 * 10**9
+    first = _joined(ring.extracts(since, "k", counted))
+    asked = len(calls)
+    assert asked >= 4
+    assert _joined(ring.extracts(since, "k", counted)) == first
+    assert len(calls) == asked + 1                    # the hot block alone
+    assert _joined(ring.extracts(since, "other", counted)) == first
+    assert len(calls) == 2 * asked + 1                # another key: every block again
+    # A block that leaves the window lets go of what it kept.
+    list(ring.extracts(5 * 10**9, "k", counted))
+    assert all(b.kept is None for b in ring._blocks if b.last_ns < 5 * 10**9)

@@ -5,9 +5,13 @@ get values (copies, read now), never the daemon's parts."""
 import copy
 import os
 
+import numpy as np
+
+from mmtrace.bpf import sched as sched_stream
 from mmtrace.exporters.live import status as status_view
 from mmtrace.exporters.live.prometheus import DaemonSnapshot, KernelFigures
 
+from mmtrace.agent.ingest.record_arrays import concat
 from mmtrace.agent.ingest.series_keys import RUNQ
 
 
@@ -46,6 +50,14 @@ def metrics_snapshot(daemon) -> DaemonSnapshot:
         device_memory=device_memory)
 
 
+def _extracted(ring, since: int, key, extract, dtype: np.dtype) -> np.ndarray:
+    """extract(...) of the ring's records from `since` on, in one array of
+    `dtype`: the sealed blocks' extracts kept between asks
+    (PackedRing.extracts)."""
+    parts = list(ring.extracts(since, key, extract))
+    return concat(parts) if parts else np.empty(0, dtype)
+
+
 def status(daemon, now: int, span_s: float) -> dict:
     """What `mmtrace top` shows: the last span_s seconds per process, the
     active anomalies, the latest hints, and the losses."""
@@ -55,9 +67,13 @@ def status(daemon, now: int, span_s: float) -> dict:
     device = probes.device
     launch_probes = ("on" if not daemon.config.adaptive_launches else
                      "burst" if device is not None and device.launches_attached else "on alarm")
-    processes = status_view.process_table(streams.runq_ring.window(since),
-                                           streams.aligner.window(since),
-                                           streams.submitters.tids, span_s,
+    submitters = streams.submitters
+    runq = _extracted(streams.runq_ring, since, ("launchers", submitters.version),
+                      lambda records: records[submitters.mask(records["tid"])],
+                      sched_stream.RUNQ_EVENT)
+    device = _extracted(streams.aligner, since, "status", status_view.device_rows,
+                        status_view.DEVICE_ROWS)
+    processes = status_view.process_table(runq, device, submitters.tids, span_s,
                                            names=streams.counts.process_name,
                                            launches_traced=launch_probes != "on alarm",
                                            infos=streams.infos)

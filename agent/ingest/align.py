@@ -298,6 +298,11 @@ class Aligner:
         """window(since_ns) a piece at a time (PackedRing: a block at a time)."""
         return self._ring.pieces(since_ns)
 
+    def extracts(self, since_ns: int | None, key, extract):
+        """extract(records) of window(since_ns), kept a block at a time
+        (PackedRing.extracts)."""
+        return self._ring.extracts(since_ns, key, extract)
+
     def push(self, batch: np.ndarray) -> np.ndarray:
         """Align `batch` (DEV_EVENT records, any order); return it aligned."""
         if not len(batch):

@@ -102,6 +102,14 @@ class EventRing:
         if len(records):
             yield records
 
+    def extracts(self, since_ns: int | None, key, extract):
+        """extract(records) of window(since_ns) (PackedRing's keeps them a
+        block at a time; nothing is packed here to be kept from)."""
+        for records in self.pieces(since_ns):
+            part = extract(records)
+            if len(part):
+                yield part
+
     def _first_recent(self, since_ns: int, chunk: int = 1 << 14) -> int:
         """The number of a record at or before the first one from since_ns
         (records are about in time order: stop at a chunk wholly older)."""

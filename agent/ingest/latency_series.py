@@ -85,6 +85,7 @@ class Submitters:
     def __init__(self, limit: int = 1 << 16):
         self.limit = limit
         self._tids = np.zeros(0, np.uint32)       # sorted, unique
+        self.version = 0        # counts the changes of the known threads
         self._asked: tuple[np.ndarray, np.ndarray] | None = None    # (batch, its submitters' events)
 
     def learn(self, device_events: np.ndarray):
@@ -96,6 +97,7 @@ class Submitters:
         if len(new):        # most batches bring none: the known ones are left as they are
             self._tids = np.union1d(self._tids, new)[-self.limit:]
             self._asked = None
+            self.version += 1
 
     def mask(self, tids: np.ndarray) -> np.ndarray:
         """Which of `tids` are known (a binary search each in the sorted known

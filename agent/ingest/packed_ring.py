@@ -66,6 +66,7 @@ class _Block:
     packed: block_codec.Packed      # its bytes in `data`: bytes, or an mmap of their own
     first_seq: int      # number of its first record
     last_ns: int        # the latest ts_ns inside: the block's age
+    kept: tuple | None = None   # (key, an extract of its records): PackedRing.extracts
 
     @property
     def data(self) -> bytes | mmap.mmap:
@@ -167,6 +168,10 @@ class PackedRing:
         if sealed.any():
             self._patches.setdefault(field, {}).update(
                 zip(seq[sealed].tolist(), values[sealed].tolist()))
+            for block in self._blocks:      # what was extracted from them is stale now
+                if block.kept is not None and \
+                        ((seq >= block.first_seq) & (seq < block.end_seq) & sealed).any():
+                    block.kept = None
 
     def _seal(self):
         """Compress the hot block (what is still held of it) into a sealed one."""
@@ -218,15 +223,45 @@ class PackedRing:
                 records[field][seqs[inside] - block.first_seq] = values
         return records[max(0, self.start - block.first_seq):]
 
+    def _low(self, since_ns: int | None) -> int:
+        low = self._newest_ns - self.max_age_ns
+        return low if since_ns is None else max(low, since_ns)
+
+    def extracts(self, since_ns: int | None, key, extract):
+        """extract(records) of what window(since_ns) holds, a piece at a
+        time. A sealed block's extract is kept with it and handed out again
+        while it is asked with the same `key` (which names the extract and
+        what it depends on) and nothing in the block has changed (update):
+        a reader that asks every half second (top's status, over 5 s)
+        unpacks each sealed block once, not at every ask. The extract must
+        keep ts_ns (the oldest block is cut by it after) and be small: a
+        block outside the window lets go of its own."""
+        if self._newest_ns is None:
+            return
+        low = self._low(since_ns)
+        for block in self._blocks:
+            if block.last_ns < low:
+                block.kept = None
+                continue
+            cut = max(0, self.start - block.first_seq)     # capacity evicts inside a block too
+            if block.kept is None or block.kept[0] != (key, cut):
+                block.kept = ((key, cut), extract(self._unpack(block)))
+            part = block.kept[1]
+            part = part[part["ts_ns"].astype(np.int64) >= low]
+            if len(part):
+                yield part
+        hot = self._hot[max(0, self.start - self._hot_first_seq):self._hot_count]
+        part = extract(hot[hot["ts_ns"].astype(np.int64) >= low])
+        if len(part):
+            yield part
+
     def pieces(self, since_ns: int | None = None):
         """The records window() returns, a block at a time (decompressed as
         they are taken): a flight recording writes them so, and never holds
         the whole reach decompressed."""
         if self._newest_ns is None:
             return
-        low = self._newest_ns - self.max_age_ns
-        if since_ns is not None:
-            low = max(low, since_ns)
+        low = self._low(since_ns)
         blocks = [b for b in self._blocks if b.last_ns >= low]
         hot = self._hot[max(0, self.start - self._hot_first_seq):self._hot_count].copy()
         for records in itertools.chain(map(self._unpack, blocks), [hot]):   # one block at a time
