@@ -333,3 +333,19 @@ def test_only_the_live_view_says_how_to_quit():
     status = {"daemon_pid": 1, "uptime_s": 3.0, "span_s": 3.0, "launch_probes": "on"}
     assert "(q quits)" not in top_view.render(status)[0]
     assert "(q quits)" in top_view.render(status, live=True)[0]
+
+
+def test_failed_calls_keep_negative_codes_and_order_ties_by_api_then_signed_code():
+    """Ascend's codes can be negative: the key that counts them must give
+    them back as they were, and equal counts stay in (API, code) order."""
+    from mmtrace.bpf import device as device_stream
+    from mmtrace.exporters.live.status import _failures
+    bad = np.zeros(7, device_stream.ALIGNED_EVENT)
+    bad["api"] = [5, 5, 5, 5, 3, 5, 5]
+    bad["ret"] = [-1, -1, 7, 7, 2, -2147483648, 2147483647]
+    rows = _failures(bad, {})
+    assert [(r["api"], r["count"]) for r in rows] == [("5", 2), ("5", 2), ("3", 1), ("5", 1),
+                                                      ("5", 1)]
+    codes = [r["error"] for r in rows]
+    assert codes == [device_stream.error_text(None, c) for c in (-1, 7, 2, -2147483648,
+                                                                 2147483647)]

@@ -71,9 +71,9 @@ def status(daemon, now: int, span_s: float) -> dict:
     runq = _extracted(streams.runq_ring, since, ("launchers", submitters.version),
                       lambda records: records[submitters.mask(records["tid"])],
                       sched_stream.RUNQ_EVENT)
-    device = _extracted(streams.aligner, since, "status", status_view.device_rows,
-                        status_view.DEVICE_ROWS)
-    processes = status_view.process_table(runq, device, submitters.tids, span_s,
+    calls = _extracted(streams.aligner, since, "status", status_view.device_rows,
+                       status_view.DEVICE_ROWS)
+    processes = status_view.process_table(runq, calls, submitters.tids, span_s,
                                            names=streams.counts.process_name,
                                            launches_traced=launch_probes != "on alarm",
                                            infos=streams.infos)

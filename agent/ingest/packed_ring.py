@@ -2,7 +2,7 @@
 
 The run-queue stream is most of what an agent on a busy host holds: 30 s
 at 20 000 events a second is 34 MB of 56-byte records, half again the
-rest of the daemon; the aligned GPU/NPU records are 232 bytes each. The
+rest of the daemon; the aligned GPU/NPU records are 248 bytes each. The
 records compress well once their bytes are regrouped by position and
 timestamps kept as differences (the same threads, commands, streams and
 APIs recur). zlib costs about the same for every byte it is given, so a
@@ -168,8 +168,8 @@ class PackedRing:
         if sealed.any():
             self._patches.setdefault(field, {}).update(
                 zip(seq[sealed].tolist(), values[sealed].tolist()))
-            for block in self._blocks:      # what was extracted from them is stale now
-                if block.kept is not None and \
+            for block in self._blocks:      # an extract that holds the field is stale now
+                if block.kept is not None and field in block.kept[1].dtype.names and \
                         ((seq >= block.first_seq) & (seq < block.end_seq) & sealed).any():
                     block.kept = None
 
@@ -231,9 +231,9 @@ class PackedRing:
         """extract(records) of what window(since_ns) holds, a piece at a
         time. A sealed block's extract is kept with it and handed out again
         while it is asked with the same `key` (which names the extract and
-        what it depends on) and nothing in the block has changed (update):
-        a reader that asks every half second (top's status, over 5 s)
-        unpacks each sealed block once, not at every ask. The extract must
+        what it depends on) and no field it holds has changed in the block
+        (update): a reader that asks every half second (top's status, over
+        5 s) unpacks each sealed block once, not at every ask. The extract must
         keep ts_ns (the oldest block is cut by it after) and be small: a
         block outside the window lets go of its own."""
         if self._newest_ns is None:
