@@ -211,7 +211,7 @@ def test_messages_outside_the_schema_get_an_error_reply(daemon, bad, expected):
     # nothing of the bad message reached the daemon; the good one did
     assert served.until(lambda: [m["type"] for _, m in served.messages] == ["sample"])
     assert daemon.messages.failures == 0
-    assert len(daemon.streams.request_ring) == 1
+    assert served.until(lambda: len(daemon.streams.request_ring) == 1)     # with the next drain
     assert_serves_a_good_client(daemon.config.socket, served, daemon.server.broadcast)
 
 
@@ -585,3 +585,61 @@ def test_the_socket_appears_with_its_mode_and_listening(tmp_path, monkeypatch):
             s.connect(str(path))
     finally:
         server.close()
+
+
+def test_request_latencies_go_to_the_detector_a_drain_at_a_time(daemon, monkeypatch):
+    """A dispatcher reports every request: the P99 step (a fixed cost a
+    call) takes every sample since the last drain of the rings at once,
+    not the few of each tick; past MAX_PENDING_REQUESTS they go at once."""
+    from mmtrace.agent.daemon import client_messages
+    batches = []
+    original = daemon.streams.observe_requests
+    monkeypatch.setattr(daemon.streams, "observe_requests",
+                        lambda requests: (batches.append(len(requests)), original(requests)))
+    monkeypatch.setattr(daemon, "_drain_due", lambda: False)     # ticks between drains
+    served = serve_daemon(daemon)
+    c = connect(daemon.config.socket)
+
+    def samples_taken():
+        return sum(1 for _, m in served.messages if m["type"] == "sample")
+    served.send(c, b"".join(sample(series=f"s{i % 3}") for i in range(40)))
+    assert served.until(lambda: samples_taken() == 40)
+    assert batches == [] and len(daemon.streams.request_ring) == 0
+    daemon.drain_rings()
+    assert batches == [40] and len(daemon.streams.request_ring) == 40
+    monkeypatch.setattr(client_messages, "MAX_PENDING_REQUESTS", 16)
+    served.send(c, b"".join(sample() for _ in range(40)))
+    assert served.until(lambda: samples_taken() == 80)
+    assert all(n >= 16 for n in batches[1:]) and sum(batches) <= 80
+    daemon.drain_rings()
+    assert sum(batches) == 80 and len(daemon.streams.request_ring) == 80
+
+
+def test_samples_after_an_answer_that_drains_in_the_same_poll_are_kept(daemon, monkeypatch):
+    """A series answer drains the rings (and the samples held) in the
+    middle of a poll: the samples after it in that poll are held for the
+    next drain, not lost with the list the drain took."""
+    monkeypatch.setattr(daemon, "_drain_due", lambda: False)
+    served = serve_daemon(daemon)
+    c = connect(daemon.config.socket)
+    c.sendall(sample() + sample() + line(type="series", name="request_latency{series=e2e,"
+                                          "modality=vision}") + sample() + sample())
+    assert served.read_line(c)["type"] in ("series", "error")
+    assert served.until(lambda: sum(1 for _, m in served.messages if m["type"] == "sample") == 4)
+    daemon.drain_rings()
+    assert len(daemon.streams.request_ring) == 4
+
+
+def test_a_held_sample_goes_in_before_its_p99_window_closes(daemon, monkeypatch):
+    """Between drains, a tick that would close the window of a sample held
+    for the next drain hands it to the detector first: none is late."""
+    monkeypatch.setattr(daemon, "_drain_due", lambda: False)
+    served = serve_daemon(daemon)
+    c = connect(daemon.config.socket)
+    served.send(c, sample())
+    assert served.until(lambda: any(m["type"] == "sample" for _, m in served.messages))
+    assert len(daemon.streams.request_ring) == 0
+    window_ns = daemon.p99.window_ns
+    daemon.tick(now_ns=time.monotonic_ns() + 2 * window_ns)     # its window closes now
+    assert len(daemon.streams.request_ring) == 1
+    assert not any(daemon.p99.late.values())

@@ -252,8 +252,10 @@ class Daemon:
             self._drain()
 
     def _drain(self):
+        """The rings, and the request latencies dispatchers sent since."""
         if self.probes.ingest is not None:
             self._since_trim += self.probes.ingest.drain()
+        self.messages.flush_requests()
         self._drained_at = time.monotonic()
 
     def _drain_due(self) -> bool:
@@ -289,7 +291,10 @@ class Daemon:
             self._trim_heap()
         elif self._since_trim >= TRIM_AFTER_RECORDS and time.monotonic() >= self._next_trim:
             self._trim_if_grown()
-        self.alarms.act(self.p99.advance(now_ns - int(self.config.p99.window_s * 1e9 / 4)))
+        closing = now_ns - int(self.config.p99.window_s * 1e9 / 4)
+        # Request latencies held for the next drain go in before their window closes.
+        self.messages.flush_requests(before_ns=closing // self.p99.window_ns * self.p99.window_ns)
+        self.alarms.act(self.p99.advance(closing))
         self.alarms.act(self.streams.failures.tick(now_ns))
         self.alarms.act(self.streams.launchers.tick(now_ns))
         self.alarms.act(self.streams.memory.tick(now_ns, self.probes.loaded))
