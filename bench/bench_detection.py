@@ -14,10 +14,12 @@ with fsync) and a sidecar that wakes every 50 ms for 2 ms of work. With
 SCHED_IDLE, as batch work is kept beside latency-critical services (cpu.idle
 cgroups do the same): the host is busy, its CPUs full, and the launchers
 still wait little, a healthy host. With `--background nice` they run at nice
-10 and 5 as ordinary tasks. Every job runs in the bench's own session: with
-autogroup on, a job in a session of its own would be weighed as a group
-of its own, whatever its policy or niceness (see Background._job). One incident at a time goes to one launcher, for 8-15 s, with
-10-25 s of quiet between:
+10 and 5 as ordinary tasks: a busier host, whose launchers wait more
+(not measured since the jobs left their own sessions). Every job runs in
+the bench's own session: with autogroup on, a job in a session of its own
+would be weighed as a group of its own, whatever its policy or niceness
+(see Background._job). One incident at a time goes to one launcher, for
+8-15 s, with 10-25 s of quiet between:
 - cpu_starved: 2-4 processes spinning on its CPU at its niceness;
 - host_bound: 3-8 ms of host work a step;
 - bus_bound: a 4-16 MB synchronous copy a step (1 GB/s simulated link);
@@ -371,6 +373,11 @@ def score(schedule, workers, alarms, args) -> dict:
         "host_load_1m": {"median": round(statistics.median(alarms.load), 2),
                          "max": round(max(alarms.load), 2)} if alarms.load else None,
         "confusion": {k: dict(v) for k, v in sorted(confusion.items())},
+        # Each launcher's runnable share as polled (s since the first poll,
+        # share): the alarm's rules can be replayed on it offline.
+        "shares_polled": {w.name: [(round((t - alarms.shares[0][0]) / 1e9, 2), x)
+                                   for t, pid, x in alarms.shares if pid == w.pid]
+                          for w in workers} if alarms.shares else {},
         "goals": GOALS,
     }
 

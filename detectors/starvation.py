@@ -30,8 +30,12 @@ virtual machine (the CPU's wake from idle, its softirqs and kworkers
 first), and 20-25 % in some seconds beside a compile job and disk
 writes. A fixed level under that (`starved_share`, which makes the
 verdict in explain) fired every few minutes on such a host while it was
-busy. `consecutive` starved windows in a row fire; `clear_windows`
-windows that are not resolve. A window in which the threads lived less
+busy. `consecutive` starved windows in a row fire (3 by default, as the
+other detectors count: in two 30-minute runs of bench_detection, each
+with one false alarm at two windows, the one listed was a quiet launcher
+at 41 % beside nice-0 disk writes, while hogs starved the launchers
+50-70 % for as long as they ran); `clear_windows` windows that are not
+resolve. A window in which the threads lived less
 than half the time is neutral.
 
 The other parts are watched by the same rule without a level: a rise past
@@ -72,7 +76,7 @@ WATCHED = {"runnable": ("starvation", "cpu_starved"),
 
 class Starvation:
     def __init__(self, window_s: float = 1.0, level: float | None = 0.5,
-                 rise_factor: float = 1.5, rise_share: float = 0.1, consecutive: int = 2,
+                 rise_factor: float = 1.5, rise_share: float = 0.1, consecutive: int = 3,
                  clear_windows: int = 3, baseline_windows: int = 60,
                  baseline_cap: float = 0.35, max_processes: int = 4096,
                  state: str = "runnable", noise_quantile: float | None = None):

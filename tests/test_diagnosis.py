@@ -244,7 +244,8 @@ def test_a_busy_hosts_usual_waiting_is_no_alarm_but_half_the_time_always_is():
     assert busy.baseline(1) == pytest.approx(0.2 + 0.15 * 2 / 4)
     assert busy.threshold(1) == pytest.approx(min(0.5, busy.baseline(1) * 1.5))
     assert busy.observe(60 * S, {1: (0.42, 1.0, "x")}) == []
-    (fired,) = busy.observe(61 * S, {1: (0.42, 1.0, "x")})
+    assert busy.observe(61 * S, {1: (0.42, 1.0, "x")}) == []      # three windows in a row fire
+    (fired,) = busy.observe(62 * S, {1: (0.42, 1.0, "x")})
     assert fired["state"] == "firing" and fired["evidence"]["threshold"] == 0.4125
     # The daemon's watch (noise_quantile 0.9): a second in ten of this
     # launcher waits 35 %, so its threshold stays rise_share above that.
@@ -255,11 +256,13 @@ def test_a_busy_hosts_usual_waiting_is_no_alarm_but_half_the_time_always_is():
     assert noisy.observe(60 * S, {1: (0.42, 1.0, "x")}) == []
     assert noisy.observe(61 * S, {1: (0.42, 1.0, "x")}) == []
     assert noisy.observe(62 * S, {1: (0.46, 1.0, "x")}) == []
-    (fired,) = noisy.observe(63 * S, {1: (0.46, 1.0, "x")})
+    assert noisy.observe(63 * S, {1: (0.46, 1.0, "x")}) == []
+    (fired,) = noisy.observe(64 * S, {1: (0.46, 1.0, "x")})
     assert fired["evidence"]["threshold"] == 0.45
     fresh_host = Starvation()
     assert fresh_host.observe(0, {2: (0.6, 1.0, "y")}) == []
-    (starved,) = fresh_host.observe(S, {2: (0.6, 1.0, "y")})
+    assert fresh_host.observe(S, {2: (0.6, 1.0, "y")}) == []
+    (starved,) = fresh_host.observe(2 * S, {2: (0.6, 1.0, "y")})
     assert starved["evidence"]["threshold"] == 0.5 and starved["evidence"]["baseline"] is None
 
 
@@ -271,7 +274,8 @@ def test_a_launchers_own_noise_is_no_alarm_and_the_daemon_watches_with_it():
     quiet there, and three hogs (half its time waiting) still fire it."""
     seconds = (0.10, 0.12, 0.13, 0.14, 0.15, 0.15, 0.16, 0.18, 0.22, 0.24)
     shares = [seconds[(w * 7) % 10] for w in range(60)]      # median 0.15, p90 0.222
-    plain, noisy = Starvation(), Starvation(noise_quantile=0.9)
+    # Two windows in a row fired then (the default is three now).
+    plain, noisy = Starvation(consecutive=2), Starvation(noise_quantile=0.9, consecutive=2)
     for w, share in enumerate(shares):
         plain.observe(w * S, {1: (share, 1.0, "x")})
         noisy.observe(w * S, {1: (share, 1.0, "x")})
@@ -284,6 +288,7 @@ def test_a_launchers_own_noise_is_no_alarm_and_the_daemon_watches_with_it():
     hogs = [a for w in (62, 63) for a in noisy.observe(w * S, {1: (0.48, 1.0, "x")})]
     assert [a["state"] for a in hogs] == ["firing"]
     assert Starvation.of(DiagnosisSettings()).noise_quantile == 0.9
+    assert Starvation.of(DiagnosisSettings()).consecutive == 3
     assert Starvation.of(DiagnosisSettings(), state="on_cpu").noise_quantile is None
 
 

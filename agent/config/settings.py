@@ -211,7 +211,7 @@ class DiagnosisSettings:
     min_reference_s: float = _seconds(3.0, 3600.0, low=0.1)  # shorter: no reference
     reference_s: float = _seconds(10.0, 86400.0, low=0.1)    # the stretch before a window
     window_s: float = _seconds(1.0, 60.0, low=0.1)          # the live detector's window
-    consecutive: int = _count(2, 1000)                      # starved windows in a row fire
+    consecutive: int = _count(3, 1000)                      # starved windows in a row fire
     clear_windows: int = _count(3, 1000)                    # windows without resolve
     baseline_windows: int = _count(60, 3600)                # the baseline: their median...
     baseline_cap: float = _setting(0.35, Number(0.0, 1.0))  # ...never above this share
