@@ -166,13 +166,6 @@ def retire_series(series_id, aligned: np.ndarray) -> Series:
     return Series(ids, ts, latency, subs["tid"].astype(np.int64))
 
 
-def _api_code_keys(events: np.ndarray) -> np.ndarray:
-    """One int64 a call for its (API id, return code): the id above the
-    code's 32 bits, so that np.unique of one column groups both."""
-    return (events["api"].astype(np.int64) << 32) | (events["ret"].astype(np.int64)
-                                                     & 0xFFFFFFFF)
-
-
 def failure_calls(device_events: np.ndarray, infos: dict):
     """What detectors/call_failures.py takes of device events: (pid, ts_ns,
     failed, api name, error text, pair key) per call, the names and texts
@@ -183,7 +176,7 @@ def failure_calls(device_events: np.ndarray, infos: dict):
     failed = device_stream.failed(device_events)
     names = np.empty(len(device_events), object)      # None where the call did not fail
     errors = np.empty(len(device_events), object)
-    keys = _api_code_keys(device_events)
+    keys = device_stream.api_code_keys(device_events["api"], device_events["ret"])
     at = np.flatnonzero(failed)
     if len(at):
         # The columns, not the rows: a structured row copy goes field by field.

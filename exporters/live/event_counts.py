@@ -124,10 +124,8 @@ class EventCounts:
             aligned, api = aligned[known], api[known]
         failed = device_stream.failed(aligned)
         if failed.any():
-            # (API, code) pairs as one int64 each: np.unique of rows (axis=0)
-            # sorts them as structured records, several times slower.
             codes = aligned["ret"][failed]
-            keys = (api[failed] << 32) | (codes.astype(np.int64) & 0xFFFFFFFF)
+            keys = device_stream.api_code_keys(api[failed], codes)
             _, first, calls = np.unique(keys, return_index=True, return_counts=True)
             pairs = zip(api[failed][first].tolist(), codes[first].tolist(), calls.tolist())
             with self._lock:

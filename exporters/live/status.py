@@ -123,17 +123,13 @@ def _failures(bad: np.ndarray, infos: dict) -> list[dict]:
     """A process's failed calls per (API, code), most first."""
     if not len(bad):
         return []
-    # One int64 key a call, the API above its code (offset by 2^31 so that
-    # the keys sort as (api, signed code) did): a unique over one column of
-    # words, where a unique over (api, code) rows viewed them as records and
-    # sorted those, about ten times slower.
-    keys, calls = np.unique(bad["api"].astype(np.int64) << 32
-                            | (bad["ret"].astype(np.int64) + (1 << 31)), return_counts=True)
-    out = [{"api": infos[a].api if a in infos else str(a),
-            "error": device_stream.error_text(infos.get(a), code), "count": int(n)}
-           for a, code, n in zip((keys >> 32).tolist(),
-                                 ((keys & 0xFFFFFFFF) - (1 << 31)).tolist(), calls.tolist())]
-    return sorted(out, key=lambda f: -f["count"])
+    _, first, calls = np.unique(device_stream.api_code_keys(bad["api"], bad["ret"]),
+                                return_index=True, return_counts=True)
+    pairs = sorted(zip(calls.tolist(), bad["api"][first].tolist(), bad["ret"][first].tolist()),
+                   key=lambda p: (-p[0], p[1], p[2]))      # most first, then by API and code
+    return [{"api": infos[a].api if a in infos else str(a),
+             "error": device_stream.error_text(infos.get(a), code), "count": int(n)}
+            for n, a, code in pairs]
 
 
 def _p99(values: np.ndarray, unit: float) -> float | None:
