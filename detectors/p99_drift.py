@@ -310,6 +310,11 @@ class P99Drift:
             emitted += self._close_until(target)
         return emitted
 
+    def open_from(self, now_ns: int) -> int:
+        """The start of the first window advance(now_ns) leaves open: an
+        event stamped before it is late once that advance has run."""
+        return int(now_ns) // self.window_ns * self.window_ns
+
     def advance(self, now_ns: int) -> list[dict]:
         """Close every window that ended at or before ``now_ns``."""
         target = int(now_ns) // self.window_ns

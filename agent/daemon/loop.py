@@ -293,7 +293,7 @@ class Daemon:
             self._trim_if_grown()
         closing = now_ns - int(self.config.p99.window_s * 1e9 / 4)
         # Request latencies held for the next drain go in before their window closes.
-        self.messages.flush_requests(before_ns=closing // self.p99.window_ns * self.p99.window_ns)
+        self.messages.flush_requests(before_ns=self.p99.open_from(closing))
         self.alarms.act(self.p99.advance(closing))
         self.alarms.act(self.streams.failures.tick(now_ns))
         self.alarms.act(self.streams.launchers.tick(now_ns))
