@@ -223,6 +223,10 @@ class PackedRing:
                 records[field][seqs[inside] - block.first_seq] = values
         return records[max(0, self.start - block.first_seq):]
 
+    def _hot_held(self) -> np.ndarray:
+        """The hot block's records still held (a view: written over later)."""
+        return self._hot[max(0, self.start - self._hot_first_seq):self._hot_count]
+
     def _low(self, since_ns: int | None) -> int:
         low = self._newest_ns - self.max_age_ns
         return low if since_ns is None else max(low, since_ns)
@@ -250,7 +254,7 @@ class PackedRing:
             part = part[part["ts_ns"].astype(np.int64) >= low]
             if len(part):
                 yield part
-        hot = self._hot[max(0, self.start - self._hot_first_seq):self._hot_count]
+        hot = self._hot_held()
         part = extract(hot[hot["ts_ns"].astype(np.int64) >= low])
         if len(part):
             yield part
@@ -263,7 +267,7 @@ class PackedRing:
             return
         low = self._low(since_ns)
         blocks = [b for b in self._blocks if b.last_ns >= low]
-        hot = self._hot[max(0, self.start - self._hot_first_seq):self._hot_count].copy()
+        hot = self._hot_held().copy()
         for records in itertools.chain(map(self._unpack, blocks), [hot]):   # one block at a time
             records = records[records["ts_ns"].astype(np.int64) >= low]
             if len(records):
