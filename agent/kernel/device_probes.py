@@ -45,6 +45,10 @@ from mmtrace.agent.kernel.retired_files import RetiredFiles
 log = logging.getLogger(__name__)
 
 REWRITE_CHECK_S = 2.0       # how often libraries are checked for in-place rewrites
+# The tracepoints that tell discovery a process's mapped files changed,
+# and their programs (bpf/device.h).
+PROCESS_CHANGE_TRACEPOINTS = (("syscalls:sys_enter_mmap", "process_mapping"),
+                              ("syscalls:sys_exit_mmap", "process_mapped"))
 
 
 class DeviceProbes:
@@ -283,6 +287,17 @@ class DeviceProbes:
             marks[marks.Key(pid)] = read
         return mark
 
+    def load_program(self, fn_name: str):
+        """Load the program `fn_name` as attaching it would (a tracepoint's
+        of process_changes, or a probe's), so that bcc's module can go
+        before anything is attached (agent/kernel/compiled_module.py)."""
+        from bcc import BPF
+        if fn_name in dict(PROCESS_CHANGE_TRACEPOINTS).values():
+            self.bpf.load_func(fn_name.encode(), BPF.TRACEPOINT)
+            return
+        session = any(api.per_launch and api.session_fn == fn_name for api in self.table.apis)
+        self.attacher.load(fn_name, session=session)
+
     def process_changes(self):
         """Turn on the kernel's list of the processes whose mapped files may
         have changed (bpf/device.h: exec, fork, a file mapped executable,
@@ -298,8 +313,7 @@ class DeviceProbes:
             return self._changes_taken          # one list, one taker
         attached = []
         try:
-            for tp, fn in (("syscalls:sys_enter_mmap", "process_mapping"),
-                           ("syscalls:sys_exit_mmap", "process_mapped")):
+            for tp, fn in PROCESS_CHANGE_TRACEPOINTS:
                 self.bpf.attach_tracepoint(tp=tp, fn_name=fn)
                 attached.append(tp)
         except Exception as exc:    # bcc raises bare Exception when a tracepoint is missing

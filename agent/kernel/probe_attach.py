@@ -51,6 +51,16 @@ class ProbeAttacher:
     def __init__(self, bpf, mode: str, sessions: bool = False):
         self.bpf, self.mode, self.sessions = bpf, mode, sessions
 
+    def load(self, fn_name: str, session: bool = False):
+        """The program `fn_name`, loaded as this mode attaches it (bcc keeps
+        it by name: a second ask returns the first load)."""
+        from bcc import BPF
+        if self.mode == MULTI:
+            return self.bpf.load_func(fn_name.encode(), BPF.KPROBE,
+                                      attach_type=BPF_TRACE_UPROBE_SESSION if session
+                                      else BPF_TRACE_UPROBE_MULTI)
+        return self.bpf.load_func(fn_name.encode(), BPF.KPROBE)
+
     def _session(self, probe: Probe) -> bool:
         return self.sessions and probe.api.per_launch and probe.point != RETURN
 
@@ -82,7 +92,6 @@ class ProbeAttacher:
                 probe.state, probe.reason = DETACHED, reason
 
     def _attach_multi(self, probes: list[Probe]):
-        from bcc import BPF
         groups: dict[tuple, list[Probe]] = {}
         for p in probes:
             groups.setdefault((id(p.library), self._multi_fn(p), p.point, p.api.per_launch),
@@ -91,9 +100,7 @@ class ProbeAttacher:
             first = group[0]
             fn_name = self._multi_fn(first)
             try:
-                fn = self.bpf.load_func(fn_name.encode(), BPF.KPROBE,
-                                        attach_type=BPF_TRACE_UPROBE_SESSION
-                                        if self._session(first) else BPF_TRACE_UPROBE_MULTI)
+                fn = self.load(fn_name, session=self._session(first))
             except Exception as exc:    # bcc's bare Exception: the program did not load
                 log.warning("program %s for %d symbols of %s not loaded: %s", fn_name,
                             len(group), first.library.path, exc)
@@ -128,10 +135,9 @@ class ProbeAttacher:
             p.attachment, p.state, p.reason = link, ATTACHED, ""
 
     def _attach_single(self, probe: Probe):
-        from bcc import BPF
         if probe.api.pattern is not None:
             try:
-                fn = self.bpf.load_func(probe.single_fn.encode(), BPF.KPROBE)
+                fn = self.load(probe.single_fn)
                 probe.attachment = CookieLink(fn.fd, probe.library.attach_path, probe.offset,
                                               probe.cookie, retprobe=probe.point == RETURN)
                 probe.state, probe.reason = ATTACHED, ""

@@ -19,7 +19,7 @@ from mmtrace.bpf import device as device_stream
 from mmtrace.bpf import sched as sched_stream
 
 from mmtrace.agent.discovery.elf_cache import ElfCache
-from mmtrace.agent.kernel import compiler_memory
+from mmtrace.agent.kernel import compiled_module, compiler_memory
 
 from mmtrace.agent.kernel import compiler_output
 from mmtrace.agent.kernel.concurrent_close import close_all
@@ -180,6 +180,8 @@ class LoadedProbes:
     # The parsed files this session's addresses are named from: the device
     # probes forget each file they release (exited_process_resolver reads it).
     elf_cache: ElfCache = field(default_factory=ElfCache)
+    # The programs' tables' own descriptors (compiled_module.own_tables).
+    owned_fds: list[int] = field(default_factory=list)
 
     def read(self) -> dict[str, np.ndarray]:
         """One batch from every ring; streams with nothing new are left out."""
@@ -237,9 +239,10 @@ class LoadedProbes:
         """Compile and load the GPU/NPU programs on the scheduler's maps (in
         any thread: the CPU stream drains meanwhile); load_device wires them."""
         if self.split and self.device_program is None:
-            self.device_program = _compile(
-                device_text(self.options),
-                cflags(self.options) + ["-DMMTRACE_SHARED_EXTERN"])
+            program = _compile(device_text(self.options),
+                               cflags(self.options) + ["-DMMTRACE_SHARED_EXTERN"])
+            self.owned_fds += compiled_module.own_tables(program)
+            self.device_program = program
             compiler_memory.release()
 
     def load_device(self):
@@ -262,6 +265,11 @@ class LoadedProbes:
                                        elf_cache=self.elf_cache)
         except LayoutMismatch as exc:
             raise MmtraceError(str(exc)) from None
+        if self.split:
+            compiled_module.drop_module(program.sched, _autoloaded)
+            compiled_module.drop_module(program.device, self.device.load_program)
+        else:
+            compiled_module.drop_module(program, self.device.load_program)
 
     def close(self):
         if self.device is not None:
@@ -278,6 +286,7 @@ class LoadedProbes:
                        for tp in list(self.bpf.tracepoint_fds)], "tracepoint")
             self.bpf.cleanup()
             self.bpf = None
+        compiled_module.close_owned(self.owned_fds)
 
 
 def program_text(options: ProbeOptions) -> str:
@@ -491,6 +500,7 @@ def load_cpu(options: ProbeOptions | None = None, *,
         compiler_memory.release()      # compiling is done: its leftovers go
     probes = LoadedProbes(bpf=program, options=options, split=split)
     try:
+        probes.owned_fds += compiled_module.own_tables(program)
         check_layout("runq_event", sched_stream.RUNQ_EVENT,
                      program[sched_stream.LAYOUT_MAP].Leaf)
         if len(program["counters"]) != len(bpf_counters.COUNTER_NAMES):
@@ -502,6 +512,8 @@ def load_cpu(options: ProbeOptions | None = None, *,
         size = pages * 4096 if ring.max_entries == 0 else ring.max_entries
         probes.rings.append(StreamRing(
             "cpu", RingReader(ring.map_fd, size, sched_stream.RUNQ_EVENT)))
+        if not options.device:
+            compiled_module.drop_module(program, _autoloaded)
     except LayoutMismatch as exc:
         probes.close()
         raise MmtraceError(str(exc)) from None
@@ -509,6 +521,12 @@ def load_cpu(options: ProbeOptions | None = None, *,
         probes.close()
         raise
     return probes
+
+
+def _autoloaded(fn_name: str):
+    """The scheduler's programs are all tracepoint__ ones, which bcc loads
+    and attaches as it compiles them: any other keeps the module."""
+    raise KeyError(f"{fn_name}: a scheduler program bcc did not load")
 
 
 def _compile(text: str, flags: list[str]):
