@@ -13,6 +13,13 @@ MEMCPY_FIELDS = frozenset({STREAM, BYTES, DIRECTION})
 ALLOC_FIELDS = frozenset({HANDLE, STREAM, BYTES})   # handle: the device pointer
 
 
+# The launch decoders that read the caller's return address and the outer
+# caller (bpf/cuda.c: launch_args.outer = 1). Only their call sites teach
+# the kernel's table of known sites, and only their compact launches take
+# the outer caller from a whole record of their site.
+CALLER_DECODERS = frozenset({"launch_runtime", "launch_runtime_ex"})
+
+
 @dataclass(frozen=True)
 class Api:
     """One probed symbol (or, for `pattern`, a family of symbols)."""
@@ -50,6 +57,10 @@ class Api:
     @property
     def multi_return_fn(self) -> str | None:
         return f"mr_{self.return_impl}" if self.return_impl else None
+
+    @property
+    def reads_callers(self) -> bool:
+        return self.entry_impl in CALLER_DECODERS
 
     @property
     def session_fn(self) -> str:

@@ -40,13 +40,25 @@ class LaunchFacts:
     """What compact launches leave to earlier records: each process's latest
     op id, and each call site's outer caller."""
 
-    def __init__(self, max_processes: int = MAX_PROCESSES, max_sites: int = MAX_CALL_SITES):
+    def __init__(self, max_processes: int = MAX_PROCESSES, max_sites: int = MAX_CALL_SITES,
+                 table: device_stream.ApiTable | None = None):
         self.max_processes = max_processes
         self.max_sites = max_sites
+        # By API id: its launches' sites are the ones compact launches name.
+        # Others carry a return address too when their return is timed (an
+        # aclnn op's, whose handle is an executor made for each call): kept,
+        # they filled the table with sites no compact launch asks for.
+        self._site_apis = np.zeros(1 << 16, bool)
+        self._site_apis[[api.id for api in (table or device_stream.default_table()).apis
+                         if api.reads_callers]] = True
         self._op: dict[int, int] = {}               # pid -> latest op id
         self._sites: dict[tuple, int] = {}          # (pid, handle, return_ip) -> outer caller
         self._by_handle: dict[int, tuple] = {}      # handle -> its latest (pid, return_ip, outer)
         self.counters: Counter[str] = Counter()
+
+    @property
+    def known_sites(self) -> int:
+        return len(self._sites)
 
     def learn(self, events: np.ndarray):
         """DEV_EVENT records read whole: their op ids and launch call sites.
@@ -58,7 +70,8 @@ class LaunchFacts:
         submitted = np.flatnonzero(ops)
         if submitted.size:
             self._note_ops(events["pid"][submitted], ops[submitted].astype(np.int64))
-        at = np.flatnonzero((events["kind"] == LAUNCH) & (events["return_ip"] != 0))
+        at = np.flatnonzero((events["kind"] == LAUNCH) & (events["return_ip"] != 0) &
+                            self._site_apis[events["api"]])
         if not at.size:
             return
         pids, handles, rets = events["pid"][at], events["handle"][at], events["return_ip"][at]
