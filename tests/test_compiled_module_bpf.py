@@ -82,14 +82,16 @@ def test_owned_descriptors_are_closed_once(program):
 
 def test_the_daemons_split_load_drops_both_modules_and_closes_what_it_owned():
     """The daemon's way: the scheduler program alone, the GPU/NPU programs
-    compiled after it on its exported maps (one split load per process, so
-    in a process of its own)."""
+    compiled after it on its exported maps (found through the scheduler's
+    module, dropped once they are wired); one split load per process, so in
+    a process of its own."""
     script = textwrap.dedent("""
         import os
         from mmtrace.agent.kernel import probes
         loaded = probes.load_cpu(probes.ProbeOptions(), compile_apart=True)
-        assert loaded.bpf.module, "the scheduler's module goes only with the device's"
+        assert loaded.bpf.module, "kept: the GPU/NPU programs find its exported maps through it"
         loaded.compile_device()
+        assert not loaded.device_program.module and loaded.bpf.module
         loaded.load_device()
         assert not loaded.bpf.sched.module and not loaded.bpf.device.module
         assert loaded.counters()

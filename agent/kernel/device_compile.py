@@ -46,4 +46,6 @@ class DeviceCompile:
                 self.loaded.load_device()
             except MmtraceError as exc:
                 self.error = exc
+        else:
+            self.loaded.drop_scheduler_module()
         return self.error

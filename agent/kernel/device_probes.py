@@ -26,6 +26,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 from mmtrace.bpf import counters as bpf_counters
 from mmtrace.bpf import device as device_stream
@@ -49,6 +50,26 @@ REWRITE_CHECK_S = 2.0       # how often libraries are checked for in-place rewri
 # and their programs (bpf/device.h).
 PROCESS_CHANGE_TRACEPOINTS = (("syscalls:sys_enter_mmap", "process_mapping"),
                               ("syscalls:sys_exit_mmap", "process_mapped"))
+
+
+def program_loader(bpf, mode: str, sessions: bool,
+                   table: device_stream.ApiTable | None = None) -> Callable[[str], None]:
+    """Loads a GPU/NPU program by name as attaching it will (a process-change
+    tracepoint's, or a probe's through ProbeAttacher.load: bcc keeps the
+    first load by name), so that bcc's module can go before anything is
+    attached (agent/kernel/compiled_module.py)."""
+    from bcc import BPF
+    attacher = ProbeAttacher(bpf, mode, sessions)
+    session_fns = {api.session_fn for api in (table or device_stream.default_table()).apis
+                   if api.per_launch}
+    tracepoint_fns = {fn for _, fn in PROCESS_CHANGE_TRACEPOINTS}
+
+    def load(fn_name: str):
+        if fn_name in tracepoint_fns:
+            bpf.load_func(fn_name.encode(), BPF.TRACEPOINT)
+        else:
+            attacher.load(fn_name, session=fn_name in session_fns)
+    return load
 
 
 class DeviceProbes:
@@ -286,17 +307,6 @@ class DeviceProbes:
         def mark(pid: int):
             marks[marks.Key(pid)] = read
         return mark
-
-    def load_program(self, fn_name: str):
-        """Load the program `fn_name` as attaching it would (a tracepoint's
-        of process_changes, or a probe's), so that bcc's module can go
-        before anything is attached (agent/kernel/compiled_module.py)."""
-        from bcc import BPF
-        if fn_name in dict(PROCESS_CHANGE_TRACEPOINTS).values():
-            self.bpf.load_func(fn_name.encode(), BPF.TRACEPOINT)
-            return
-        session = any(api.per_launch and api.session_fn == fn_name for api in self.table.apis)
-        self.attacher.load(fn_name, session=session)
 
     def process_changes(self):
         """Turn on the kernel's list of the processes whose mapped files may

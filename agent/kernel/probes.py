@@ -241,7 +241,12 @@ class LoadedProbes:
         if self.split and self.device_program is None:
             program = _compile(device_text(self.options),
                                cflags(self.options) + ["-DMMTRACE_SHARED_EXTERN"])
-            self.owned_fds += compiled_module.own_tables(program)
+            try:
+                self.owned_fds += compiled_module.own_tables(program)
+                compiled_module.drop_module(program, _device_loader(program, self.options))
+            except BaseException:
+                program.cleanup()           # its autoloaded tracepoints go with it
+                raise
             self.device_program = program
             compiler_memory.release()
 
@@ -250,12 +255,12 @@ class LoadedProbes:
         them per library. Compiles them first where compile_device did not."""
         if not self.device_pending:
             return
-        self.compile_device()
-        if self.split:
-            self.bpf = Programs(self.bpf, self.device_program)
-            self.device_program = None
-        program = self.bpf
         try:
+            self.compile_device()
+            if self.split:
+                self.bpf = Programs(self.bpf, self.device_program)
+                self.device_program = None
+            program = self.bpf
             self.rings.append(_device_ring(program, self.options))
             from mmtrace.agent.kernel.device_probes import DeviceProbes
             self.device = DeviceProbes(program.device if self.split else program,
@@ -265,11 +270,14 @@ class LoadedProbes:
                                        elf_cache=self.elf_cache)
         except LayoutMismatch as exc:
             raise MmtraceError(str(exc)) from None
-        if self.split:
-            compiled_module.drop_module(program.sched, _autoloaded)
-            compiled_module.drop_module(program.device, self.device.load_program)
-        else:
-            compiled_module.drop_module(program, self.device.load_program)
+        finally:
+            self.drop_scheduler_module()
+
+    def drop_scheduler_module(self):
+        """The scheduler's bcc module, kept for the GPU/NPU programs compiled
+        apart, goes once they are wired or cannot be."""
+        if self.split and self.bpf is not None:
+            compiled_module.drop_module(getattr(self.bpf, "sched", self.bpf), _autoloaded)
 
     def close(self):
         if self.device is not None:
@@ -512,8 +520,12 @@ def load_cpu(options: ProbeOptions | None = None, *,
         size = pages * 4096 if ring.max_entries == 0 else ring.max_entries
         probes.rings.append(StreamRing(
             "cpu", RingReader(ring.map_fd, size, sched_stream.RUNQ_EVENT)))
-        if not options.device:
-            compiled_module.drop_module(program, _autoloaded)
+        # Every program loaded, bcc's module goes; but the GPU/NPU programs
+        # compiled apart find the maps the scheduler's exports through it
+        # (without it, they do not load): then it goes once they are in.
+        if not split:
+            compiled_module.drop_module(program, _device_loader(program, options)
+                                        if options.device else _autoloaded)
     except LayoutMismatch as exc:
         probes.close()
         raise MmtraceError(str(exc)) from None
@@ -521,6 +533,11 @@ def load_cpu(options: ProbeOptions | None = None, *,
         probes.close()
         raise
     return probes
+
+
+def _device_loader(program, options: ProbeOptions):
+    from mmtrace.agent.kernel.device_probes import program_loader
+    return program_loader(program, attach_mode(options), launch_sessions(options))
 
 
 def _autoloaded(fn_name: str):
