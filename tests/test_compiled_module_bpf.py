@@ -115,3 +115,26 @@ def test_the_daemons_split_load_drops_both_modules_and_closes_what_it_owned():
                           timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("ok ")
+
+
+def test_a_table_that_cannot_be_held_is_said_and_leaves_no_descriptor(monkeypatch):
+    import errno
+    from bcc import BPF
+    from mmtrace.agent.errors import MmtraceError
+    bpf = BPF(text=PROGRAM + "BPF_HASH(second, u32, u64);")
+    made, real_dup = [], os.dup
+
+    def dup_once(fd):
+        if made:
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        made.append(real_dup(fd))
+        return made[-1]
+    monkeypatch.setattr(compiled_module.os, "dup", dup_once)
+    try:
+        with pytest.raises(MmtraceError, match=r"the eBPF map \w+ could not be held: Too many "
+                                               r"open files .*RLIMIT_NOFILE"):
+            compiled_module.own_tables(bpf)
+        with pytest.raises(OSError):
+            os.fstat(made[0])           # the one it held is closed again
+    finally:
+        bpf.cleanup()

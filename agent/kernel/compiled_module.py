@@ -23,6 +23,7 @@ import os
 from typing import Callable
 
 from mmtrace.agent import heap
+from mmtrace.agent.errors import os_failure
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,10 @@ def own_tables(program) -> list[int]:
     try:
         for name in table_names(program):
             table = program[name]
-            table.map_fd = os.dup(table.map_fd)
+            try:
+                table.map_fd = os.dup(table.map_fd)
+            except OSError as exc:
+                raise os_failure(f"the eBPF map {name} could not be held", exc) from None
             owned.append(table.map_fd)
             program.tables[name.encode()] = table    # bcc's own calls ask by bytes
     except BaseException:

@@ -23,7 +23,7 @@ from mmtrace.agent.kernel import compiled_module, compiler_memory
 
 from mmtrace.agent.kernel import compiler_output
 from mmtrace.agent.kernel.concurrent_close import close_all
-from mmtrace.agent.errors import MmtraceError
+from mmtrace.agent.errors import MmtraceError, os_failure
 from mmtrace.agent.kernel.layout import LayoutMismatch, check_layout
 from mmtrace.agent.kernel.privileges import can_load_bpf
 from mmtrace.agent.kernel.device_ring import DeviceRing
@@ -518,8 +518,11 @@ def load_cpu(options: ProbeOptions | None = None, *,
         _set_scope(program, options.pids)
         ring = program[sched_stream.RINGBUF]
         size = pages * 4096 if ring.max_entries == 0 else ring.max_entries
-        probes.rings.append(StreamRing(
-            "cpu", RingReader(ring.map_fd, size, sched_stream.RUNQ_EVENT)))
+        try:
+            reader = RingReader(ring.map_fd, size, sched_stream.RUNQ_EVENT)
+        except OSError as exc:
+            raise os_failure("the CPU stream's ring could not be mapped", exc) from None
+        probes.rings.append(StreamRing("cpu", reader))
         # Every program loaded, bcc's module goes; but the GPU/NPU programs
         # compiled apart find the maps the scheduler's exports through it
         # (without it, they do not load): then it goes once they are in.
@@ -578,7 +581,10 @@ def _device_ring(program, options: ProbeOptions) -> StreamRing:
                                     device_stream.DEV_LAUNCH)):
             ring = program[name]
             size = pages * 4096 if ring.max_entries == 0 else ring.max_entries
-            readers.append(RingReader(ring.map_fd, size, dtype))
+            try:
+                readers.append(RingReader(ring.map_fd, size, dtype))
+            except OSError as exc:
+                raise os_failure(f"the GPU/NPU ring {name} could not be mapped", exc) from None
     except BaseException:
         for reader in readers:          # the first mapped, the second refused
             reader.close()
