@@ -138,3 +138,31 @@ def test_a_table_that_cannot_be_held_is_said_and_leaves_no_descriptor(monkeypatc
             os.fstat(made[0])           # the one it held is closed again
     finally:
         bpf.cleanup()
+
+
+def test_programs_that_cannot_be_readied_for_want_of_descriptors_say_so_and_free_the_module():
+    """DeviceCompile's thread: an OSError (EMFILE, while compiling or holding
+    the tables) becomes one line naming the limit; the scheduler's module,
+    kept for the GPU/NPU programs, goes since they will not come."""
+    import errno
+    from mmtrace.agent.kernel.device_compile import DeviceCompile
+
+    class Loaded:
+        dropped = 0
+
+        def compile_device(self):
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+        def load_device(self):
+            raise AssertionError("not wired after a failed compile")
+
+        def drop_scheduler_module(self):
+            self.dropped += 1
+
+    loaded = Loaded()
+    compiling = DeviceCompile(loaded)
+    compiling.thread.join(10)
+    error = compiling.finish()
+    assert "the GPU/NPU programs could not be readied: Too many open files" in str(error)
+    assert "RLIMIT_NOFILE" in str(error)
+    assert loaded.dropped == 1

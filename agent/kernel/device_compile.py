@@ -3,7 +3,7 @@ state that says so when they do not compile or load."""
 
 import threading
 
-from mmtrace.agent.errors import MmtraceError
+from mmtrace.agent.errors import MmtraceError, os_failure
 
 DEVICE_PROGRAMS = "gpu_npu_programs"
 
@@ -28,6 +28,8 @@ class DeviceCompile:
     def _run(self):
         try:
             self.loaded.compile_device()
+        except OSError as exc:          # out of descriptors, most likely: said with the limit
+            self.error = os_failure("the GPU/NPU programs could not be readied", exc)
         except Exception as exc:        # told by the loop, which goes on with the CPU
             self.error = exc
 
