@@ -48,9 +48,8 @@ class LaunchFacts:
         # Others carry a return address too when their return is timed (an
         # aclnn op's, whose handle is an executor made for each call): kept,
         # they filled the table with sites no compact launch asks for.
-        self._site_apis = np.zeros(1 << 16, bool)
-        self._site_apis[[api.id for api in (table or device_stream.default_table()).apis
-                         if api.reads_callers]] = True
+        self._site_apis = device_stream.id_table(
+            api.id for api in (table or device_stream.default_table()).apis if api.reads_callers)
         self._op: dict[int, int] = {}               # pid -> latest op id
         self._sites: dict[tuple, int] = {}          # (pid, handle, return_ip) -> outer caller
         self._by_handle: dict[int, tuple] = {}      # handle -> its latest (pid, return_ip, outer)
@@ -71,7 +70,7 @@ class LaunchFacts:
         if submitted.size:
             self._note_ops(events["pid"][submitted], ops[submitted].astype(np.int64))
         at = np.flatnonzero((events["kind"] == LAUNCH) & (events["return_ip"] != 0) &
-                            self._site_apis[events["api"]])
+                            device_stream.in_table(events["api"], self._site_apis))
         if not at.size:
             return
         pids, handles, rets = events["pid"][at], events["handle"][at], events["return_ip"][at]
