@@ -17,8 +17,11 @@ class Context:
 
 
 def _open(path):
-    """The recording, opened for streaming (its warnings said once)."""
+    """The recording, opened for streaming (its warnings said once); the
+    process's malloc set to reuse one batch's blocks for the next."""
+    from mmtrace.agent import heap
     from mmtrace.agent.recording.file_format import RecordingError, RecordingReader
+    heap.reuse_freed_blocks()
     try:
         rec = RecordingReader(path)
     except RecordingError as exc:

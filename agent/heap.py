@@ -12,8 +12,10 @@ import ctypes.util
 import functools
 import os
 
+M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 256 * 1024
+MMAP_THRESHOLD_MAX = 32 * 1024 * 1024     # glibc's ceiling on 64-bit
 
 
 @functools.cache
@@ -30,6 +32,19 @@ def keep_large_blocks_mapped(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     """Fix malloc's mmap threshold (setting it also stops its adjustment)."""
     mallopt = getattr(libc(), "mallopt", None)
     return bool(mallopt is not None and mallopt(M_MMAP_THRESHOLD, threshold) == 1)
+
+
+def reuse_freed_blocks(keep_bytes: int = 2 * MMAP_THRESHOLD_MAX) -> bool:
+    """For a one-shot command that works through a file batch by batch
+    (report, export): serve batch-sized blocks from the heap and keep up to
+    `keep_bytes` of freed heap, so that each batch reuses the last one's
+    pages. With glibc's defaults every batch maps, faults in, zeroes and
+    unmaps its blocks afresh: a third of a JSON Lines export's CPU went
+    there (334 k page faults for a 228 MiB recording, against 18 k)."""
+    mallopt = getattr(libc(), "mallopt", None)
+    return bool(mallopt is not None
+                and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1
+                and mallopt(M_TRIM_THRESHOLD, keep_bytes) == 1)
 
 
 def trim() -> bool:

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from perfetto_slices import recording_slices
@@ -216,7 +216,16 @@ def test_a_submission_never_synced_is_handed_out_when_too_much_waits():
 big = st.integers(0, (1 << 64) - 1)
 
 
+# Every length's edges, in one column: the lengths are counted only over
+# the steps between a column's least and greatest value.
+EDGES = sorted({0, (1 << 64) - 1} | {e + d for k in range(1, 20) for e in (10 ** k, 1 << 7 * k)
+                                     for d in (-1, 0) if e + d < 1 << 64})
+
+
 @given(st.lists(big, min_size=1, max_size=50))
+@example(EDGES)
+@example([5, 5, 5])
+@example([10 ** 19])
 def test_batch_numbers_match_python(values):
     v = np.array(values, np.uint64)
     assert Rows(len(v)).varint(v).const(b";").bytes() == b"".join(
