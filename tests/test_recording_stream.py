@@ -29,7 +29,7 @@ from mmtrace.exporters.files import chrome
 from mmtrace.exporters.files import jsonl
 from mmtrace.exporters.files import perfetto, perfetto_device, perfetto_events
 from mmtrace.exporters.files.protowire import varint
-from mmtrace.exporters.files.rowtext import Rows
+from mmtrace.exporters.files.rowtext import Rows, split
 import peak_rss
 from synthetic_recording import write_synthetic
 from test_align import workloads
@@ -249,42 +249,6 @@ def runq_batches(draw):
     r["cpu"] = draw(st.lists(st.integers(0, 4096), min_size=n, max_size=n))
     r["comm"] = draw(st.lists(st.binary(max_size=16), min_size=n, max_size=n))
     return r
-
-
-class _Others:
-    """Rows of another stream as write_merged takes them (a DeviceRows'
-    len and batches)."""
-
-    def __init__(self, keys):
-        self.keys = keys
-
-    def __len__(self):
-        return len(self.keys)
-
-    def batches(self, size, start=0, stop=None):
-        stop = len(self) if stop is None else stop
-        for lo in range(start, stop, size):
-            yield lo, self.keys[lo:min(stop, lo + size)]
-
-
-def _lines(tag: bytes):
-    return lambda keys: Rows(len(keys), text=True).const(tag).decimal(keys).const(b"\n")
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 30), max_size=60), st.lists(st.integers(0, 30), max_size=60),
-       st.integers(1, 7))
-@example(list(range(0, 9000, 3)), list(range(5000)), 700)     # others over several batches
-@example([5, 5, 5], [5, 5, 4, 5, 6], 1)
-def test_merged_rows_come_in_key_order_records_first_on_ties(mine, theirs, batch):
-    from mmtrace.exporters.files.rowtext import write_merged
-    mine, theirs = np.sort(np.array(mine, np.uint64)), np.sort(np.array(theirs, np.uint64))
-    out = io.BytesIO()
-    write_merged(out, _lines(b"r"), mine, mine, _lines(b"o"), _Others(theirs), theirs,
-                 batch=batch)
-    expected = sorted([(k, 0, b"r%d\n" % k) for k in mine.tolist()]
-                      + [(k, 1, b"o%d\n" % k) for k in theirs.tolist()])
-    assert out.getvalue() == b"".join(line for _, _, line in expected)
 
 
 @settings(max_examples=200, deadline=None)
@@ -522,7 +486,7 @@ def test_device_packets_in_batch_are_the_per_slice_bytes(work, batch):
     assert perfetto_device.device_packets(rows) == one_by_one
     # Flows and copy totals carry across batches (a flow may end batches later).
     encoder = perfetto_device.DeviceEncoder()
-    assert [p for _, part in rows.batches(batch) for p in encoder.packets(part)] == one_by_one
+    assert [p for part in rows.batches(batch) for p in encoder.packets(part)] == one_by_one
 
 
 def reference_device_lines(rows) -> list[bytes]:
@@ -564,12 +528,6 @@ def reference_device_lines(rows) -> list[bytes]:
             f'"device":{null(int(e["device"]) if e["device"] >= 0 else None)},'
             f'"ret":{null(int(e["ret"]) if flags & 1 else None)}}}\n').encode())
     return out
-
-
-def split(rows: Rows) -> list[bytes]:
-    """Each row's bytes on its own."""
-    blob, ends = rows.bytes(), np.cumsum(rows.lengths()).tolist()
-    return [blob[s:e] for s, e in zip([0] + ends[:-1], ends)]
 
 
 @settings(max_examples=100, deadline=None)

@@ -60,13 +60,11 @@ class DeviceRows:
     def __len__(self):
         return len(self.events)
 
-    def batches(self, size: int, start: int = 0, stop: int | None = None):
-        """(offset, rows) of rows[start:stop], `size` at a time (an encoder's
-        memory follows its batch)."""
-        stop = len(self) if stop is None else min(stop, len(self))
-        for lo in range(start, stop, size):
-            hi = min(stop, lo + size)
-            yield lo, DeviceRows(self.events[lo:hi], self.stream[lo:hi], self.kind[lo:hi],
+    def batches(self, size: int):
+        """The rows `size` at a time (an encoder's memory follows its batch)."""
+        for lo in range(0, len(self), size):
+            hi = lo + size
+            yield DeviceRows(self.events[lo:hi], self.stream[lo:hi], self.kind[lo:hi],
                              self.api[lo:hi], self.op_name[lo:hi], self.direction[lo:hi],
                              self.fields[lo:hi], self.error[lo:hi])
 

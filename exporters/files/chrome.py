@@ -98,15 +98,17 @@ class ChromeWriter:
         runq, device = step.part("cpu.runq"), step.device_rows()
         if runq is not None:
             self.out.write(self._names(*first_per_thread(runq)))
+        others, keys = [], np.zeros(0, np.uint64)
         if device is not None:
             self.out.write(self._names(*first_per_thread(device.events)))
             if runq is None:
                 device_lines(device_rows, device, self.out)
+            else:
+                others, keys = device_lines(device_rows, device), device.events["ts_ns"]
         if runq is not None:
             start = wait_start_ns(runq)
             order = np.argsort(start, kind="stable")
-            write_merged(self.out, _runq_rows, runq[order], start[order], device_rows, device,
-                         None if device is None else device.events["ts_ns"])
+            write_merged(self.out, _runq_rows, runq[order], start[order], others, keys)
         self.events += (0 if runq is None else len(runq)) + (0 if device is None else len(device))
 
 

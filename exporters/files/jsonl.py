@@ -97,9 +97,10 @@ def write_step(step, out) -> int:
         if device is not None:
             device_lines(device_rows, device, out)
         return 0 if device is None else len(device)
-    keys = device.events["ts_ns"] if device is not None else None
-    write_merged(out, runq_rows, runq, runq["ts_ns"], device_rows, device, keys)
-    return len(runq) + (0 if device is None else len(device))
+    others = device_lines(device_rows, device) if device is not None else []
+    keys = device.events["ts_ns"] if device is not None else np.zeros(0, np.uint64)
+    write_merged(out, runq_rows, runq, runq["ts_ns"], others, keys)
+    return len(runq) + len(others)
 
 
 def write_jsonl(steps, out) -> int:

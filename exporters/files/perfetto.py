@@ -96,7 +96,7 @@ class PerfettoWriter:
             ev = device.events
             self._tracks(*first_per_thread(ev))
             self._device_tracks(device)
-            for _, part in device.batches(BATCH // 4):
+            for part in device.batches(BATCH // 4):
                 ts, lengths, blob, starts = self.device.timed_packets(part)
                 self.order.add(ts, lengths, blob, starts)
             newest.append(int(ev["ts_ns"].max()))

@@ -4,7 +4,6 @@ numpy, not one event at a time: each row is laid out as columns of bytes
 mask of the bytes it uses, and the rows come out as one compacted buffer."""
 
 import json
-from itertools import chain
 
 import numpy as np
 
@@ -18,12 +17,6 @@ _DIGITS4 = np.array([b"%04d" % i for i in range(10000)]
                     "S4").view(np.uint32)
 _TEN4 = np.uint64(10000)
 _VARINT_STEPS = np.array([1 << 7 * k for k in range(1, 10)], np.uint64)   # 2**7 .. 2**63
-# Text rows carry no control byte but a newline: the others stand for
-# long fixed pieces until the end, and one marks where another stream's
-# rows go in a merge (write_merged).
-GROUP_END = b"\x1f"
-_STAND_IN_BYTES = [bytes([b]) for b in range(1, 0x1f) if b not in b"\t\n\r"]
-_GROUP_END_COLUMN = np.frombuffer(GROUP_END, np.uint8)
 
 
 class Rows:
@@ -44,8 +37,8 @@ class Rows:
         self._stand_ins: list[tuple[bytes, bytes]] = []
 
     def const(self, text: bytes):
-        if self.text and len(text) > 16 and len(self._stand_ins) < len(_STAND_IN_BYTES):
-            stand_in = _STAND_IN_BYTES[len(self._stand_ins)]
+        if self.text and len(text) > 16 and len(self._stand_ins) < 31:
+            stand_in = bytes([1 + len(self._stand_ins)])
             self._stand_ins.append((stand_in, text))
             self._lengths += len(text) - 1
             text = stand_in
@@ -329,45 +322,54 @@ def strings(values: np.ndarray) -> tuple[np.ndarray, list]:
 BATCH = 1 << 14     # rows built at once: memory follows the batch, not the step
 
 
-def write_merged(out, make_rows, records: np.ndarray, keys: np.ndarray, make_others,
-                 others, other_keys: np.ndarray, batch: int = BATCH) -> None:
-    """The text rows of `records` (keys ascending; made `batch` at a time by
-    `make_rows`, so that memory stays small) and of `others` (a DeviceRows,
-    other_keys ascending; made by `make_others`) written merged by key,
-    `records` first on ties.
+def write_merged(out, make_rows, records: np.ndarray, keys: np.ndarray, others: list[bytes],
+                 other_keys: np.ndarray, batch: int = BATCH) -> None:
+    """The rows of `records` (keys ascending), made `batch` at a time by
+    `make_rows` so that memory stays small, merged with `others` by key."""
+    n, done = len(records), 0
+    for lo in range(0, n, batch):
+        hi = min(n, lo + batch)
+        cut = len(others) if hi == n else max(done, int(np.searchsorted(other_keys, keys[hi])))
+        rows = make_rows(records[lo:hi])
+        interleave(out, rows.bytes(), np.cumsum(rows.lengths()), keys[lo:hi], others[done:cut],
+                   other_keys[done:cut])
+        done = cut
 
-    Each run of `others` that falls between two records is marked with
-    GROUP_END after its last row, and so is the record it follows; one
-    bytes.split of each blob then gives the pieces to alternate, in C,
-    rather than a bytes object and a write per row."""
-    at = np.searchsorted(keys, other_keys, side="right") if others is not None else []
-    first = int(np.searchsorted(at, 0, side="right"))     # before every record
-    if first:
-        device_lines(make_others, others, out, stop=first)
-    if first == len(at):
-        for lo in range(0, len(records), batch):
-            out.write(make_rows(records[lo:lo + batch]).bytes())
+
+def split(rows: Rows) -> list[bytes]:
+    """Each row's bytes on its own."""
+    blob = rows.bytes()
+    ends = np.cumsum(rows.lengths()).tolist()
+    return [blob[s:e] for s, e in zip([0] + ends[:-1], ends)]
+
+
+def device_lines(make_rows, device, out=None) -> list[bytes]:
+    """`make_rows` over the device rows a batch at a time: written to `out`
+    when given, else returned one bytes object per row."""
+    lines = []
+    for part in device.batches(BATCH // 4):
+        rows = make_rows(part)
+        if out is not None:
+            out.write(rows.bytes())
+        else:
+            lines += split(rows)
+    return lines
+
+
+def interleave(out, blob: bytes, ends: np.ndarray, keys: np.ndarray, others: list[bytes],
+               other_keys: np.ndarray) -> None:
+    """Write the rows of `blob` (row i ends at ends[i], keys ascending) and
+    the rows `others` (keys ascending) merged by key, `blob` first on ties."""
+    if not len(others):
+        out.write(blob)
         return
-    runs_end = np.append(at[first + 1:] != at[first:-1], True)    # of others[first:]
-    follows = np.zeros(len(records), bool)
-    follows[at[first:][runs_end] - 1] = True
-    pieces = iter(b"".join(
-        make_others(part).fixed(_marks(len(part)), runs_end[lo - first:lo - first + len(part)])
-        .bytes() for lo, part in others.batches(BATCH // 4, start=first)).split(GROUP_END))
-    for lo in range(0, len(records), batch):
-        part = records[lo:lo + batch]
-        mine = make_rows(part).fixed(_marks(len(part)), follows[lo:lo + batch]).bytes()
-        mine = mine.split(GROUP_END)
-        out.write(b"".join(chain.from_iterable(zip(mine[:-1], pieces))))
-        out.write(mine[-1])
-
-
-def _marks(n: int) -> np.ndarray:
-    return np.broadcast_to(_GROUP_END_COLUMN, (n, 1))
-
-
-def device_lines(make_rows, device, out, stop: int | None = None) -> None:
-    """`make_rows` over the device rows (up to `stop`) a batch at a time,
-    written to `out`."""
-    for _, part in device.batches(BATCH // 4, stop=stop):
-        out.write(make_rows(part).bytes())
+    at = np.searchsorted(keys, other_keys, side="right")
+    starts = np.concatenate([[0], ends]).astype(np.int64)
+    done = 0
+    view = memoryview(blob)
+    for row, pos in zip(others, starts[at].tolist()):
+        if pos > done:
+            out.write(view[done:pos])
+            done = pos
+        out.write(row)
+    out.write(view[done:])
