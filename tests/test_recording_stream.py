@@ -251,6 +251,35 @@ def runq_batches(draw):
     return r
 
 
+def _lines(tag: bytes):
+    return lambda keys: Rows(len(keys), text=True).const(tag).decimal(keys).const(b"\n")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 30), min_size=1, max_size=60),
+       st.lists(st.integers(0, 30), max_size=60),
+       st.integers(1, 7))
+@example([5, 5, 5], [5, 5, 4, 5, 6], 1)
+def test_merged_rows_come_in_key_order_records_first_on_ties(mine, theirs, batch):
+    from mmtrace.exporters.files.rowtext import split, write_merged
+    mine, theirs = np.sort(np.array(mine, np.uint64)), np.sort(np.array(theirs, np.uint64))
+    out = io.BytesIO()
+    others = split(_lines(b"o")(theirs)) if len(theirs) else []
+    write_merged(out, _lines(b"r"), mine, mine, others, theirs, batch=batch)
+    expected = sorted([(k, 0, b"r%d\n" % k) for k in mine.tolist()]
+                      + [(k, 1, b"o%d\n" % k) for k in theirs.tolist()])
+    assert out.getvalue() == b"".join(line for _, _, line in expected)
+
+
+def test_long_fixed_pieces_past_nine_never_stand_as_a_newline():
+    rows = Rows(2, text=True)
+    for k in range(12):
+        rows.const(b"%02d-long-fixed-text-piece\n" % k).decimal(np.array([k, k + 1]))
+    expected = b"".join(b"".join(b"%02d-long-fixed-text-piece\n%d" % (k, k + i)
+                                 for k in range(12)) for i in range(2))
+    assert rows.bytes() == expected
+
+
 @settings(max_examples=200, deadline=None)
 @given(runq_batches())
 def test_runq_lines_say_what_the_records_say(runq):

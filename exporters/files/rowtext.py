@@ -17,6 +17,9 @@ _DIGITS4 = np.array([b"%04d" % i for i in range(10000)]
                     "S4").view(np.uint32)
 _TEN4 = np.uint64(10000)
 _VARINT_STEPS = np.array([1 << 7 * k for k in range(1, 10)], np.uint64)   # 2**7 .. 2**63
+# Text rows carry no control byte but a newline: the others can stand for
+# long fixed pieces until the end.
+_STAND_IN_BYTES = [bytes([b]) for b in range(1, 0x20) if b not in b"\t\n\r"]
 
 
 class Rows:
@@ -37,8 +40,8 @@ class Rows:
         self._stand_ins: list[tuple[bytes, bytes]] = []
 
     def const(self, text: bytes):
-        if self.text and len(text) > 16 and len(self._stand_ins) < 31:
-            stand_in = bytes([1 + len(self._stand_ins)])
+        if self.text and len(text) > 16 and len(self._stand_ins) < len(_STAND_IN_BYTES):
+            stand_in = _STAND_IN_BYTES[len(self._stand_ins)]
             self._stand_ins.append((stand_in, text))
             self._lengths += len(text) - 1
             text = stand_in
