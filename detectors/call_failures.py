@@ -89,8 +89,9 @@ class CallFailures:
                 bad = at[failed[at]]
                 proc.failed += len(bad)
                 if pairs is None:
-                    proc.errors.update(zip((api[i] for i in bad.tolist()),
-                                           (error[i] for i in bad.tolist())))
+                    bad_calls = bad.tolist()        # looked up by map's C loop
+                    proc.errors.update(zip(map(api.__getitem__, bad_calls),
+                                           map(error.__getitem__, bad_calls)))
                 elif len(bad):
                     _count_pairs(proc.errors, bad, np.asarray(pairs)[bad], api, error)
         return out

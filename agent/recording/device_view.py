@@ -157,16 +157,22 @@ def decode_aligned(aligned: np.ndarray, ctx: DeviceContext, kernel_names: dict) 
 def _runtime_launch_names(rows: np.ndarray, op_names: dict, kernel_names: dict) -> list:
     """A runtime launch's kernel: its handle (a host function, or a
     cudaKernel_t __cudaGetKernel made), else its caller when that is the
-    kernel's host stub (agent/ingest/device_names.py)."""
-    out = []
+    kernel's host stub (agent/ingest/device_names.py). Each distinct
+    (pid, handle, callers) is looked up once: a loop launches a few kernels
+    from a few places many times."""
+    columns = [rows["pid"].tolist(), rows["handle"].tolist()]
     callers = "return_ip" in (rows.dtype.names or ())
-    for i, (pid, handle) in enumerate(zip(rows["pid"].tolist(), rows["handle"].tolist())):
+    if callers:
+        columns += [rows["return_ip"].tolist(), rows["outer_return_ip"].tolist()]
+    keys = list(zip(*columns))
+    named = {}
+    for key in dict.fromkeys(keys):
+        pid, handle = key[0], key[1]
         name = op_names.get((pid, handle)) or kernel_names.get((pid, handle))
         if name is None and callers:
-            name = (op_names.get((pid, int(rows["return_ip"][i])))
-                    or op_names.get((pid, int(rows["outer_return_ip"][i]))))
-        out.append(name)
-    return out
+            name = op_names.get((pid, key[2])) or op_names.get((pid, key[3]))
+        named[key] = name
+    return list(map(named.__getitem__, keys))
 
 
 def function_names(events: np.ndarray, infos: dict, demangle, op_names: dict,

@@ -116,10 +116,14 @@ class DeviceSummary:
         launches = rows.kind == "launch"
         self.launch_returns[0] += int(launches.sum())
         self.launch_returns[1] += int((launches & device_stream.returned(rows.events)).sum())
-        self.events.update(f"{s}.{k}" for s, k in zip(rows.stream, rows.kind))
-        self.ops.update(Counter(
-            (s, k, a, n) for s, k, a, n in zip(rows.stream, rows.kind, rows.api, rows.op_name)
-            if k in ("launch", "graph_launch", "model_exec")))
+        # Counted by Counter's C loop over the columns, named per distinct key.
+        self.events.update({f"{s}.{k}": n
+                            for (s, k), n in Counter(zip(rows.stream, rows.kind)).items()})
+        kind = rows.kind
+        ops = np.flatnonzero((kind == "launch") | (kind == "graph_launch")
+                             | (kind == "model_exec"))
+        self.ops.update(Counter(zip(rows.stream[ops], kind[ops], rows.api[ops],
+                                    rows.op_name[ops])))
         ev = rows.events
         returned = device_stream.returned(ev)
         is_sync = (rows.kind == "sync") & returned
@@ -131,11 +135,11 @@ class DeviceSummary:
                 mine = np.fromiter((k == key for k in keys), bool, len(keys))
                 self.waits.setdefault(key, Percentiles(1 << 16)).add(waits[mine])
         is_copy = np.flatnonzero(rows.kind == "memcpy")
-        for i, stream, direction in zip(is_copy.tolist(), rows.stream[is_copy],
-                                        rows.direction[is_copy]):
+        for copied, stream, direction in zip(ev["bytes"][is_copy].tolist(), rows.stream[is_copy],
+                                             rows.direction[is_copy]):
             entry = self.copies.setdefault((stream, direction), [0, 0])
             entry[0] += 1
-            entry[1] += int(ev["bytes"][i])
+            entry[1] += copied
 
     def top_ops(self, limit: int = 20) -> list[dict]:
         """Submissions (not syncs, not copies) by (stream, api, op_name), most first."""
