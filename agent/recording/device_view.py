@@ -112,18 +112,16 @@ def decode_aligned(aligned: np.ndarray, ctx: DeviceContext, kernel_names: dict) 
     op_name = np.full(n, None, object)
     direction = np.full(n, None, object)
     error = np.full(n, None, object)
-    fields = [frozenset()] * n
     failed = device_stream.failed(rows)
-    names = rows["name"].tolist()
-    flags = rows["flags"].tolist()
-    for api_id in np.unique(rows["api"]).tolist():
+    row_apis = rows["api"].tolist()
+    distinct = np.unique(rows["api"]).tolist()
+    fields = list(map({a: infos[a].fields for a in distinct}.__getitem__, row_apis))
+    for api_id in distinct:
         info = infos[api_id]
         at = np.flatnonzero(rows["api"] == api_id)
         stream[at] = info.stream
         kind[at] = info.kind
         api[at] = info.api
-        for i in at.tolist():
-            fields[i] = info.fields
         bad = at[failed[at]]
         if len(bad):            # a storm of failures has few distinct codes
             codes, which = np.unique(rows["ret"][bad], return_inverse=True)
@@ -132,7 +130,7 @@ def decode_aligned(aligned: np.ndarray, ctx: DeviceContext, kernel_names: dict) 
             error[bad] = texts[which]
         if device_stream.DIRECTION in info.fields:
             table = device_stream.direction_names(info.stream)
-            direction[at] = [table.get(d) for d in rows["direction"][at].tolist()]
+            direction[at] = list(map(table.get, rows["direction"][at].tolist()))
         if info.kind != "launch":
             continue
         pids = rows["pid"][at].tolist()
@@ -148,9 +146,9 @@ def decode_aligned(aligned: np.ndarray, ctx: DeviceContext, kernel_names: dict) 
             op_name[at] = ops
             api[at] = [name or info.api for name in ops]
         else:   # aclop: the opType string
-            op_name[at] = [_name_text(names[i],
-                                      bool(flags[i] & device_stream.FLAG_NAME_TRUNCATED))
-                           for i in at.tolist()]
+            op_name[at] = [_name_text(name, bool(flag & device_stream.FLAG_NAME_TRUNCATED))
+                           for name, flag in zip(rows["name"][at].tolist(),
+                                                 rows["flags"][at].tolist())]
     return DeviceRows(rows, stream, kind, api, op_name, direction, fields, error)
 
 
