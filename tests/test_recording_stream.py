@@ -29,7 +29,7 @@ from mmtrace.exporters.files import chrome
 from mmtrace.exporters.files import jsonl
 from mmtrace.exporters.files import perfetto, perfetto_device, perfetto_events
 from mmtrace.exporters.files.protowire import varint
-from mmtrace.exporters.files.rowtext import Rows, split
+from mmtrace.exporters.files.rowtext import Rows, decimal_lengths, split, varint_lengths
 import peak_rss
 from synthetic_recording import write_synthetic
 from test_align import workloads
@@ -232,6 +232,8 @@ def test_batch_numbers_match_python(values):
         varint(x) + b";" for x in values)
     assert Rows(len(v), text=True).decimal(v).const(b",\n").bytes() == b"".join(
         b"%d,\n" % x for x in values)
+    assert [decimal_lengths(x) for x in v] == [len(b"%d" % x) for x in values]    # one value
+    assert [varint_lengths(x) for x in v] == [len(varint(x)) for x in values]
     small = v % np.uint64(1 << 53)
     assert Rows(len(v)).fixed3(small).bytes() == b"".join(
         b"%d.%03d" % (x // 1000, x % 1000) for x in small.tolist())
