@@ -235,16 +235,14 @@ def _lengths(values: np.ndarray, steps: np.ndarray) -> np.ndarray:
     vector comparison each: a column's values mostly share a length (times,
     pids), and a binary search per value cost 2-10 times more."""
     values = np.asarray(values).astype(np.uint64)
-    if values.ndim == 0:                # one value: its length, as a search gave it
-        return _lengths(values.reshape(1), steps)[0]
-    if not len(values):
-        return np.zeros(0, np.int64)
+    if not values.size:
+        return np.zeros(values.shape, np.int64)
     low = int(np.searchsorted(steps, values.min(), side="right"))
     high = int(np.searchsorted(steps, values.max(), side="right"))
-    lengths = np.full(len(values), 1 + low, np.int64)
+    lengths = np.full(values.shape, 1 + low, np.int64)
     for step in steps[low:high]:
         lengths += values >= step
-    return lengths
+    return lengths if values.ndim else lengths[()]     # one value: a scalar, as before
 
 
 def decimal_lengths(values: np.ndarray) -> np.ndarray:
