@@ -30,10 +30,15 @@ def libc():
     return None
 
 
+def set_malloc_option(param: int, value: int) -> bool:
+    """glibc's mallopt(param, value); whether it took (False without glibc)."""
+    mallopt = getattr(libc(), "mallopt", None)
+    return bool(mallopt is not None and mallopt(param, value) == 1)
+
+
 def keep_large_blocks_mapped(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     """Fix malloc's mmap threshold (setting it also stops its adjustment)."""
-    mallopt = getattr(libc(), "mallopt", None)
-    return bool(mallopt is not None and mallopt(M_MMAP_THRESHOLD, threshold) == 1)
+    return set_malloc_option(M_MMAP_THRESHOLD, threshold)
 
 
 def reuse_freed_blocks(keep_bytes: int = 2 * MMAP_THRESHOLD_MAX) -> bool:
@@ -47,10 +52,8 @@ def reuse_freed_blocks(keep_bytes: int = 2 * MMAP_THRESHOLD_MAX) -> bool:
     if any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")) \
             or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
         return False
-    mallopt = getattr(libc(), "mallopt", None)
-    return bool(mallopt is not None
-                and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1
-                and mallopt(M_TRIM_THRESHOLD, keep_bytes) == 1)
+    return (set_malloc_option(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)
+            and set_malloc_option(M_TRIM_THRESHOLD, keep_bytes))
 
 
 def trim() -> bool:

@@ -91,5 +91,4 @@ def cap_malloc_arenas() -> bool:
     larger for good, and 0.4 MB with arenas capped at MALLOC_ARENAS. The
     daemon's Python runs one thread at a time: few arenas cost it nothing.
     Setting the cap again changes nothing, so each burst sets it first."""
-    mallopt = getattr(heap.libc(), "mallopt", None)
-    return bool(mallopt is not None and mallopt(M_ARENA_MAX, MALLOC_ARENAS) == 1)
+    return heap.set_malloc_option(M_ARENA_MAX, MALLOC_ARENAS)

@@ -120,8 +120,7 @@ class DeviceSummary:
         self.events.update({f"{s}.{k}": n
                             for (s, k), n in Counter(zip(rows.stream, rows.kind)).items()})
         kind = rows.kind
-        ops = np.flatnonzero((kind == "launch") | (kind == "graph_launch")
-                             | (kind == "model_exec"))
+        ops = np.flatnonzero(launches | (kind == "graph_launch") | (kind == "model_exec"))
         self.ops.update(Counter(zip(rows.stream[ops], kind[ops], rows.api[ops],
                                     rows.op_name[ops])))
         ev = rows.events
