@@ -105,6 +105,44 @@ def test_socket_serves_valid_messages_and_answers_bad_ones(tmp_path):
     assert not (tmp_path / "s.sock").exists()
 
 
+def test_a_wake_between_ticks_answers_the_socket_and_leaves_the_tick_for_later(tmp_path):
+    """A dispatcher's messages wake the loop every few milliseconds: such a
+    wake answers the socket's clients, while the tick (the drain, the
+    detectors' windows, the hints) keeps its cadence of an idle wait."""
+    from mmtrace.agent.daemon.loop import Daemon
+    cfg = config_mod.DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "s.sock")
+    daemon = Daemon(cfg)
+    daemon.server = HintServer(cfg.socket)
+    closes = []
+    advance = daemon.p99.advance
+    daemon.p99.advance = lambda closing: closes.append(closing) or advance(closing)
+    client = connect(cfg.socket)
+    try:
+        daemon.wake()                       # the first wake ticks
+        assert len(closes) == 1
+        daemon.idle_wait_s = lambda watchdog_s=None: 3600.0     # the next tick an hour away
+        client.sendall(b'{"v":1,"type":"hello","client":"srv","pid":7}\n'
+                       b'{"v":1,"type":"status"}\n')
+        deadline = time.monotonic() + 5
+        client.setblocking(False)
+        answer = b""
+        while not answer.endswith(b"\n") and time.monotonic() < deadline:
+            daemon.wake()
+            try:
+                answer += client.recv(1 << 20)
+            except BlockingIOError:
+                time.sleep(0.01)
+        assert json.loads(answer)["type"] == "status"
+        assert [c.pid for c in daemon.server.clients.values()] == [7]
+        assert len(closes) == 1             # answered without a tick
+        daemon.idle_wait_s = lambda watchdog_s=None: 0.0          # the idle wait is over
+        daemon.wake()
+        assert len(closes) == 2
+    finally:
+        client.close()
+        daemon.server.close()
+
+
 # -------------------------------------------------------------- event ring
 
 def test_ring_is_bounded_by_count_and_age():

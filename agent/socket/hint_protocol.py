@@ -92,7 +92,10 @@ def decode(line: bytes):
     if len(line) > MAX_MESSAGE:
         raise ProtocolError(f"expected a message of at most {MAX_MESSAGE} bytes, "
                             f"got {len(line)}")
-    depth = nesting_depth(line)
+    # No more opening brackets than the bound: no deeper either (most
+    # messages, which need no scan of their brackets).
+    opened = line.count(b"{") + line.count(b"[")
+    depth = nesting_depth(line) if opened > MAX_DEPTH else opened
     if depth > MAX_DEPTH:
         raise ProtocolError(f"expected JSON nested at most {MAX_DEPTH} deep, got {depth}")
     try:
