@@ -88,3 +88,16 @@ def test_a_record_of_another_size_is_refused_with_its_size():
                                               rf"expected {RUNQ_EVENT.itemsize}"):
         reader.read()
     assert ring.consumer == 0
+
+
+def test_filled_is_the_share_written_and_not_yet_read():
+    ring = FakeRing()
+    reader = ring.reader()
+    assert reader.filled() == 0.0
+    for ts in range(1, 9):
+        ring.put(ts)
+    assert reader.filled() == 8 * STRIDE / SIZE
+    reader.read(max_records=3)
+    assert reader.filled() == 5 * STRIDE / SIZE
+    reader.read()
+    assert reader.filled() == 0.0

@@ -34,7 +34,7 @@ from mmtrace.agent.daemon.sd_notify import Notifier
 from mmtrace.agent.daemon.signals import DumpRequest
 from mmtrace.agent.daemon.steering import Steering
 from mmtrace.agent.daemon.streams import Streams
-from mmtrace.agent.ingest.wakeups import Waiter
+from mmtrace.agent.ingest.wakeups import Waiter, rings_filling
 from mmtrace.agent.errors import MmtraceError
 from mmtrace.agent.ingest.threads import ThreadProcesses
 from mmtrace.agent.recording.device_view import describe
@@ -221,12 +221,15 @@ class Daemon:
                 and not (self.server is not None and self.server.clients))
 
     def _sleep(self, watchdog_s: float | None):
-        """Until a dispatcher writes, or the idle wait is up; ticks stay
-        tick_s apart however fast batches come. A ring that signals a batch
-        (its programs do when it is an eighth to a quarter full) is drained
-        at once, between ticks: a burst faster than a tick's worth of ring
-        is kept whole."""
-        ticked = time.monotonic()
+        """Until a dispatcher writes, or the idle wait is up (no later than
+        the next tick is due); ticks stay tick_s apart however fast batches
+        come. A ring that signals (its programs do every so many records,
+        whether or not the drains kept up) is drained at once when it is
+        SIGNAL_DRAIN_FILL full (agent/ingest/wakeups.py), between ticks: a burst faster than a tick's
+        worth of ring is kept whole. A signal for less waits for the drain
+        of the tick: at the rated rates the signals came about twice a
+        second on top of the four drains, each a batch more to every sink."""
+        woke = time.monotonic()
         rings = set()
         if self.probes.loaded is not None:
             for ring in self.probes.loaded.rings:
@@ -235,15 +238,20 @@ class Daemon:
                     rings.add(fd)
         if self.server is not None:
             self.waiter.watch(self.server.fileno())
-        timeout = self.idle_wait_s(watchdog_s)
+        deadline = woke + min(self.idle_wait_s(watchdog_s),
+                              self._ticked_at + self.idle_wait_s() - woke)
+        timeout = deadline - woke
         while self.waiter.wait(timeout):
-            rest = self.config.tick_s - (time.monotonic() - ticked)
+            rest = self.config.tick_s - (time.monotonic() - woke)
             if rest <= 0 or not rings.issuperset(self.waiter.ready):
                 if rest > 0:            # the socket: its messages wait for the tick
                     time.sleep(rest)
                 return
-            self.drain_rings()
-            timeout = self.config.tick_s - (time.monotonic() - ticked)
+            if rings_filling(self.probes.loaded.rings):
+                self.drain_rings()
+                timeout = self.config.tick_s - (time.monotonic() - woke)
+            else:
+                timeout = deadline - time.monotonic()
             if timeout <= 0:
                 return
 

@@ -242,6 +242,10 @@ class DeviceRing:
     def pending_bytes(self) -> int:
         return sum(r.pending_bytes() for r in self._rings())
 
+    def filled(self) -> float:
+        """The largest share of one of its rings written and not yet read."""
+        return max(r.filled() for r in self._rings())
+
     def read(self, max_records: int | None = None) -> np.ndarray:
         """Every record committed now, names first; DEV_EVENT records."""
         named = self.names.read(max_records)

@@ -48,6 +48,10 @@ class StreamRing:
         filenos = getattr(self.reader, "filenos", None)
         return filenos() if filenos is not None else (self.reader.fileno(),)
 
+    def filled(self) -> float:
+        """The largest share of its ring(s) written and not yet read."""
+        return self.reader.filled()
+
 
 @dataclass
 class ProbeOptions:

@@ -69,6 +69,10 @@ class RingReader:
     def pending_bytes(self) -> int:
         return self._producer_pos() - self._consumer_pos()
 
+    def filled(self) -> float:
+        """The share of the ring written and not yet read."""
+        return self.pending_bytes() / self.size
+
     def _consumer_pos(self) -> int:
         return int(self._consumer_pos_word[0])
 

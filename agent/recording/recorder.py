@@ -11,7 +11,7 @@ from mmtrace.bpf import device as device_stream
 from mmtrace.bpf import sched as sched_stream
 
 from mmtrace.agent import heap
-from mmtrace.agent.ingest.wakeups import Waiter
+from mmtrace.agent.ingest.wakeups import Waiter, rings_filling
 from mmtrace.agent.kernel import calls_in_flight
 from mmtrace.agent.kernel import probes as probe_loader
 from mmtrace.agent.kernel.device_compile import DeviceCompile, device_programs_failed
@@ -24,7 +24,6 @@ from mmtrace.agent.recording.meta_budget import MetaBudget, summarised_probe_sta
 from mmtrace.agent.safe_files import UnsafePathError, refuse_unsafe_output
 from mmtrace.agent.stop_flag import StopFlag
 from mmtrace.agent.ingest.threads import ThreadProcesses
-from mmtrace.agent.ingest.wakeups import Waiter
 
 # GPU and NPU events share one layout; each event's API says its stream.
 SCHEMAS = {"cpu.runq": sched_stream.RUNQ_EVENT, "dev.event": device_stream.DEV_EVENT}
@@ -190,10 +189,10 @@ class _Recording:
         (the GPU/NPU streams join once compiled, about a second later): the
         file spans the duration asked for, and at least until every stream
         is live. A write the disk refused ends the drain (finish says so).
-        A tick comes when a ring wakes its reader (its programs do when it
-        is an eighth to a quarter full: bpf/common.h), so that a burst is
-        drained as it comes, and IDLE_WAIT_S after the last at the latest
-        (`drain_interval_s` while the GPU/NPU programs compile)."""
+        A tick comes when a ring signals its reader while filling up
+        (_wait), so that a burst is drained as it comes, and IDLE_WAIT_S
+        after the last at the latest (`drain_interval_s` while the GPU/NPU
+        programs compile)."""
         self.started = time.monotonic()
         deadline = self.started + duration_s if duration_s else None
         waiter = Waiter()
@@ -217,20 +216,29 @@ class _Recording:
             waiter.close()
 
     def _wait(self, waiter: Waiter, compiling_s: float, deadline: float | None):
-        """Until a ring wakes its reader (its programs do when it is an
-        eighth to a quarter full: bpf/common.h; a burst is drained as it
-        comes), a dispatcher writes, the duration ends, or IDLE_WAIT_S has
-        passed. While the GPU/NPU programs compile, `compiling_s` at most:
-        their stream goes live as soon as they are done."""
+        """Until a ring signals its reader while SIGNAL_DRAIN_FILL full (its
+        programs signal every so many records: bpf/common.h; a burst is
+        drained as it comes), a dispatcher writes, the duration ends, or
+        IDLE_WAIT_S has passed. While the GPU/NPU programs compile,
+        `compiling_s` at most: their stream goes live as soon as they are
+        done."""
+        rings = set()
         for ring in self.loaded.rings:
             for fd in ring.filenos():
                 waiter.watch(fd, edge=True)
+                rings.add(fd)
         if self.telemetry is not None:
             waiter.watch(self.telemetry.server.fileno())
         timeout = compiling_s if self.compiling is not None else IDLE_WAIT_S
         if deadline is not None:
             timeout = min(timeout, max(0.0, deadline - time.monotonic()))
-        waiter.wait(timeout)
+        until = time.monotonic() + timeout
+        while waiter.wait(timeout):
+            if not rings.issuperset(waiter.ready) or rings_filling(self.loaded.rings):
+                return
+            timeout = until - time.monotonic()      # the timed drain is soon enough
+            if timeout <= 0:
+                return
 
     def _wire_once_compiled(self):
         """The recording's device side once compiled (and the first scan is
