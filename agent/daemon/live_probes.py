@@ -49,7 +49,11 @@ class LiveProbes:
         options = probe_options(cfg)
         self.sources = DeviceSources(cfg.libs, cfg.pids, discover=True, warn=log.warning,
                                      interval_s=cfg.discover_interval_s)
-        self.loaded = probe_loader.load_cpu(options, compile_apart=self.compile_apart)
+        try:
+            self.loaded = probe_loader.load_cpu(options, compile_apart=self.compile_apart)
+        except BaseException:
+            self.sources.close()
+            raise
         # One round a tick: the tick's other work (socket, detectors) waits for it.
         self.ingest = Ingest(self.loaded, threads, sinks=[sink], max_rounds=1)
         self.counters_at_start = self.loaded.counters()

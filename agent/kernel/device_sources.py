@@ -40,6 +40,14 @@ class DeviceSources:
         except BaseException as exc:    # re-raised in the recording thread
             self._first_error = exc
 
+    def close(self):
+        """Wait for the first scan: a process that exits (a load that failed)
+        while the scan's thread is inside numpy's C++ code can abort with
+        "terminate called without an active exception" instead of its
+        error (Python ends such threads with a forced unwind at exit)."""
+        if self._scan is not None:
+            self._scan.join()
+
     def ready(self) -> bool:
         """The first scan is over: targets() will not wait for it."""
         return self._scan is None or not self._scan.is_alive()

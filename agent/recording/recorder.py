@@ -109,7 +109,12 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
     began = time.monotonic()
     heap.keep_large_blocks_mapped()
     sources = DeviceSources(libs, options.pids, discover, warn) if options.device else None
-    loaded = probe_loader.load_cpu(options, compile_apart=compile_apart)
+    try:
+        loaded = probe_loader.load_cpu(options, compile_apart=compile_apart)
+    except BaseException:
+        if sources is not None:
+            sources.close()
+        raise
     if progress:
         progress.live("cpu", time.monotonic() - began,
                       "gpu/npu probes compiling" if options.device else "")
