@@ -263,10 +263,10 @@ def _lines(tag: bytes):
        st.integers(1, 7))
 @example([5, 5, 5], [5, 5, 4, 5, 6], 1)
 def test_merged_rows_come_in_key_order_records_first_on_ties(mine, theirs, batch):
-    from mmtrace.exporters.files.rowtext import split, write_merged
+    from mmtrace.exporters.files.rowtext import NO_LINES, lines, write_merged
     mine, theirs = np.sort(np.array(mine, np.uint64)), np.sort(np.array(theirs, np.uint64))
     out = io.BytesIO()
-    others = split(_lines(b"o")(theirs)) if len(theirs) else []
+    others = lines(_lines(b"o")(theirs)) if len(theirs) else NO_LINES
     write_merged(out, _lines(b"r"), mine, mine, others, theirs, batch=batch)
     expected = sorted([(k, 0, b"r%d\n" % k) for k in mine.tolist()]
                       + [(k, 1, b"o%d\n" % k) for k in theirs.tolist()])

@@ -13,7 +13,8 @@ import numpy as np
 from mmtrace.bpf import device as device_stream
 from mmtrace.bpf.sched import wait_start_ns
 
-from mmtrace.exporters.files.rowtext import Rows, first_per_thread, device_lines, json_texts, write_merged
+from mmtrace.exporters.files.rowtext import (NO_LINES, Rows, first_per_thread, device_lines,
+                                             json_texts, write_merged)
 
 
 def _runq_rows(runq: np.ndarray) -> Rows:
@@ -98,7 +99,7 @@ class ChromeWriter:
         runq, device = step.part("cpu.runq"), step.device_rows()
         if runq is not None:
             self.out.write(self._names(*first_per_thread(runq)))
-        others, keys = [], np.zeros(0, np.uint64)
+        others, keys = NO_LINES, np.zeros(0, np.uint64)
         if device is not None:
             self.out.write(self._names(*first_per_thread(device.events)))
             if runq is None:

@@ -7,7 +7,8 @@ import numpy as np
 
 from mmtrace.bpf import device as device_stream
 
-from mmtrace.exporters.files.rowtext import Rows, codes, device_lines, json_texts, strings, write_merged
+from mmtrace.exporters.files.rowtext import (NO_LINES, Rows, codes, device_lines, json_texts,
+                                             strings, write_merged)
 
 # Every line carries every key of the spec, null where it does not apply.
 KEYS = ("ts_ns", "stream", "kind", "pid", "tid", "comm", "api", "op_id", "op_name",
@@ -97,7 +98,7 @@ def write_step(step, out) -> int:
         if device is not None:
             device_lines(device_rows, device, out)
         return 0 if device is None else len(device)
-    others = device_lines(device_rows, device) if device is not None else []
+    others = device_lines(device_rows, device) if device is not None else NO_LINES
     keys = device.events["ts_ns"] if device is not None else np.zeros(0, np.uint64)
     write_merged(out, runq_rows, runq, runq["ts_ns"], others, keys)
     return len(runq) + len(others)

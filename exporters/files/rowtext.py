@@ -4,6 +4,7 @@ numpy, not one event at a time: each row is laid out as columns of bytes
 mask of the bytes it uses, and the rows come out as one compacted buffer."""
 
 import json
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -325,7 +326,31 @@ def strings(values: np.ndarray) -> tuple[np.ndarray, list]:
 BATCH = 1 << 14     # rows built at once: memory follows the batch, not the step
 
 
-def write_merged(out, make_rows, records: np.ndarray, keys: np.ndarray, others: list[bytes],
+@dataclass
+class Lines:
+    """Rows' bytes one after another (row i ends at ends[i]): what is merged
+    among other rows a run of rows at a time, not a bytes object a row."""
+    data: bytes
+    ends: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def starts(self) -> np.ndarray:
+        return self.ends - self.lengths()
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.ends, prepend=0)
+
+
+NO_LINES = Lines(b"", np.zeros(0, np.int64))
+
+
+def lines(rows: Rows) -> Lines:
+    return Lines(rows.bytes(), np.cumsum(rows.lengths()))
+
+
+def write_merged(out, make_rows, records: np.ndarray, keys: np.ndarray, others: Lines,
                  other_keys: np.ndarray, batch: int = BATCH) -> None:
     """The rows of `records` (keys ascending), made `batch` at a time by
     `make_rows` so that memory stays small, merged with `others` by key."""
@@ -333,9 +358,8 @@ def write_merged(out, make_rows, records: np.ndarray, keys: np.ndarray, others: 
     for lo in range(0, n, batch):
         hi = min(n, lo + batch)
         cut = len(others) if hi == n else max(done, int(np.searchsorted(other_keys, keys[hi])))
-        rows = make_rows(records[lo:hi])
-        interleave(out, rows.bytes(), np.cumsum(rows.lengths()), keys[lo:hi], others[done:cut],
-                   other_keys[done:cut])
+        interleave(out, lines(make_rows(records[lo:hi])), keys[lo:hi], others, other_keys,
+                   done, cut)
         done = cut
 
 
@@ -346,33 +370,45 @@ def split(rows: Rows) -> list[bytes]:
     return [blob[s:e] for s, e in zip([0] + ends[:-1], ends)]
 
 
-def device_lines(make_rows, device, out=None) -> list[bytes]:
+def device_lines(make_rows, device, out=None) -> Lines:
     """`make_rows` over the device rows a batch at a time: written to `out`
-    when given, else returned one bytes object per row."""
-    lines = []
+    when given (then NO_LINES is returned), else returned as Lines."""
+    blobs, lengths = [], []
     for part in device.batches(BATCH // 4):
         rows = make_rows(part)
         if out is not None:
             out.write(rows.bytes())
         else:
-            lines += split(rows)
-    return lines
+            blobs.append(rows.bytes())
+            lengths.append(rows.lengths())
+    if out is not None or not blobs:
+        return NO_LINES
+    return Lines(b"".join(blobs), np.cumsum(np.concatenate(lengths)))
 
 
-def interleave(out, blob: bytes, ends: np.ndarray, keys: np.ndarray, others: list[bytes],
-               other_keys: np.ndarray) -> None:
-    """Write the rows of `blob` (row i ends at ends[i], keys ascending) and
-    the rows `others` (keys ascending) merged by key, `blob` first on ties."""
-    if not len(others):
-        out.write(blob)
+def interleave(out, mine: Lines, keys: np.ndarray, others: Lines, other_keys: np.ndarray,
+               first: int = 0, last: int | None = None) -> None:
+    """Write the rows `mine` (keys ascending) and the rows first..last of
+    `others` (keys ascending) merged by key, `mine` first on ties: each run
+    of rows of one side that falls between two rows of the other is
+    written as one slice."""
+    last = len(others) if last is None else last
+    if last <= first:
+        out.write(mine.data)
         return
-    at = np.searchsorted(keys, other_keys, side="right")
-    starts = np.concatenate([[0], ends]).astype(np.int64)
+    at = np.searchsorted(keys, other_keys[first:last], side="right")
+    group = np.flatnonzero(np.diff(at)) + 1             # where a run of other rows begins
+    begins = np.concatenate([[0], group])
+    ends = np.concatenate([group, [len(at)]])
+    mine_starts = np.concatenate([[0], mine.ends]).astype(np.int64)
+    other_starts = others.starts()
+    view, other_view = memoryview(mine.data), memoryview(others.data)
     done = 0
-    view = memoryview(blob)
-    for row, pos in zip(others, starts[at].tolist()):
+    for pos, lo, hi in zip(mine_starts[at[begins]].tolist(),
+                           other_starts[first + begins].tolist(),
+                           others.ends[first + ends - 1].tolist()):
         if pos > done:
             out.write(view[done:pos])
             done = pos
-        out.write(row)
+        out.write(other_view[lo:hi])
     out.write(view[done:])
