@@ -150,8 +150,8 @@ class Seconds(click.ParamType):
               show_default=True,
               help="The kernel's GPU/NPU call ring, in MiB (a power of two), and its launch "
                    "ring at half of it: 8 holds a burst of 55 000 launches back to back whole "
-                   "on either; the recorder is woken to drain them at an eighth to a quarter "
-                   "full. Kernel memory, mapped here.")
+                   "on either; the recorder drains them at once from 1/16 full. Kernel memory, "
+                   "mapped here.")
 def record(output, duration, pids, libs, nice, socket_path, launch_return_every,
            device_ringbuf_mib):
     """Record the CPU, GPU and NPU streams to a file for later analysis.

@@ -263,8 +263,8 @@ class DaemonConfig:
     launch_return_every: int = _count(64, 1 << 20, low=0)
     # The kernel's GPU/NPU call ring, in MiB (a power of two), and its
     # launch ring at half of it: 8 holds a burst of 55 000 launches whole
-    # on either (152 and 72 bytes each); their reader is woken at an eighth
-    # to a quarter full. Kernel memory, mapped by the agent (1.5 times this
+    # on either (152 and 72 bytes each); their reader drains them at a
+    # signal once 1/16 full. Kernel memory, mapped by the agent (1.5 times this
     # much of its RSS, once written).
     device_ringbuf_mib: int = _count(8, 1024)
     discover_interval_s: float = _seconds(2.0, 3600.0, low=0.1)

@@ -51,12 +51,12 @@ class LiveProbes:
                                      interval_s=cfg.discover_interval_s)
         try:
             self.loaded = probe_loader.load_cpu(options, compile_apart=self.compile_apart)
+            # One round a tick: the tick's other work (socket, detectors) waits for it.
+            self.ingest = Ingest(self.loaded, threads, sinks=[sink], max_rounds=1)
+            self.counters_at_start = self.loaded.counters()
         except BaseException:
             self.sources.close()
             raise
-        # One round a tick: the tick's other work (socket, detectors) waits for it.
-        self.ingest = Ingest(self.loaded, threads, sinks=[sink], max_rounds=1)
-        self.counters_at_start = self.loaded.counters()
         log.info("cpu stream live (%.2f s)", time.monotonic() - self._began)
         self._devices = DeviceCompile(self.loaded)
 
@@ -127,6 +127,8 @@ class LiveProbes:
         if self._devices is not None:
             self._devices.thread.join()     # compiling on the scheduler's maps: let it end
             self._devices = None
+        if self.sources is not None:
+            self.sources.close()            # a stop during the first scan: let it end
         if self.loaded is not None:
             for ring in self.loaded.rings:
                 for fd in ring.filenos():

@@ -211,7 +211,8 @@ class Daemon:
         launchers), no blocking call in flight, no alarm firing and no
         dispatcher connected (its messages wake the loop, but its alarms
         close with windows). The first call after a quiet spell is drained
-        within QUIET_WAIT_S, or at once when its ring signals a batch."""
+        within QUIET_WAIT_S, or at once when its ring signals while
+        filling up (_sleep)."""
         now_ns = now_ns or time.monotonic_ns()
         last = self.streams.last_work_ns
         return (not self.probes.compiling
@@ -221,14 +222,14 @@ class Daemon:
                 and not (self.server is not None and self.server.clients))
 
     def _sleep(self, watchdog_s: float | None):
-        """Until a dispatcher writes, or the idle wait is up (no later than
-        the next tick is due); ticks stay tick_s apart however fast batches
-        come. A ring that signals (its programs do every so many records,
-        whether or not the drains kept up) is drained at once when it is
-        SIGNAL_DRAIN_FILL full (agent/ingest/wakeups.py), between ticks: a burst faster than a tick's
-        worth of ring is kept whole. A signal for less waits for the drain
-        of the tick: at the rated rates the signals came about twice a
-        second on top of the four drains, each a batch more to every sink."""
+        """Until a dispatcher writes (served tick_s after the last wake), or
+        the idle wait is up (no later than the next tick is due). A ring
+        that signals (its programs do every so many records, whether or not
+        the drains kept up) is drained at once when it is SIGNAL_DRAIN_FILL
+        full (agent/ingest/wakeups.py): a burst faster than a tick's worth
+        of ring is kept whole. A signal for less waits for the tick's
+        drain: at the rated rates the signals came about twice a second on
+        top of the four drains, each a batch more to every sink."""
         woke = time.monotonic()
         rings = set()
         if self.probes.loaded is not None:
@@ -242,9 +243,10 @@ class Daemon:
                               self._ticked_at + self.idle_wait_s() - woke)
         timeout = deadline - woke
         while self.waiter.wait(timeout):
-            rest = self.config.tick_s - (time.monotonic() - woke)
-            if rest <= 0 or not rings.issuperset(self.waiter.ready):
-                if rest > 0:            # the socket: its messages wait for the tick
+            if not rings.issuperset(self.waiter.ready):
+                # The socket: its messages wait until tick_s after the wake.
+                rest = self.config.tick_s - (time.monotonic() - woke)
+                if rest > 0:
                     time.sleep(rest)
                 return
             if rings_filling(self.probes.loaded.rings):
@@ -269,11 +271,9 @@ class Daemon:
 
     def _drain_due(self) -> bool:
         """A tick drains the rings when the idle wait has passed since the
-        last drain (or a ring signalled one): a dispatcher's messages wake
-        the loop every tick_s, and draining on each of those wakes cut the
-        streams into batches ten times smaller, whose cost is mostly per
-        batch. P99 windows still close after every event of theirs is in,
-        as without a dispatcher: the drains stay an idle wait apart."""
+        last drain (or a ring filling up had one): batches an idle wait
+        apart, whose cost is mostly per batch. P99 windows close after
+        every event of theirs is in: the drains stay an idle wait apart."""
         return time.monotonic() - self._drained_at >= 0.9 * self.idle_wait_s()
 
     def wake(self):

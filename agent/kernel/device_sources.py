@@ -5,6 +5,8 @@ import threading
 
 from mmtrace.agent.errors import MmtraceError
 
+CLOSE_WAIT_S = 10.0     # the longest a failed start waits for the first scan
+
 
 class DeviceSources:
     """The libraries the GPU/NPU probes attach to: --lib paths, and what
@@ -40,13 +42,14 @@ class DeviceSources:
         except BaseException as exc:    # re-raised in the recording thread
             self._first_error = exc
 
-    def close(self):
-        """Wait for the first scan: a process that exits (a load that failed)
-        while the scan's thread is inside numpy's C++ code can abort with
+    def close(self, timeout_s: float = CLOSE_WAIT_S):
+        """Wait for the first scan (at most `timeout_s`: a read of a hung
+        process's maps must not hang the exit): a process that exits (a load
+        that failed) while the scan's thread is in C code can abort with
         "terminate called without an active exception" instead of its
         error (Python ends such threads with a forced unwind at exit)."""
         if self._scan is not None:
-            self._scan.join()
+            self._scan.join(timeout_s)
 
     def ready(self) -> bool:
         """The first scan is over: targets() will not wait for it."""

@@ -71,7 +71,7 @@ class ProbeOptions:
     # one while a process's calls fail. Sized for a burst of 50 000
     # launches back to back held whole with no drain at all (55 188 records
     # in 8 MiB), about 55 ms at the ~1 M/s the uprobe trap allows here; its
-    # reader is woken well before (at an eighth to a quarter full). The
+    # reader drains it well before (at a signal once 1/16 full). The
     # launch ring (the other launches, 72 bytes with the header) is half
     # its size for the same burst (58 254). Memory: 12 MiB of kernel
     # memory, mapped by the agent (12 MiB of its RSS once written).

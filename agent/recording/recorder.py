@@ -28,10 +28,10 @@ from mmtrace.agent.ingest.threads import ThreadProcesses
 # GPU and NPU events share one layout; each event's API says its stream.
 SCHEMAS = {"cpu.runq": sched_stream.RUNQ_EVENT, "dev.event": device_stream.DEV_EVENT}
 STREAM_SCHEMA = {"cpu": "cpu.runq", "dev": "dev.event"}
-# The longest sleep without a wake-up from a ring. The programs wake the
-# reader when a ring is an eighth to a quarter full (bpf/common.h), so the
-# rings never wait for this; it bounds how late a quiet stream's events, a
-# stop and the progress line come. Drains a quarter second apart at the
+# The longest sleep without a drain. The programs signal the reader every
+# so many records (bpf/common.h), and a ring that is filling up is drained
+# at once (_wait), so a burst never waits for this; it bounds how late a
+# quiet stream's events, a stop and the progress line come. Drains a quarter second apart at the
 # rated run-queue rate instead of 25 ms: a drain's fixed cost (both rings
 # read, discovery asked, progress checked) over ten times the events.
 IDLE_WAIT_S = 0.25
@@ -111,26 +111,25 @@ def record(output, duration_s: float | None, pids=(), drain_interval_s: float = 
     sources = DeviceSources(libs, options.pids, discover, warn) if options.device else None
     try:
         loaded = probe_loader.load_cpu(options, compile_apart=compile_apart)
-    except BaseException:
-        if sources is not None:
-            sources.close()
-        raise
-    if progress:
-        progress.live("cpu", time.monotonic() - began,
-                      "gpu/npu probes compiling" if options.device else "")
-    run = _Recording(output, loaded, sources, progress, warn, began)
-    own_stop = stop is None
-    stop = StopFlag() if own_stop else stop     # an unset flag is falsy: keep it
-    if own_stop:
-        stop.install()
-    try:
-        run.open(options.pids, socket_path)
-        run.drain(stop, duration_s, drain_interval_s)
-        return run.finish(stop)
-    finally:
-        run.close()
+        if progress:
+            progress.live("cpu", time.monotonic() - began,
+                          "gpu/npu probes compiling" if options.device else "")
+        run = _Recording(output, loaded, sources, progress, warn, began)
+        own_stop = stop is None
+        stop = StopFlag() if own_stop else stop     # an unset flag is falsy: keep it
         if own_stop:
-            stop.restore()
+            stop.install()
+        try:
+            run.open(options.pids, socket_path)
+            run.drain(stop, duration_s, drain_interval_s)
+            return run.finish(stop)
+        finally:
+            run.close()
+            if own_stop:
+                stop.restore()
+    finally:
+        if sources is not None:
+            sources.close()     # a failed load, or a stop during the first scan
 
 
 class _Recording:

@@ -2,7 +2,7 @@
 dispatchers inside inference servers (see the interface spec; the message
 rules are in hint_protocol).
 
-Single-threaded and non-blocking: the daemon calls poll() every tick and
+Single-threaded and non-blocking: the daemon calls poll() every wake and
 gets the checked messages. A malformed or oversized message is answered
 with an error on that connection only (client_reading). A client that
 keeps misbehaving (errors faster than ERROR_RATE_PER_S beyond a burst of

@@ -336,11 +336,9 @@ class Lines:
     def __len__(self) -> int:
         return len(self.ends)
 
-    def starts(self) -> np.ndarray:
-        return self.ends - self.lengths()
-
-    def lengths(self) -> np.ndarray:
-        return np.diff(self.ends, prepend=0)
+    def starts_of(self, rows: np.ndarray) -> np.ndarray:
+        """Where each of `rows` (indices) begins."""
+        return np.where(rows > 0, self.ends[np.maximum(rows - 1, 0)], 0)
 
 
 NO_LINES = Lines(b"", np.zeros(0, np.int64))
@@ -401,11 +399,10 @@ def interleave(out, mine: Lines, keys: np.ndarray, others: Lines, other_keys: np
     begins = np.concatenate([[0], group])
     ends = np.concatenate([group, [len(at)]])
     mine_starts = np.concatenate([[0], mine.ends]).astype(np.int64)
-    other_starts = others.starts()
     view, other_view = memoryview(mine.data), memoryview(others.data)
     done = 0
     for pos, lo, hi in zip(mine_starts[at[begins]].tolist(),
-                           other_starts[first + begins].tolist(),
+                           others.starts_of(first + begins).tolist(),
                            others.ends[first + ends - 1].tolist()):
         if pos > done:
             out.write(view[done:pos])
