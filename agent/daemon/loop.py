@@ -231,12 +231,8 @@ class Daemon:
         drain: at the rated rates the signals came about twice a second on
         top of the four drains, each a batch more to every sink."""
         woke = time.monotonic()
-        rings = set()
-        if self.probes.loaded is not None:
-            for ring in self.probes.loaded.rings:
-                for fd in ring.filenos():
-                    self.waiter.watch(fd, edge=True)
-                    rings.add(fd)
+        rings = self.waiter.watch_rings(self.probes.loaded.rings) \
+            if self.probes.loaded is not None else set()
         if self.server is not None:
             self.waiter.watch(self.server.fileno())
         deadline = woke + min(self.idle_wait_s(watchdog_s),
@@ -274,7 +270,12 @@ class Daemon:
         last drain (or a ring filling up had one): batches an idle wait
         apart, whose cost is mostly per batch. P99 windows close after
         every event of theirs is in: the drains stay an idle wait apart."""
-        return time.monotonic() - self._drained_at >= 0.9 * self.idle_wait_s()
+        return self._idle_wait_over(self._drained_at)
+
+    def _idle_wait_over(self, since: float) -> bool:
+        """An idle wait (nearly: a wake a little early still counts) since
+        `since` (monotonic)."""
+        return time.monotonic() - since >= 0.9 * self.idle_wait_s()
 
     def wake(self):
         """One wake of the loop: the whole tick when it is due, else the
@@ -293,8 +294,7 @@ class Daemon:
         soak while it changed nothing a detector sees: their data comes
         with the drains. While the GPU/NPU programs are being wired, every
         wake ticks: the streams go live as soon as they can."""
-        return (self.probes.compiling
-                or time.monotonic() - self._ticked_at >= 0.9 * self.idle_wait_s())
+        return self.probes.compiling or self._idle_wait_over(self._ticked_at)
 
     # ----------------------------------------------------------------- tick
 

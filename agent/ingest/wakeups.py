@@ -39,6 +39,14 @@ class Waiter:
         self._epoll().register(fd, select.EPOLLIN | (select.EPOLLET if edge else 0))
         self._fds.add(fd)
 
+    def watch_rings(self, rings) -> set[int]:
+        """Wake on each of `rings` (StreamRing) when its programs signal;
+        their descriptors (to tell a ring's wake from the others')."""
+        fds = {fd for ring in rings for fd in ring.filenos()}
+        for fd in fds:
+            self.watch(fd, edge=True)
+        return fds
+
     def forget(self, fd: int):
         if fd in self._fds:
             self._fds.discard(fd)

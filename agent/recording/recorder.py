@@ -226,11 +226,7 @@ class _Recording:
         IDLE_WAIT_S has passed. While the GPU/NPU programs compile,
         `compiling_s` at most: their stream goes live as soon as they are
         done."""
-        rings = set()
-        for ring in self.loaded.rings:
-            for fd in ring.filenos():
-                waiter.watch(fd, edge=True)
-                rings.add(fd)
+        rings = waiter.watch_rings(self.loaded.rings)
         if self.telemetry is not None:
             waiter.watch(self.telemetry.server.fileno())
         timeout = compiling_s if self.compiling is not None else IDLE_WAIT_S

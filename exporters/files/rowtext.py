@@ -361,13 +361,6 @@ def write_merged(out, make_rows, records: np.ndarray, keys: np.ndarray, others: 
         done = cut
 
 
-def split(rows: Rows) -> list[bytes]:
-    """Each row's bytes on its own."""
-    blob = rows.bytes()
-    ends = np.cumsum(rows.lengths()).tolist()
-    return [blob[s:e] for s, e in zip([0] + ends[:-1], ends)]
-
-
 def device_lines(make_rows, device, out=None) -> Lines:
     """`make_rows` over the device rows a batch at a time: written to `out`
     when given (then NO_LINES is returned), else returned as Lines."""
@@ -398,10 +391,9 @@ def interleave(out, mine: Lines, keys: np.ndarray, others: Lines, other_keys: np
     group = np.flatnonzero(np.diff(at)) + 1             # where a run of other rows begins
     begins = np.concatenate([[0], group])
     ends = np.concatenate([group, [len(at)]])
-    mine_starts = np.concatenate([[0], mine.ends]).astype(np.int64)
     view, other_view = memoryview(mine.data), memoryview(others.data)
     done = 0
-    for pos, lo, hi in zip(mine_starts[at[begins]].tolist(),
+    for pos, lo, hi in zip(mine.starts_of(at[begins]).tolist(),
                            others.starts_of(first + begins).tolist(),
                            others.ends[first + ends - 1].tolist()):
         if pos > done:
