@@ -197,7 +197,10 @@ def test_status_shows_where_the_launchers_time_goes(tmp_path):
 
 
 def screens(fd, until, timeout=15.0):
-    """Read the terminal until `until(last screen)` holds; return that screen."""
+    """Read the terminal until `until(screen)` holds for a whole screen;
+    return that screen. A screen is whole once the next one has begun: the
+    terminal hands a screen over in pieces, and a test of the piece read so
+    far would pass or fail by how the kernel split it."""
     buf, deadline = b"", time.monotonic() + timeout
     while time.monotonic() < deadline:
         ready, _, _ = select.select([fd], [], [], 0.2)
@@ -206,9 +209,9 @@ def screens(fd, until, timeout=15.0):
                 buf += os.read(fd, 65536)
             except OSError:
                 break
-        last = buf.decode(errors="replace").split("\x1b[H\x1b[2J")[-1]
-        if until(last):
-            return last
+        whole = buf.decode(errors="replace").split("\x1b[H\x1b[2J")[1:-1]
+        if whole and until(whole[-1]):
+            return whole[-1]
     raise AssertionError(f"screen never showed it; last:\n{buf.decode(errors='replace')[-3000:]}")
 
 
