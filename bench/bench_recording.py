@@ -2,7 +2,8 @@
 
     python bench/bench_recording.py [--sizes-mib 128 2048] [--baseline-rev REV]
                                     [--runq-per-drain 2000] [--launches 16]
-                                    [--real-s 15 [--pairs 1] [--keep] | --recording F]
+                                    [--real-s 15 [--pairs 1] [--keep] | --mix-s 90 [--keep]
+                                     | --recording F]
                                     [--commands "export perfetto" ...]
 
 Writes a synthetic recording of each size through the real writer (the
@@ -18,7 +19,11 @@ record` for that long of a pipe ping-pong (tests/workloads/ctxswitch.c,
 --pairs pairs: the scheduler stream at the rate this host switches, with
 the cross-CPU disorder of a shared ring) and a launch loop on NVIDIA's
 real libcudart (tests/native/launch_loop.c: launches, copies and syncs
-that fail without a driver). The synthetic ones carry the same disorder.
+that fail without a driver). With --mix-s (root), a recording of the
+soak's mix instead: 20 000 paced run-queue events a second
+(bench/paced_wakeups.c) beside the soak's GPU and NPU loops (a quarter of
+the events are GPU/NPU calls, where each costs the exporters most). The
+synthetic ones carry the same disorder.
 With --baseline-rev, the same commands of that git revision run side by
 side on the sizes up to --baseline-max-mib (the old reader holds the whole
 file and more). Figures go to bench/out/recording.json.
@@ -108,6 +113,41 @@ def real_recording(path: Path, seconds: int, pairs: int) -> dict[str, int]:
     return recording_counts(path)
 
 
+def mix_recording(path: Path, seconds: int) -> dict[str, int]:
+    """`mmtrace record` of the soak's mix (bench/soak.py); events by schema."""
+    from profile_daemon import soak_loops
+    loops, pids, extra = soak_loops(path.parent / "mix")
+    pacer = subprocess.Popen([native.build(ROOT / "bench" / "paced_wakeups.c", flags=["-pthread"]),
+                              str(seconds + 5), "10000"], stdout=subprocess.DEVNULL)
+    pids.append(pacer.pid)
+    libs = [a for a in extra if a != "--trace-launches"]
+    rec = subprocess.Popen(mmtrace("record", "-o", path, "--duration", seconds,
+                                   *(a for pid in pids for a in ("--pid", pid)), *libs),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    line = rec.stdout.readline()
+    while line and not line.startswith("gpu/npu stream live"):
+        line = rec.stdout.readline()
+    started = []
+    try:
+        if not line:
+            raise SystemExit(f"mmtrace record ended before its GPU/NPU stream was live "
+                             f"(exit {rec.wait()})")
+        for loop in loops:
+            loop.start()
+            started.append(loop)
+        rec.communicate(timeout=seconds + 60)
+    finally:
+        for loop in started:
+            loop.stop()
+        pacer.kill()
+        pacer.wait()
+        rec.kill()
+        rec.wait()
+    if rec.returncode:
+        raise SystemExit(f"mmtrace record failed (exit {rec.returncode})")
+    return recording_counts(path)
+
+
 def _median_run(runs: list[dict]) -> dict:
     """The run of median CPU time (a failed one, if any failed), with every
     round's CPU and the highest peak RSS."""
@@ -168,6 +208,8 @@ def main():
     ap.add_argument("--real-s", type=int, default=0,
                     help="first a real recording of this many seconds (root; 0: none)")
     ap.add_argument("--pairs", type=int, default=1, help="ping-pong pairs of --real-s")
+    ap.add_argument("--mix-s", type=int, default=0,
+                    help="first a real recording of the soak's mix, this many seconds (root)")
     ap.add_argument("--recording", type=Path,
                     help="a real recording made before (--real-s with --keep): the same "
                          "file for every run")
@@ -185,6 +227,12 @@ def main():
         path = opts.dir / f"real-{opts.real_s}s.mmtr"
         counts = real_recording(path, opts.real_s, opts.pairs)
         run_commands(opts, envs, path, counts, "real", True, results)
+        if not opts.keep:
+            path.unlink()
+    if opts.mix_s:
+        path = opts.dir / f"mix-{opts.mix_s}s.mmtr"
+        counts = mix_recording(path, opts.mix_s)
+        run_commands(opts, envs, path, counts, "mix", True, results)
         if not opts.keep:
             path.unlink()
     if opts.recording:
