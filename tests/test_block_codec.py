@@ -1,6 +1,6 @@
 """block_codec: a block of records packed and unpacked byte for byte,
 whatever the records hold; constant and near-random byte positions kept
-apart from the ones zlib is given."""
+apart from the ones LZ4 is given."""
 
 import numpy as np
 from hypothesis import given, settings, strategies as st

@@ -1,34 +1,30 @@
 """A block of fixed-size records packed small, cheaply (PackedRing's seal).
 
-zlib is given bytes one by one and is slowest where they vary most; most
-of a run-queue record's 56 bytes are the same in every record of a block
-(the high bytes of every id, the tail of the command, the process of a
-scoped trace), and a few low bytes (of the timestamp's step and of the
-delay) are close to random, where zlib spends the most and saves little.
-So a block is cut by byte position, as a byte shuffle would:
+Most of a run-queue record's 56 bytes are the same in every record of a
+block (the high bytes of every id, the tail of the command, the process
+of a scoped trace), and a few low bytes (of the timestamp's step and of
+the delay) are close to random, where a compressor spends the most and
+saves little. So a block is cut by byte position, as a byte shuffle would:
 - positions whose byte is the same in every record are kept once;
 - positions whose bytes vary a lot (order-0 entropy over `raw_bits` bits
   a byte) are kept as they are;
-- the rest, near-constant, go through one zlib call.
+- the rest, near-constant, go through one LZ4 call (the lz4 package):
+  on these planes it is 6-8 times faster than zlib at level 1, for 10-13 %
+  more bytes (BENCHMARKS.md), and a daemon packs every record it holds.
 A timestamp field is kept as zigzagged differences first, so that records
 out of order (two CPUs sharing a ring) still give small numbers. Decoding
-gives back every byte exactly. On a ping-pong's run-queue records (at
-RUNQ_RAW_BITS) this takes a third of the CPU of zlib on the whole
-shuffled block, for 4.3 against 3.2 bytes a record; on the soak's aligned
-GPU/NPU records three quarters, for the same 5.4 bytes.
+gives back every byte exactly.
 """
 
-import zlib
 from dataclasses import dataclass
 
+import lz4.block
 import numpy as np
 
-# Order-0 entropy (bits a byte) above which a position is kept as it is: zlib
-# is slowest on such bytes and leaves most of them. At 4 bits the aligned
-# GPU/NPU records of the soak pack as small as zlib on every byte made them
-# (5.4 B), in three quarters of its CPU; the run-queue ring asks for 2.5
-# (RUNQ_RAW_BITS): a ping-pong's delay byte of 2.6 bits cost zlib ~15 ns a
-# record, for 0.7 B saved.
+# Order-0 entropy (bits a byte) above which a position is kept as it is: a
+# compressor leaves most of such bytes, and LZ4, which codes repeats and no
+# entropy, leaves them all. The run-queue ring asks for 2.5 (RUNQ_RAW_BITS):
+# a ping-pong's delay bytes are that noisy.
 RAW_BITS = 4.0
 RUNQ_RAW_BITS = 2.5
 ENTROPY_SAMPLE = 1024   # records looked at to judge a position's entropy
@@ -43,8 +39,8 @@ class Packed:
     first: bytes            # the first record's bytes (the constant positions' values)
     varying: np.ndarray     # byte positions that vary, in order (uint16)
     raw: np.ndarray         # bool per varying position: kept as is (else zipped)
-    zipped: int             # bytes of `data` that are zlib of the other positions
-    # The zipped positions' bytes (zlib), then the raw ones', position after
+    zipped: int             # bytes of `data` that are LZ4 of the other positions
+    # The zipped positions' bytes (LZ4), then the raw ones', position after
     # position: bytes, or any buffer the holder moved them into (an mmap).
     data: object
 
@@ -112,8 +108,7 @@ def _varying(columns: np.ndarray) -> np.ndarray:
     return (high ^ low).view(np.uint8) != 0
 
 
-def pack(records: np.ndarray, time_field: str | None = "ts_ns", level: int = 1, *,
-         in_place: bool = False, raw_bits: float = RAW_BITS,
+def pack(records: np.ndarray, time_field: str | None = "ts_ns", *, in_place: bool = False, raw_bits: float = RAW_BITS,
          judged: np.ndarray | None = None) -> Packed:
     """`records` (one dtype, any order) packed; `time_field` (uint64) is
     kept as steps. The records are not changed, unless `in_place` (and they
@@ -147,8 +142,8 @@ def pack(records: np.ndarray, time_field: str | None = "ts_ns", level: int = 1, 
         verdicts[unknown] = _entropy_bits(rows[::every][:, varying[unknown]]) > raw_bits
         judged[varying[unknown]] = verdicts[unknown]
     raw = verdicts > 0
-    zipped = zlib.compress(np.ascontiguousarray(rows[:, varying[~raw]].T), level) \
-        if (~raw).any() else b""
+    zipped = lz4.block.compress(np.ascontiguousarray(rows[:, varying[~raw]].T),
+                                store_size=False) if (~raw).any() else b""
     data = zipped + np.ascontiguousarray(rows[:, varying[raw]].T).tobytes() if raw.any() \
         else zipped
     return Packed(n, first_time, first, varying, raw, len(zipped), data)
@@ -163,7 +158,8 @@ def unpack(packed: Packed, dtype: np.dtype, time_field: str | None = "ts_ns") ->
     data = memoryview(packed.data)
     raw, varying = packed.raw, packed.varying
     if (~raw).any():
-        planes = np.frombuffer(zlib.decompress(data[:packed.zipped]), np.uint8)
+        planes = np.frombuffer(lz4.block.decompress(
+            data[:packed.zipped], uncompressed_size=n * int((~raw).sum())), np.uint8)
         rows[:, varying[~raw]] = planes.reshape(-1, n).T
     if raw.any():
         rows[:, varying[raw]] = np.frombuffer(data[packed.zipped:], np.uint8).reshape(-1, n).T

@@ -5,12 +5,10 @@ at 20 000 events a second is 34 MB of 56-byte records, half again the
 rest of the daemon; the aligned GPU/NPU records are 248 bytes each. The
 records compress well once their bytes are regrouped by position and
 timestamps kept as differences (the same threads, commands, streams and
-APIs recur). zlib costs about the same for every byte it is given, so a
-block is packed by block_codec: byte positions that never change in the
-block are kept once, near-random ones (the low bytes of time steps and
-delays) as they are, and only the rest go through zlib (level 1): about
-3-5 bytes a run-queue record, for a third to a half of the CPU of zlib on
-every shuffled byte (BENCHMARKS.md). Records arrive in batches into a hot
+APIs recur). A block is packed by block_codec: byte positions that never
+change in the block are kept once, near-random ones (the low bytes of time
+steps and delays) as they are, and only the rest go through LZ4: about
+8 bytes a run-queue record and 6.5 an aligned GPU/NPU one (BENCHMARKS.md). Records arrive in batches into a hot
 block; a block is sealed (packed) once it holds `block_records` or spans
 `block_ns` (a quarter second by default: the hot block is the only part
 held raw; the run-queue ring's blocks span a second, about 1 MB raw at
@@ -84,7 +82,7 @@ class _Block:
 class PackedRing:
     def __init__(self, dtype: np.dtype, capacity: int, max_age_ns: int, *,
                  block_records: int = 1 << 15, block_ns: int = 250_000_000,
-                 level: int = 1, raw_bits: float = block_codec.RAW_BITS):
+                 raw_bits: float = block_codec.RAW_BITS):
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.dtype = np.dtype(dtype)
@@ -92,7 +90,6 @@ class PackedRing:
         self.max_age_ns = max_age_ns
         self.block_records = max(1, min(block_records, capacity))
         self.block_ns = block_ns
-        self.level = level
         self.raw_bits = raw_bits        # block_codec.pack's
         self._blocks: list[_Block] = []
         # Which byte positions are kept raw (block_codec.pack's `judged`), and
@@ -182,7 +179,7 @@ class PackedRing:
             # The hot block is written over next: packed where it is.
             if self._since_judged == REJUDGE_BLOCKS:
                 self._judged[:], self._since_judged = -1, 0
-            packed = block_codec.pack(part, "ts_ns", self.level, in_place=True,
+            packed = block_codec.pack(part, "ts_ns", in_place=True,
                                       raw_bits=self.raw_bits, judged=self._judged)
             self._since_judged += 1
             packed.data = _kept(packed.data)
