@@ -89,3 +89,17 @@ def test_a_byte_that_differs_in_one_record_anywhere_is_kept_varying():
             packed = block_codec.pack(records, None)
             assert (len(packed.varying) > 0) == (n > 1), (n, where)
             assert block_codec.unpack(packed, RUNQ_EVENT, None).tobytes() == records.tobytes()
+
+
+def test_without_the_lz4_package_blocks_pack_with_zlib_and_come_back(monkeypatch):
+    """A host with only what bench/gpu_bundle brings may lack lz4 (compiled
+    packages are the host's own): the rings pack with zlib there, byte for
+    byte as well, and smaller (zlib codes the planes' entropy)."""
+    records = ping_pong(20_000)
+    with_lz4 = block_codec.pack(records.copy())
+    assert block_codec.lz4_block is not None        # the suite's own environment has it
+    monkeypatch.setattr(block_codec, "lz4_block", None)
+    with_zlib = block_codec.pack(records.copy())
+    assert block_codec.unpack(with_zlib, RUNQ_EVENT).tobytes() == records.tobytes()
+    assert with_zlib.nbytes < with_lz4.nbytes
+    assert bytes(with_zlib.data[:with_zlib.zipped]) != bytes(with_lz4.data[:with_lz4.zipped])

@@ -16,10 +16,15 @@ out of order (two CPUs sharing a ring) still give small numbers. Decoding
 gives back every byte exactly.
 """
 
+import zlib
 from dataclasses import dataclass
 
-import lz4.block
 import numpy as np
+
+try:
+    import lz4.block as lz4_block
+except ImportError:     # a host with only what bench/gpu_bundle brings (compiled
+    lz4_block = None    # packages are the host's own): zlib, slower, packs all the same
 
 # Order-0 entropy (bits a byte) above which a position is kept as it is: a
 # compressor leaves most of such bytes, and LZ4, which codes repeats and no
@@ -142,11 +147,24 @@ def pack(records: np.ndarray, time_field: str | None = "ts_ns", *, in_place: boo
         verdicts[unknown] = _entropy_bits(rows[::every][:, varying[unknown]]) > raw_bits
         judged[varying[unknown]] = verdicts[unknown]
     raw = verdicts > 0
-    zipped = lz4.block.compress(np.ascontiguousarray(rows[:, varying[~raw]].T),
-                                store_size=False) if (~raw).any() else b""
+    zipped = _compress(np.ascontiguousarray(rows[:, varying[~raw]].T)) if (~raw).any() else b""
     data = zipped + np.ascontiguousarray(rows[:, varying[raw]].T).tobytes() if raw.any() \
         else zipped
     return Packed(n, first_time, first, varying, raw, len(zipped), data)
+
+
+def _compress(planes: np.ndarray) -> bytes:
+    if lz4_block is None:
+        return zlib.compress(planes, 1)
+    return lz4_block.compress(planes, store_size=False)
+
+
+def _decompress(data, size: int) -> bytes:
+    """`size` bytes of what _compress made (blocks live in memory only: the
+    codec that packed a block is the one that unpacks it)."""
+    if lz4_block is None:
+        return zlib.decompress(data)
+    return lz4_block.decompress(data, uncompressed_size=size)
 
 
 def unpack(packed: Packed, dtype: np.dtype, time_field: str | None = "ts_ns") -> np.ndarray:
@@ -158,8 +176,8 @@ def unpack(packed: Packed, dtype: np.dtype, time_field: str | None = "ts_ns") ->
     data = memoryview(packed.data)
     raw, varying = packed.raw, packed.varying
     if (~raw).any():
-        planes = np.frombuffer(lz4.block.decompress(
-            data[:packed.zipped], uncompressed_size=n * int((~raw).sum())), np.uint8)
+        planes = np.frombuffer(_decompress(data[:packed.zipped], n * int((~raw).sum())),
+                               np.uint8)
         rows[:, varying[~raw]] = planes.reshape(-1, n).T
     if raw.any():
         rows[:, varying[raw]] = np.frombuffer(data[packed.zipped:], np.uint8).reshape(-1, n).T
