@@ -1,97 +1,144 @@
-"""The flight recorder's block packing, LZ4 against zlib, on a real recording.
+"""The flight recorder's rings, packed with LZ4 against zlib, on a real recording.
 
 The daemon holds its recent past packed (agent/ingest/packed_ring.py): the
 run-queue records in blocks of a second, the aligned GPU/NPU records in
-blocks of a quarter second. block_codec gives the near-constant byte planes
-to LZ4 (the lz4 package), or to zlib at level 1 where lz4 is missing. This
-packs the recording's records in blocks of those sizes both ways, in
-interleaved rounds: CPU per record of the whole pack (what the daemon
-pays) and of the unpack (a flight recording, `top`), and bytes held per
-record; the median of --rounds, and the ratios.
+blocks of a quarter second, each block's near-constant byte planes given
+to LZ4 (the lz4 package), or to zlib at level 1 where lz4 is missing
+(agent/ingest/block_codec.py). This pushes a recording's records into
+rings built as the daemon builds them (its default capacities and reach),
+in the order the recording holds them (the rings' own, with the disorder
+of CPUs sharing a ring), the GPU/NPU ones aligned first by an Aligner as
+the daemon's (not timed), and reads each ring back whole at the end. Per
+codec, in interleaved rounds: CPU per record of the pushes (the hot block's
+copies and the seals: what the daemon pays), of the read (a flight
+recording, `top`), and the bytes held per record at the end; the median of
+--rounds, and the ratios. Every read is checked against a plain ring.
+
+--raw-bits B ... also packs with both codecs at each entropy threshold B
+(block_codec's RAW_BITS: positions noisier than B bits a byte are kept
+raw), for both rings.
 
 Usage: .venv/bin/python bench/bench_block_codec.py --recording FILE [--rounds 5]
-(a recording of the soak's mix: bench_recording.py --mix-s 90 --keep)
+           [--raw-bits 2 2.5 3 4 5]
+FILE: a recording of the soak's mix, made as root with
+    .venv/bin/python bench/bench_recording.py --mix-s 90 --keep --sizes-mib --commands report
+(it lands in /var/tmp/mmtrace-bench/mix-90s.mmtr). Figures go to bench/out/block_codec.json.
 """
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
+from mmtrace.agent.config.settings import DaemonConfig
+from mmtrace.agent.daemon.streams import RUNQ_BLOCK_NS
 from mmtrace.agent.ingest import block_codec
-from mmtrace.agent.ingest.align import ApiRoles, align
+from mmtrace.agent.ingest.align import ALIGNED_EVENT, Aligner, ApiRoles
+from mmtrace.agent.ingest.event_ring import EventRing
+from mmtrace.agent.ingest.packed_ring import PackedRing
 from mmtrace.agent.recording.file_format import RecordingReader
 from mmtrace.bpf import device as device_stream
+from mmtrace.bpf.sched import RUNQ_EVENT
 
-CODECS = {"lz4": block_codec.lz4_block, "zlib": None}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_recording import write_out  # noqa: E402
+
+LZ4 = block_codec.lz4_block
 
 
-def blocks_of(path: str, runq_block_s: float = 1.0, device_block_s: float = 0.25,
-              limit: int = 2_000_000) -> dict:
-    """(records in blocks, raw_bits) per stream, blocks cut by time as the rings cut them."""
+def batches_of(path: str) -> dict:
+    """Per ring: (its records' batches in the recording's order, the ring's
+    kwargs besides raw_bits, its default raw_bits)."""
+    config = DaemonConfig()
+    age = int(config.ring_seconds * 1e9)
     out = {}
     with RecordingReader(path) as reader:
-        for schema, raw_bits, span in (("cpu.runq", block_codec.RUNQ_RAW_BITS, runq_block_s),
-                                       ("dev.event", block_codec.RAW_BITS, device_block_s)):
-            if schema not in reader.schemas:
-                continue
-            parts, n = [], 0
-            for piece in reader.pieces(schema):
-                parts.append(piece)
-                n += len(piece)
-                if n >= limit:
-                    break
-            records = np.concatenate(parts)
-            records = records[np.argsort(records["ts_ns"], kind="stable")]
-            if schema == "dev.event":
-                records = align(records, ApiRoles.from_infos(device_stream.default_infos()))
-            ts = records["ts_ns"]
-            cuts = np.searchsorted(ts, np.arange(int(ts[0]), int(ts[-1]), int(span * 1e9)))
-            out[schema] = ([records[a:b] for a, b in zip(cuts, list(cuts[1:]) + [len(ts)])
-                            if b > a], raw_bits)
+        if "cpu.runq" in reader.schemas:
+            runq = [p.copy() for p in reader.pieces("cpu.runq") if len(p)]
+            if runq:
+                out["run-queue"] = (runq, dict(dtype=RUNQ_EVENT, capacity=config.ring_capacity,
+                                               max_age_ns=age, block_ns=RUNQ_BLOCK_NS),
+                                    block_codec.RAW_BITS)
+        if "dev.event" in reader.schemas:
+            aligner = Aligner(ApiRoles.from_infos(device_stream.default_infos()),
+                              capacity=config.device_ring_capacity, max_age_ns=age)
+            aligned = [aligner.push(p.copy()) for p in reader.pieces("dev.event") if len(p)]
+            aligned = [a for a in aligned if len(a)]
+            if aligned:
+                out["GPU/NPU"] = (aligned, dict(dtype=ALIGNED_EVENT,
+                                                capacity=config.device_ring_capacity,
+                                                max_age_ns=age), block_codec.RAW_BITS)
     return out
 
 
-def one_round(blocks: list, raw_bits: float) -> tuple[float, float, float]:
-    """(pack ns, unpack ns, bytes) per record, with the codec set now."""
-    n = sum(len(b) for b in blocks)
-    work = [b.copy() for b in blocks]
-    judged = np.full(blocks[0].dtype.itemsize, -1, np.int8)
-    t0 = time.process_time()
-    packed = [block_codec.pack(b, "ts_ns", in_place=True, raw_bits=raw_bits, judged=judged)
-              for b in work]
-    t1 = time.process_time()
-    for p, b in zip(packed, blocks):
-        block_codec.unpack(p, b.dtype, "ts_ns")
-    t2 = time.process_time()
-    return (t1 - t0) / n * 1e9, (t2 - t1) / n * 1e9, sum(p.nbytes for p in packed) / n
+def one_round(batches: list, ring_args: dict, raw_bits: float, use_lz4: bool) -> dict:
+    """Push every batch into a ring packed with one codec; CPU per record
+    of the pushes and of the read, bytes held per record; the read checked
+    against a plain ring of the same limits."""
+    block_codec.lz4_block = LZ4 if use_lz4 else None
+    try:
+        ring = PackedRing(**ring_args, raw_bits=raw_bits)
+        t0 = time.process_time()
+        for batch in batches:
+            ring.push(batch)
+        t1 = time.process_time()
+        got = ring.window()
+        t2 = time.process_time()
+    finally:
+        block_codec.lz4_block = LZ4
+    plain = EventRing(ring_args["dtype"], ring_args["capacity"], ring_args["max_age_ns"])
+    for batch in batches:
+        plain.push(batch)
+    if got.tobytes() != plain.window().tobytes():
+        raise SystemExit("the packed ring read back other records than were pushed")
+    pushed, held = sum(len(b) for b in batches), max(len(ring), 1)
+    return {"push_ns": (t1 - t0) / pushed * 1e9, "read_ns": (t2 - t1) / held * 1e9,
+            "held_bytes": ring.nbytes / held, "held_records": len(ring)}
+
+
+def medians(runs: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recording", required=True)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--raw-bits", type=float, nargs="*", default=[],
+                    help="also these entropy thresholds (bits a byte), both codecs")
     opts = ap.parse_args()
-    if CODECS["lz4"] is None:
+    if LZ4 is None:
         raise SystemExit("the lz4 package is not installed: nothing to compare")
-    for schema, (blocks, raw_bits) in blocks_of(opts.recording).items():
-        runs = {name: [] for name in CODECS}
+    block_codec._warned_no_lz4 = True      # zlib here is chosen, not missing lz4
+    rings = batches_of(opts.recording)
+    if not rings:
+        raise SystemExit(f"{opts.recording}: no run-queue or GPU/NPU records")
+    results = []
+    for name, (batches, ring_args, raw_bits) in rings.items():
+        variants = {}
+        for bits in [raw_bits] + [b for b in opts.raw_bits if b != raw_bits]:
+            suffix = "" if bits == raw_bits else f", {bits:g} bits"
+            variants.update({f"zlib{suffix}": (bits, False), f"lz4{suffix}": (bits, True)})
+        runs = {v: [] for v in variants}
         for _ in range(opts.rounds):
-            for name, module in CODECS.items():
-                block_codec.lz4_block = module
-                runs[name].append(one_round(blocks, raw_bits))
-        block_codec.lz4_block = CODECS["lz4"]
-        n = sum(len(b) for b in blocks)
-        print(f"{schema}: {n:,} records in {len(blocks)} blocks, medians of {opts.rounds} rounds")
-        med = {name: [statistics.median(r[k] for r in rs) for k in range(3)]
-               for name, rs in runs.items()}
-        for name, (pack_ns, unpack_ns, held) in med.items():
-            print(f"  {name:<5} pack {pack_ns:7.1f} ns/record  unpack {unpack_ns:6.1f} ns/record"
-                  f"  held {held:5.2f} B/record")
+            for v, (bits, use_lz4) in variants.items():
+                runs[v].append(one_round(batches, ring_args, bits, use_lz4))
+        med = {v: medians(r) for v, r in runs.items()}
+        pushed = sum(len(b) for b in batches)
+        print(f"{name}: {pushed:,} records pushed, {med['lz4']['held_records']:,.0f} held at the "
+              f"end (raw_bits {raw_bits:g}); medians of {opts.rounds} rounds")
+        for v, m in med.items():
+            print(f"  {v:<15} push {m['push_ns']:7.1f} ns/record  read {m['read_ns']:6.1f} "
+                  f"ns/record  held {m['held_bytes']:5.2f} B/record")
+            results.append({"ring": name, "variant": v, "raw_bits": variants[v][0], **m,
+                            "rounds": runs[v]})
         lz, zl = med["lz4"], med["zlib"]
-        print(f"  lz4 / zlib: pack {lz[0] / zl[0]:.2f}x, unpack {lz[1] / zl[1]:.2f}x, "
-              f"held {lz[2] / zl[2]:.2f}x")
+        print(f"  lz4 / zlib: push {lz['push_ns'] / zl['push_ns']:.2f}x, read "
+              f"{lz['read_ns'] / zl['read_ns']:.2f}x, held {lz['held_bytes'] / zl['held_bytes']:.2f}x")
+    write_out("block_codec.json", results)
 
 
 if __name__ == "__main__":

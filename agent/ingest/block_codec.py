@@ -8,15 +8,18 @@ saves little. So a block is cut by byte position, as a byte shuffle would:
 - positions whose byte is the same in every record are kept once;
 - positions whose bytes vary a lot (order-0 entropy over `raw_bits` bits
   a byte) are kept as they are;
-- the rest, near-constant, go through one LZ4 call (the lz4 package):
-  on these planes it is 6-8 times faster than zlib at level 1, for 10-13 %
-  more bytes (BENCHMARKS.md), and a daemon packs every record it holds.
+- the rest, near-constant, go through one LZ4 call (the lz4 package): a
+  block packs in about half the CPU of zlib at level 1, for 9-13 % more
+  bytes held on the soak's mix (noisier streams grow more: LZ4 codes
+  repeats, not entropy), and a daemon packs every record it holds
+  (bench/bench_block_codec.py, BENCHMARKS.md). Without the package, zlib.
 A timestamp field is kept as zigzagged differences first, so that records
 out of order (two CPUs sharing a ring) still give small numbers. Decoding
 gives back every byte exactly.
 """
 
 import zlib
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,12 +29,16 @@ try:
 except ImportError:     # a host with only what bench/gpu_bundle brings (compiled
     lz4_block = None    # packages are the host's own): zlib, slower, packs all the same
 
+log = logging.getLogger("mmtrace")
+
 # Order-0 entropy (bits a byte) above which a position is kept as it is: a
-# compressor leaves most of such bytes, and LZ4, which codes repeats and no
-# entropy, leaves them all. The run-queue ring asks for 2.5 (RUNQ_RAW_BITS):
-# a ping-pong's delay bytes are that noisy.
+# compressor leaves most of such bytes and spends the most on them. With
+# zlib the run-queue ring kept its 2.5-bit positions raw (a ping-pong's
+# delay byte cost zlib 15 ns a record for 0.7 B saved); LZ4 finds repeats
+# in those planes cheaply: at 4 bits both rings hold 13-14 % fewer bytes
+# than at 2.5, fewer than zlib did, for 5-10 % more pack CPU
+# (bench_block_codec.py --raw-bits, BENCHMARKS.md).
 RAW_BITS = 4.0
-RUNQ_RAW_BITS = 2.5
 ENTROPY_SAMPLE = 1024   # records looked at to judge a position's entropy
 FOLD = 64               # rows folded into one for _varying's reductions
 
@@ -43,11 +50,12 @@ class Packed:
     first_time: int         # the time field's first value (its steps start from it)
     first: bytes            # the first record's bytes (the constant positions' values)
     varying: np.ndarray     # byte positions that vary, in order (uint16)
-    raw: np.ndarray         # bool per varying position: kept as is (else zipped)
-    zipped: int             # bytes of `data` that are LZ4 of the other positions
-    # The zipped positions' bytes (LZ4), then the raw ones', position after
+    raw: np.ndarray         # bool per varying position: kept as is (else compressed)
+    zipped: int             # bytes of `data` that are the other positions compressed
+    # The compressed positions' bytes, then the raw ones', position after
     # position: bytes, or any buffer the holder moved them into (an mmap).
     data: object
+    lz4: bool = True        # compressed by LZ4, else by zlib (no lz4 package)
 
     @property
     def nbytes(self) -> int:
@@ -113,8 +121,8 @@ def _varying(columns: np.ndarray) -> np.ndarray:
     return (high ^ low).view(np.uint8) != 0
 
 
-def pack(records: np.ndarray, time_field: str | None = "ts_ns", *, in_place: bool = False, raw_bits: float = RAW_BITS,
-         judged: np.ndarray | None = None) -> Packed:
+def pack(records: np.ndarray, time_field: str | None = "ts_ns", *, in_place: bool = False,
+         raw_bits: float = RAW_BITS, judged: np.ndarray | None = None) -> Packed:
     """`records` (one dtype, any order) packed; `time_field` (uint64) is
     kept as steps. The records are not changed, unless `in_place` (and they
     are contiguous): then their time field is left as the steps. Which
@@ -147,24 +155,33 @@ def pack(records: np.ndarray, time_field: str | None = "ts_ns", *, in_place: boo
         verdicts[unknown] = _entropy_bits(rows[::every][:, varying[unknown]]) > raw_bits
         judged[varying[unknown]] = verdicts[unknown]
     raw = verdicts > 0
-    zipped = _compress(np.ascontiguousarray(rows[:, varying[~raw]].T)) if (~raw).any() else b""
+    use_lz4 = lz4_block is not None
+    zipped = _compress(np.ascontiguousarray(rows[:, varying[~raw]].T), use_lz4) \
+        if (~raw).any() else b""
     data = zipped + np.ascontiguousarray(rows[:, varying[raw]].T).tobytes() if raw.any() \
         else zipped
-    return Packed(n, first_time, first, varying, raw, len(zipped), data)
+    return Packed(n, first_time, first, varying, raw, len(zipped), data, use_lz4)
 
 
-def _compress(planes: np.ndarray) -> bytes:
-    if lz4_block is None:
-        return zlib.compress(planes, 1)
-    return lz4_block.compress(planes, store_size=False)
+_warned_no_lz4 = False
 
 
-def _decompress(data, size: int) -> bytes:
-    """`size` bytes of what _compress made (blocks live in memory only: the
-    codec that packed a block is the one that unpacks it)."""
-    if lz4_block is None:
-        return zlib.decompress(data)
-    return lz4_block.decompress(data, uncompressed_size=size)
+def _compress(planes: np.ndarray, use_lz4: bool) -> bytes:
+    global _warned_no_lz4
+    if use_lz4:
+        return lz4_block.compress(planes, store_size=False)
+    if not _warned_no_lz4:
+        _warned_no_lz4 = True
+        log.warning("the lz4 package is not installed: the flight recorder's rings pack "
+                    "with zlib, at about twice the CPU (pip install lz4)")
+    return zlib.compress(planes, 1)
+
+
+def _decompress(data, size: int, use_lz4: bool) -> bytes:
+    """The `size` bytes that _compress was given, by the codec that packed them."""
+    if use_lz4:
+        return lz4_block.decompress(data, uncompressed_size=size)
+    return zlib.decompress(data, bufsize=size)
 
 
 def unpack(packed: Packed, dtype: np.dtype, time_field: str | None = "ts_ns") -> np.ndarray:
@@ -176,8 +193,8 @@ def unpack(packed: Packed, dtype: np.dtype, time_field: str | None = "ts_ns") ->
     data = memoryview(packed.data)
     raw, varying = packed.raw, packed.varying
     if (~raw).any():
-        planes = np.frombuffer(_decompress(data[:packed.zipped], n * int((~raw).sum())),
-                               np.uint8)
+        planes = np.frombuffer(_decompress(data[:packed.zipped], n * int((~raw).sum()),
+                                           packed.lz4), np.uint8)
         rows[:, varying[~raw]] = planes.reshape(-1, n).T
     if raw.any():
         rows[:, varying[raw]] = np.frombuffer(data[packed.zipped:], np.uint8).reshape(-1, n).T

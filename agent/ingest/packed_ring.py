@@ -7,9 +7,10 @@ records compress well once their bytes are regrouped by position and
 timestamps kept as differences (the same threads, commands, streams and
 APIs recur). A block is packed by block_codec: byte positions that never
 change in the block are kept once, near-random ones (the low bytes of time
-steps and delays) as they are, and only the rest go through LZ4: about
-8 bytes a run-queue record and 6.5 an aligned GPU/NPU one (BENCHMARKS.md). Records arrive in batches into a hot
-block; a block is sealed (packed) once it holds `block_records` or spans
+steps and delays) as they are, and only the rest go through LZ4: on the
+soak's mix about 8 bytes a run-queue record and 7.3 an aligned GPU/NPU one
+(bench_sink.py, BENCHMARKS.md). Records arrive in batches into a hot block;
+a block is sealed (packed) once it holds `block_records` or spans
 `block_ns` (a quarter second by default: the hot block is the only part
 held raw; the run-queue ring's blocks span a second, about 1 MB raw at
 the rated rate, so that a block's fixed cost is spread over a second's
