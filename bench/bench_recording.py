@@ -30,9 +30,11 @@ file and more). Figures go to bench/out/recording.json.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -114,38 +116,52 @@ def real_recording(path: Path, seconds: int, pairs: int) -> dict[str, int]:
 
 
 def mix_recording(path: Path, seconds: int) -> dict[str, int]:
-    """`mmtrace record` of the soak's mix (bench/soak.py); events by schema."""
-    from profile_daemon import soak_loops
-    loops, pids, extra = soak_loops(path.parent / "mix")
-    pacer = subprocess.Popen([native.build(ROOT / "bench" / "paced_wakeups.c", flags=["-pthread"]),
-                              str(seconds + 5), "10000"], stdout=subprocess.DEVNULL)
-    pids.append(pacer.pid)
-    libs = [a for a in extra if a != "--trace-launches"]
-    rec = subprocess.Popen(mmtrace("record", "-o", path, "--duration", seconds,
-                                   *(a for pid in pids for a in ("--pid", pid)), *libs),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    line = rec.stdout.readline()
-    while line and not line.startswith("gpu/npu stream live"):
+    """`mmtrace record` of the soak's mix (bench/soak.py); events by schema.
+    Every process is ended on every way out (record first interrupted, so
+    that it detaches its probes and finishes its file)."""
+    from soak import soak_loops
+    with contextlib.ExitStack() as ends:
+        loops, pids, extra = soak_loops(path.parent / "mix")
+        for loop in loops:
+            ends.callback(loop.stop)
+        # Paced for far longer than the recording: it is killed at the end.
+        pacer = subprocess.Popen([native.build(ROOT / "bench" / "paced_wakeups.c",
+                                               flags=["-pthread"]),
+                                  str(seconds + 600), "10000"], stdout=subprocess.DEVNULL)
+        ends.callback(_ended, pacer, kill=True)
+        pids.append(pacer.pid)
+        libs = [a for a in extra if a != "--trace-launches"]
+        rec = subprocess.Popen(mmtrace("record", "-o", path, "--duration", seconds,
+                                       *(a for pid in pids for a in ("--pid", pid)), *libs),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        ends.callback(_ended, rec)
         line = rec.stdout.readline()
-    started = []
-    try:
+        while line and not line.startswith("gpu/npu stream live"):
+            line = rec.stdout.readline()
         if not line:
             raise SystemExit(f"mmtrace record ended before its GPU/NPU stream was live "
                              f"(exit {rec.wait()})")
         for loop in loops:
             loop.start()
-            started.append(loop)
         rec.communicate(timeout=seconds + 60)
-    finally:
-        for loop in started:
-            loop.stop()
-        pacer.kill()
-        pacer.wait()
-        rec.kill()
-        rec.wait()
     if rec.returncode:
         raise SystemExit(f"mmtrace record failed (exit {rec.returncode})")
     return recording_counts(path)
+
+
+def _ended(proc: subprocess.Popen, kill: bool = False):
+    """`proc` ended: interrupted (killed, if `kill` or if it lingers 30 s)."""
+    if proc.poll() is not None:
+        return
+    if kill:
+        proc.kill()
+    else:
+        proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _median_run(runs: list[dict]) -> dict:

@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import native  # noqa: E402
 from bench_recording import baseline_env  # noqa: E402
+from soak import soak_loops  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -84,21 +85,6 @@ def start_daemon(pids, tmp: Path, env: dict, extra=()) -> subprocess.Popen:
             break
     threading.Thread(target=lambda: collections.deque(daemon.stdout, 0), daemon=True).start()
     return daemon
-
-
-def soak_loops(tmp: Path):
-    """The soak's GPU and NPU loops, paced as it paces them (not started),
-    their pids, and the daemon's arguments that trace them."""
-    from gpu_fixtures import build_natives
-    from soak import Paced
-    natives = build_natives(tmp / "natives")
-    ascend_loop = native.build(ROOT / "bench" / "ascend_loop.c",
-                               flags=[f"-I{native.NATIVE}", str(natives.ascendcl),
-                                      str(natives.opapi), f"-Wl,-rpath,{natives.dir}"])
-    loops = [Paced([natives.launch_loop], 2000), Paced([ascend_loop], 500)]
-    extra = ["--trace-launches"] + [a for lib in (natives.cudart, natives.ascendcl, natives.opapi)
-                                    for a in ("--lib", lib)]
-    return loops, [loop.proc.pid for loop in loops], extra
 
 
 def show(label: str, total: int, inclusive, own, cpu_percent: float, top: int):

@@ -103,10 +103,33 @@ class Paced:
             self._stop.wait(max(0.0, next_at - time.monotonic()))
 
     def stop(self):
+        """The pacing stopped (if started) and the caller ended; one that
+        does not end at the end of its input within 30 s is killed."""
         self._stop.set()
-        self._thread.join(30)
-        self.proc.stdin.close()
-        self.proc.wait(30)
+        if self._thread.ident is not None:
+            self._thread.join(30)
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def soak_loops(tmp: Path):
+    """The soak's GPU and NPU loops, paced as it paces them (not started),
+    their pids, and the daemon's arguments that trace them."""
+    natives = build_natives(tmp / "natives")
+    ascend_loop = native.build(ROOT / "bench" / "ascend_loop.c",
+                               flags=[f"-I{native.NATIVE}", str(natives.ascendcl),
+                                      str(natives.opapi), f"-Wl,-rpath,{natives.dir}"])
+    loops = [Paced([natives.launch_loop], 2000), Paced([ascend_loop], 500)]
+    extra = ["--trace-launches"] + [a for lib in (natives.cudart, natives.ascendcl, natives.opapi)
+                                    for a in ("--lib", lib)]
+    return loops, [loop.proc.pid for loop in loops], extra
 
 
 class Requests:

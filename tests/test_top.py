@@ -198,18 +198,22 @@ def test_status_shows_where_the_launchers_time_goes(tmp_path):
 
 def screens(fd, until, timeout=15.0):
     """Read the terminal until `until(screen)` holds for a whole screen;
-    return that screen. A screen is whole once the next one has begun: the
-    terminal hands a screen over in pieces, and a test of the piece read so
-    far would pass or fail by how the kernel split it."""
-    buf, deadline = b"", time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    return that screen. A screen is whole once the next one has begun (top
+    redraws every interval) or the program has ended: the terminal hands a
+    screen over in pieces, and a test of the piece read so far would pass
+    or fail by how the kernel split it."""
+    buf, deadline, ended = b"", time.monotonic() + timeout, False
+    while time.monotonic() < deadline and not ended:
         ready, _, _ = select.select([fd], [], [], 0.2)
         if ready:
             try:
-                buf += os.read(fd, 65536)
-            except OSError:
-                break
-        whole = buf.decode(errors="replace").split("\x1b[H\x1b[2J")[1:-1]
+                data = os.read(fd, 65536)
+            except OSError:             # the program ended (EIO on a pty)
+                data = b""
+            ended = not data
+            buf += data
+        screens_read = buf.decode(errors="replace").split("\x1b[H\x1b[2J")[1:]
+        whole = screens_read if ended else screens_read[:-1]
         if whole and until(whole[-1]):
             return whole[-1]
     raise AssertionError(f"screen never showed it; last:\n{buf.decode(errors='replace')[-3000:]}")
