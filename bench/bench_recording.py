@@ -128,13 +128,13 @@ def mix_recording(path: Path, seconds: int) -> dict[str, int]:
         pacer = subprocess.Popen([native.build(ROOT / "bench" / "paced_wakeups.c",
                                                flags=["-pthread"]),
                                   str(seconds + 600), "10000"], stdout=subprocess.DEVNULL)
-        ends.callback(_ended, pacer, kill=True)
+        ends.callback(_end, pacer, kill=True)
         pids.append(pacer.pid)
         libs = [a for a in extra if a != "--trace-launches"]
         rec = subprocess.Popen(mmtrace("record", "-o", path, "--duration", seconds,
                                        *(a for pid in pids for a in ("--pid", pid)), *libs),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        ends.callback(_ended, rec)
+        ends.callback(_end, rec)
         line = rec.stdout.readline()
         while line and not line.startswith("gpu/npu stream live"):
             line = rec.stdout.readline()
@@ -149,8 +149,10 @@ def mix_recording(path: Path, seconds: int) -> dict[str, int]:
     return recording_counts(path)
 
 
-def _ended(proc: subprocess.Popen, kill: bool = False):
-    """`proc` ended: interrupted (killed, if `kill` or if it lingers 30 s)."""
+def _end(proc: subprocess.Popen, kill: bool = False):
+    """End `proc`: interrupted (killed, if `kill` or if it lingers 30 s);
+    what it still writes to a pipe of ours is read meanwhile, so that a
+    full pipe cannot hold it."""
     if proc.poll() is not None:
         return
     if kill:
@@ -158,10 +160,10 @@ def _ended(proc: subprocess.Popen, kill: bool = False):
     else:
         proc.send_signal(signal.SIGINT)
     try:
-        proc.wait(30)
+        proc.communicate(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.wait()
+        proc.communicate()
 
 
 def _median_run(runs: list[dict]) -> dict:

@@ -15,8 +15,8 @@ The folder holds:
   linux-headers-*-common, with the generated files of -amd64), for a host
   whose kernel ships none.
 - wheels/: the pure-Python packages of requirements.txt (`pip download`);
-  one with compiled code (numpy, lz4) is the host's own (without lz4 the
-  daemon's rings pack with zlib, at about twice the CPU).
+  those with compiled code (numpy, lz4) are the host's own (without lz4
+  the daemon's rings pack with zlib, at 1.5-2 times the CPU).
 - MANIFEST.json and MANIFEST.txt: every file with its size and sha256, what
   each archive holds, the packages and versions, and the folder's size.
 

@@ -53,6 +53,8 @@ import native  # noqa: E402
 from gpu_fixtures import build_natives  # noqa: E402
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")     # /proc/PID/stat's unit of CPU time
+GPU_ITERATIONS = 2000       # launch_loop iterations a second
+NPU_ITERATIONS = 500        # ascend_loop iterations a second
 
 
 def parse_args(argv):
@@ -64,8 +66,10 @@ def parse_args(argv):
     p.add_argument("--sample-s", type=float, default=5.0, help="sampling period")
     p.add_argument("--cpu-rate", type=int, default=20000,
                    help="run-queue events/s from the paced thread pair (default: the rated 20000)")
-    p.add_argument("--gpu-iterations", type=int, default=2000, help="launch_loop iterations/s")
-    p.add_argument("--npu-iterations", type=int, default=500, help="ascend_loop iterations/s")
+    p.add_argument("--gpu-iterations", type=int, default=GPU_ITERATIONS,
+                   help="launch_loop iterations/s")
+    p.add_argument("--npu-iterations", type=int, default=NPU_ITERATIONS,
+                   help="ascend_loop iterations/s")
     p.add_argument("--requests", type=int, default=100, help="dispatcher requests/s")
     p.add_argument("--dump-every-s", type=float, default=60.0,
                    help="a flight recording (SIGUSR2) this often, its memory sampled every "
@@ -119,14 +123,26 @@ class Paced:
             self.proc.wait()
 
 
-def soak_loops(tmp: Path):
-    """The soak's GPU and NPU loops, paced as it paces them (not started),
-    their pids, and the daemon's arguments that trace them."""
-    natives = build_natives(tmp / "natives")
+def loop_programs(where: Path):
+    """The soak's callers built: the natives (launch_loop on the real
+    libcudart, the Ascend stand-ins) and ascend_loop."""
+    natives = build_natives(where / "natives")
     ascend_loop = native.build(ROOT / "bench" / "ascend_loop.c",
                                flags=[f"-I{native.NATIVE}", str(natives.ascendcl),
                                       str(natives.opapi), f"-Wl,-rpath,{natives.dir}"])
-    loops = [Paced([natives.launch_loop], 2000), Paced([ascend_loop], 500)]
+    return natives, ascend_loop
+
+
+def soak_loops(tmp: Path, gpu_per_s: int = GPU_ITERATIONS, npu_per_s: int = NPU_ITERATIONS):
+    """The soak's GPU and NPU loops, paced as it paces them (not started),
+    their pids, and the daemon's arguments that trace them."""
+    natives, ascend_loop = loop_programs(tmp)
+    loops = [Paced([natives.launch_loop], gpu_per_s)]
+    try:
+        loops.append(Paced([ascend_loop], npu_per_s))
+    except BaseException:
+        loops[0].stop()
+        raise
     extra = ["--trace-launches"] + [a for lib in (natives.cudart, natives.ascendcl, natives.opapi)
                                     for a in ("--lib", lib)]
     return loops, [loop.proc.pid for loop in loops], extra
@@ -267,10 +283,7 @@ def read_back(paths) -> int:
 def soak(args) -> dict:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
-    natives = build_natives(out / "natives")
-    ascend_loop = native.build(ROOT / "bench" / "ascend_loop.c",
-                               flags=[f"-I{native.NATIVE}", str(natives.ascendcl),
-                                      str(natives.opapi), f"-Wl,-rpath,{natives.dir}"])
+    natives, ascend_loop = loop_programs(out)
     seconds = args.minutes * 60
     for old in (out / "state").glob("flight-*.mmtr"):     # an earlier run's
         old.unlink()

@@ -3,6 +3,7 @@ whatever the records hold; constant and near-random byte positions kept
 apart from the ones LZ4 is given."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from mmtrace.agent.ingest import block_codec
@@ -91,15 +92,46 @@ def test_a_byte_that_differs_in_one_record_anywhere_is_kept_varying():
             assert block_codec.unpack(packed, RUNQ_EVENT, None).tobytes() == records.tobytes()
 
 
-def test_without_the_lz4_package_blocks_pack_with_zlib_and_come_back(monkeypatch):
-    """A host with only what bench/gpu_bundle brings may lack lz4 (compiled
-    packages are the host's own): the rings pack with zlib there, byte for
-    byte as well, and smaller (zlib codes the planes' entropy)."""
+def test_each_codec_packs_and_each_block_unpacks_by_its_own():
+    """LZ4 where the package is installed, zlib where it is not (a host with
+    only what bench/gpu_bundle brings: compiled packages are the host's
+    own): both byte for byte, zlib smaller (it codes the planes' entropy),
+    and each block unpacked by the codec that packed it."""
     records = ping_pong(20_000)
-    with_lz4 = block_codec.pack(records.copy())
     assert block_codec.lz4_block is not None, "lz4 missing: the suite must test LZ4 itself"
-    monkeypatch.setattr(block_codec, "lz4_block", None)
-    with_zlib = block_codec.pack(records.copy())
+    with_lz4 = block_codec.pack(records.copy())
+    with_zlib = block_codec.pack(records.copy(), lz4=False)
     assert (with_lz4.lz4, with_zlib.lz4) == (True, False)
-    assert block_codec.unpack(with_zlib, RUNQ_EVENT).tobytes() == records.tobytes()
     assert with_zlib.nbytes < with_lz4.nbytes
+    for packed in (with_lz4, with_zlib):
+        assert block_codec.unpack(packed, RUNQ_EVENT).tobytes() == records.tobytes()
+
+
+def test_without_lz4_the_rings_pack_with_zlib_at_zlibs_threshold_and_the_daemon_says_so(
+        monkeypatch, tmp_path, caplog):
+    from mmtrace.agent.config import settings as config_mod
+    from mmtrace.agent.daemon.loop import Daemon
+    from mmtrace.agent.ingest.packed_ring import PackedRing
+    assert block_codec.runq_raw_bits() == block_codec.RAW_BITS
+    monkeypatch.setattr(block_codec, "lz4_block", None)
+    monkeypatch.setattr(block_codec, "codec_missing", "the lz4 package cannot be imported (x)")
+    assert block_codec.runq_raw_bits() == block_codec.ZLIB_RUNQ_RAW_BITS
+    records = ping_pong(5_000)
+    ring = PackedRing(RUNQ_EVENT, 10_000, 10**12, block_records=1_000)
+    ring.push(records.copy())
+    assert ring._blocks and not any(b.packed.lz4 for b in ring._blocks)
+    assert ring.window().tobytes() == records.tobytes()
+    with pytest.raises(ValueError, match="LZ4 asked for"):
+        block_codec.pack(records, lz4=True)
+    # The daemon's start says it once, with the reason.
+    daemon = Daemon(config_mod.DaemonConfig(state_dir=tmp_path / "state",
+                                            socket=tmp_path / "s.sock"))
+    monkeypatch.setattr(daemon, "_start_exporters", lambda: None)
+    monkeypatch.setattr(daemon.probes, "start", lambda *a: None)
+    try:
+        with caplog.at_level("WARNING", logger="mmtrace.daemon"):
+            daemon.start()
+    finally:
+        daemon.close()
+    said = [r.getMessage() for r in caplog.records if "lz4" in r.getMessage()]
+    assert len(said) == 1 and "cannot be imported (x)" in said[0] and "zlib" in said[0]

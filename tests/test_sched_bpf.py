@@ -273,7 +273,13 @@ def test_agrees_with_a_bpftrace_reference(tmp_path, workloads):
     try:
         path = tmp_path / "side.mmtr"
         recorder = start_recorder(path)
-        subprocess.run([ctx, "2", "8", "1"], check=True, capture_output=True)
+        # Two pairs and a spinner: waits on both CPUs, hundreds of thousands
+        # of them. With eight pairs the workload took the recorder's CPU as
+        # well, and once in CI the recording lost 164 698 events (counted,
+        # most likely a full ring): what this compares is what each tracer
+        # saw, not whether a starved drain keeps up (an overflow is counted:
+        # test_faults_bpf's test_a_ring_overflow_is_counted_...).
+        subprocess.run([ctx, "2", "2", "1"], check=True, capture_output=True)
         stop(recorder)
         waits, hists = reference.stop()
     finally:
@@ -281,7 +287,8 @@ def test_agrees_with_a_bpftrace_reference(tmp_path, workloads):
     assert recorder.returncode == 0
     rec = recording.read_recording(path)
     counters = rec.footer["counters"]
-    assert rec.footer["lost_events"] == counters["switch_in_unseen"], counters
+    assert rec.footer["lost_events"] == counters["switch_in_unseen"], \
+        {name: n for name, n in counters.items() if n}
     runq = rec.events["cpu.runq"]
     mine = runq[runq["comm"] == comm]
     theirs = waits.get(comm.decode(), 0)

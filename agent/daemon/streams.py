@@ -21,6 +21,7 @@ from mmtrace.exporters.live.event_counts import EventCounts
 from mmtrace.agent.config.settings import DaemonConfig, FailureSettings
 from mmtrace.agent.daemon.launcher_time import LauncherTime
 from mmtrace.agent.daemon.memory_watch import MemoryWatch
+from mmtrace.agent.ingest import block_codec
 from mmtrace.agent.ingest import latency_series as ls
 from mmtrace.agent.ingest.align import Aligner, ApiRoles
 from mmtrace.agent.ingest.event_ring import EventRing
@@ -59,7 +60,7 @@ class Streams:
         # rate; a block's fixed cost over four times the records of the
         # default quarter second).
         self.runq_ring = PackedRing(sched_stream.RUNQ_EVENT, config.ring_capacity, age,
-                                    block_ns=RUNQ_BLOCK_NS)
+                                    block_ns=RUNQ_BLOCK_NS, raw_bits=block_codec.runq_raw_bits())
         self.entropy_ring = EventRing(ENTROPY_SAMPLE, 1 << 16, age)
         self.request_ring = EventRing(REQUEST_SAMPLE, 1 << 16, age)
         self.gpu_state_ring = EventRing(GPU_STATE, 1 << 12, age)   # NVML, once a second

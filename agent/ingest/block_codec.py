@@ -9,36 +9,36 @@ saves little. So a block is cut by byte position, as a byte shuffle would:
 - positions whose bytes vary a lot (order-0 entropy over `raw_bits` bits
   a byte) are kept as they are;
 - the rest, near-constant, go through one LZ4 call (the lz4 package): a
-  block packs in about half the CPU of zlib at level 1, for 9-13 % more
-  bytes held on the soak's mix (noisier streams grow more: LZ4 codes
-  repeats, not entropy), and a daemon packs every record it holds
-  (bench/bench_block_codec.py, BENCHMARKS.md). Without the package, zlib.
+  ring packs in 0.6-0.8 of the CPU it took with zlib at level 1, and a
+  daemon packs every record it holds (bench/bench_block_codec.py,
+  BENCHMARKS.md). Without the package, zlib (codec_missing says why).
 A timestamp field is kept as zigzagged differences first, so that records
 out of order (two CPUs sharing a ring) still give small numbers. Decoding
 gives back every byte exactly.
 """
 
 import zlib
-import logging
 from dataclasses import dataclass
 
 import numpy as np
 
 try:
     import lz4.block as lz4_block
-except ImportError:     # a host with only what bench/gpu_bundle brings (compiled
-    lz4_block = None    # packages are the host's own): zlib, slower, packs all the same
-
-log = logging.getLogger("mmtrace")
+    codec_missing: str | None = None
+except ImportError as exc:  # a host with only what bench/gpu_bundle brings (compiled
+    lz4_block = None        # packages are the host's own): zlib, slower, packs all the same
+    codec_missing = f"the lz4 package cannot be imported ({exc})"
 
 # Order-0 entropy (bits a byte) above which a position is kept as it is: a
-# compressor leaves most of such bytes and spends the most on them. With
-# zlib the run-queue ring kept its 2.5-bit positions raw (a ping-pong's
-# delay byte cost zlib 15 ns a record for 0.7 B saved); LZ4 finds repeats
-# in those planes cheaply: at 4 bits both rings hold 13-14 % fewer bytes
-# than at 2.5, fewer than zlib did, for 5-10 % more pack CPU
-# (bench_block_codec.py --raw-bits, BENCHMARKS.md).
+# compressor leaves most of such bytes and spends the most on them. LZ4
+# finds repeats cheaply in planes zlib was not worth running on: on the
+# soak's mix, at 4 bits the run-queue ring holds 16 % fewer bytes than at
+# 2.5 (fewer than zlib at 2.5), for 8 % more pack CPU, 0.63 of zlib's
+# (bench_block_codec.py --raw-bits). With zlib the run-queue ring keeps
+# its 2.5-bit positions raw (a ping-pong's delay byte cost zlib 15 ns a
+# record for 0.7 B saved).
 RAW_BITS = 4.0
+ZLIB_RUNQ_RAW_BITS = 2.5
 ENTROPY_SAMPLE = 1024   # records looked at to judge a position's entropy
 FOLD = 64               # rows folded into one for _varying's reductions
 
@@ -55,7 +55,7 @@ class Packed:
     # The compressed positions' bytes, then the raw ones', position after
     # position: bytes, or any buffer the holder moved them into (an mmap).
     data: object
-    lz4: bool = True        # compressed by LZ4, else by zlib (no lz4 package)
+    lz4: bool               # compressed by LZ4, else by zlib
 
     @property
     def nbytes(self) -> int:
@@ -121,8 +121,14 @@ def _varying(columns: np.ndarray) -> np.ndarray:
     return (high ^ low).view(np.uint8) != 0
 
 
+def runq_raw_bits(lz4: bool | None = None) -> float:
+    """The run-queue ring's raw_bits with LZ4 (`lz4`; None: the codec at hand)."""
+    return RAW_BITS if (lz4_block is not None if lz4 is None else lz4) else ZLIB_RUNQ_RAW_BITS
+
+
 def pack(records: np.ndarray, time_field: str | None = "ts_ns", *, in_place: bool = False,
-         raw_bits: float = RAW_BITS, judged: np.ndarray | None = None) -> Packed:
+         raw_bits: float = RAW_BITS, judged: np.ndarray | None = None,
+         lz4: bool | None = None) -> Packed:
     """`records` (one dtype, any order) packed; `time_field` (uint64) is
     kept as steps. The records are not changed, unless `in_place` (and they
     are contiguous): then their time field is left as the steps. Which
@@ -131,7 +137,11 @@ def pack(records: np.ndarray, time_field: str | None = "ts_ns", *, in_place: boo
     byte position of the record: 1 raw, 0 zipped, -1 not yet judged) holds
     the verdicts of earlier blocks of the same stream: the positions it has
     judged take them, the others are judged here and written into it. Only
-    where and how bytes are held depends on it, never what comes back."""
+    where and how bytes are held depends on it, never what comes back.
+    `lz4`: compress with LZ4 (True) or zlib (False); None: LZ4 if installed."""
+    use_lz4 = lz4_block is not None if lz4 is None else lz4
+    if use_lz4 and lz4_block is None:
+        raise ValueError(f"LZ4 asked for, but {codec_missing}")
     n = len(records)
     work = records if in_place and records.flags.c_contiguous else \
         np.ascontiguousarray(records).copy()
@@ -142,7 +152,7 @@ def pack(records: np.ndarray, time_field: str | None = "ts_ns", *, in_place: boo
     rows = work.view(np.uint8).reshape(n, records.dtype.itemsize)
     first = rows[0].tobytes() if n else b""
     if not n:
-        return Packed(0, 0, first, np.zeros(0, np.uint16), np.zeros(0, bool), 0, b"")
+        return Packed(0, 0, first, np.zeros(0, np.uint16), np.zeros(0, bool), 0, b"", use_lz4)
     # Eight byte positions a word where the record size allows.
     columns = rows.view(np.uint64) if records.dtype.itemsize % 8 == 0 else rows
     varying = np.flatnonzero(_varying(columns)).astype(np.uint16)
@@ -155,25 +165,18 @@ def pack(records: np.ndarray, time_field: str | None = "ts_ns", *, in_place: boo
         verdicts[unknown] = _entropy_bits(rows[::every][:, varying[unknown]]) > raw_bits
         judged[varying[unknown]] = verdicts[unknown]
     raw = verdicts > 0
-    use_lz4 = lz4_block is not None
-    zipped = _compress(np.ascontiguousarray(rows[:, varying[~raw]].T), use_lz4) \
-        if (~raw).any() else b""
-    data = zipped + np.ascontiguousarray(rows[:, varying[raw]].T).tobytes() if raw.any() \
-        else zipped
+    zipped = b""
+    if (~raw).any():
+        zipped = _compress(np.ascontiguousarray(rows[:, varying[~raw]].T), use_lz4)
+    data = zipped
+    if raw.any():
+        data += np.ascontiguousarray(rows[:, varying[raw]].T).tobytes()
     return Packed(n, first_time, first, varying, raw, len(zipped), data, use_lz4)
 
 
-_warned_no_lz4 = False
-
-
 def _compress(planes: np.ndarray, use_lz4: bool) -> bytes:
-    global _warned_no_lz4
     if use_lz4:
         return lz4_block.compress(planes, store_size=False)
-    if not _warned_no_lz4:
-        _warned_no_lz4 = True
-        log.warning("the lz4 package is not installed: the flight recorder's rings pack "
-                    "with zlib, at about twice the CPU (pip install lz4)")
     return zlib.compress(planes, 1)
 
 

@@ -83,7 +83,7 @@ class _Block:
 class PackedRing:
     def __init__(self, dtype: np.dtype, capacity: int, max_age_ns: int, *,
                  block_records: int = 1 << 15, block_ns: int = 250_000_000,
-                 raw_bits: float = block_codec.RAW_BITS):
+                 raw_bits: float = block_codec.RAW_BITS, lz4: bool | None = None):
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.dtype = np.dtype(dtype)
@@ -92,6 +92,7 @@ class PackedRing:
         self.block_records = max(1, min(block_records, capacity))
         self.block_ns = block_ns
         self.raw_bits = raw_bits        # block_codec.pack's
+        self.lz4 = lz4                  # ... and its codec (None: LZ4 if installed)
         self._blocks: list[_Block] = []
         # Which byte positions are kept raw (block_codec.pack's `judged`), and
         # the blocks sealed since it was cleared: a stream's bytes keep their
@@ -180,8 +181,8 @@ class PackedRing:
             # The hot block is written over next: packed where it is.
             if self._since_judged == REJUDGE_BLOCKS:
                 self._judged[:], self._since_judged = -1, 0
-            packed = block_codec.pack(part, "ts_ns", in_place=True,
-                                      raw_bits=self.raw_bits, judged=self._judged)
+            packed = block_codec.pack(part, "ts_ns", in_place=True, raw_bits=self.raw_bits,
+                                      judged=self._judged, lz4=self.lz4)
             self._since_judged += 1
             packed.data = _kept(packed.data)
             self._blocks.append(_Block(packed, self._hot_first_seq + skip, last_ns))
