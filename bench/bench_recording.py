@@ -93,13 +93,8 @@ def real_recording(path: Path, seconds: int, pairs: int) -> dict[str, int]:
     from gpu_fixtures import build_natives
     natives = build_natives(path.parent / "natives")
     pingpong = native.workload("ctxswitch")
-    rec = subprocess.Popen(mmtrace("record", "-o", path, "--duration", seconds, "--lib",
-                                   natives.cudart), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
-    line = rec.stdout.readline()
-    while line and not line.startswith("gpu/npu stream live"):
-        line = rec.stdout.readline()
-    if not line:
+    rec = _start_record(path, seconds, "--lib", natives.cudart)
+    if not _live(rec):
         raise SystemExit(f"mmtrace record ended before its GPU/NPU stream was live "
                          f"(exit {rec.wait()})")
     loop = subprocess.Popen([natives.launch_loop], stdin=subprocess.PIPE, text=True,
@@ -113,6 +108,21 @@ def real_recording(path: Path, seconds: int, pairs: int) -> dict[str, int]:
     if rec.returncode:
         raise SystemExit(f"mmtrace record failed (exit {rec.returncode})")
     return recording_counts(path)
+
+
+def _start_record(path: Path, seconds: int, *args) -> subprocess.Popen:
+    """`mmtrace record -o path --duration seconds *args`, its output piped."""
+    return subprocess.Popen(mmtrace("record", "-o", path, "--duration", seconds, *args),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _live(rec: subprocess.Popen) -> bool:
+    """Read `rec`'s output until it says its GPU/NPU stream is live; False
+    if it ended first."""
+    line = rec.stdout.readline()
+    while line and not line.startswith("gpu/npu stream live"):
+        line = rec.stdout.readline()
+    return bool(line)
 
 
 def mix_recording(path: Path, seconds: int) -> dict[str, int]:
@@ -131,14 +141,9 @@ def mix_recording(path: Path, seconds: int) -> dict[str, int]:
         ends.callback(_end, pacer, kill=True)
         pids.append(pacer.pid)
         libs = [a for a in extra if a != "--trace-launches"]
-        rec = subprocess.Popen(mmtrace("record", "-o", path, "--duration", seconds,
-                                       *(a for pid in pids for a in ("--pid", pid)), *libs),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        rec = _start_record(path, seconds, *(a for pid in pids for a in ("--pid", pid)), *libs)
         ends.callback(_end, rec)
-        line = rec.stdout.readline()
-        while line and not line.startswith("gpu/npu stream live"):
-            line = rec.stdout.readline()
-        if not line:
+        if not _live(rec):
             raise SystemExit(f"mmtrace record ended before its GPU/NPU stream was live "
                              f"(exit {rec.wait()})")
         for loop in loops:

@@ -121,9 +121,14 @@ def _varying(columns: np.ndarray) -> np.ndarray:
     return (high ^ low).view(np.uint8) != 0
 
 
+def _use_lz4(lz4: bool | None) -> bool:
+    """`lz4` as asked; None: LZ4 where the package is installed."""
+    return lz4_block is not None if lz4 is None else lz4
+
+
 def runq_raw_bits(lz4: bool | None = None) -> float:
     """The run-queue ring's raw_bits with LZ4 (`lz4`; None: the codec at hand)."""
-    return RAW_BITS if (lz4_block is not None if lz4 is None else lz4) else ZLIB_RUNQ_RAW_BITS
+    return RAW_BITS if _use_lz4(lz4) else ZLIB_RUNQ_RAW_BITS
 
 
 def pack(records: np.ndarray, time_field: str | None = "ts_ns", *, in_place: bool = False,
@@ -139,7 +144,7 @@ def pack(records: np.ndarray, time_field: str | None = "ts_ns", *, in_place: boo
     judged take them, the others are judged here and written into it. Only
     where and how bytes are held depends on it, never what comes back.
     `lz4`: compress with LZ4 (True) or zlib (False); None: LZ4 if installed."""
-    use_lz4 = lz4_block is not None if lz4 is None else lz4
+    use_lz4 = _use_lz4(lz4)
     if use_lz4 and lz4_block is None:
         raise ValueError(f"LZ4 asked for, but {codec_missing}")
     n = len(records)

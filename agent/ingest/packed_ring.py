@@ -9,13 +9,13 @@ APIs recur). A block is packed by block_codec: byte positions that never
 change in the block are kept once, near-random ones (the low bytes of time
 steps and delays) as they are, and only the rest go through LZ4: on the
 soak's mix 7-8 bytes a run-queue record and 7-9 an aligned GPU/NPU one
-(bench_sink.py, bench_block_codec.py; BENCHMARKS.md). Records arrive in batches into a hot block;
-a block is sealed (packed) once it holds `block_records` or spans
-`block_ns` (a quarter second by default: the hot block is the only part
-held raw; the run-queue ring's blocks span a second, about 1 MB raw at
-the rated rate, so that a block's fixed cost is spread over a second's
-records). What is read back is unpacked then: a flight recording or a
-`top` reads rarely.
+(bench_sink.py, bench_block_codec.py; BENCHMARKS.md). Records arrive in
+batches into a hot block; a block is sealed (packed) once it holds
+`block_records` or spans `block_ns` (a quarter second by default: the hot
+block is the only part held raw; the run-queue ring's blocks span a
+second, about 1 MB raw at the rated rate, so that a block's fixed cost is
+spread over a second's records). What is read back is unpacked then: a
+flight recording or a `top` reads rarely.
 
 Records are numbered from 0 as they arrive, as in EventRing, so a caller
 can still set a field of a record it pushed (update: a GPU submission
