@@ -67,7 +67,8 @@ def forget_processes(table, pids) -> int:
     """Drop exited processes' live allocations from the kernel's map (their
     entries would hold the map's room for ever); how many went."""
     pids = set(pids)
-    keys = [k for k in table.keys() if k.pid in pids]
+    # Each key once: a key deleted under the reader restarts the kernel's walk.
+    keys = list({bytes(k): k for k in table.keys() if k.pid in pids}.values())
     for k in keys:
         try:
             del table[k]

@@ -17,12 +17,18 @@ def blocking_ids(infos: dict) -> frozenset:
 
 def blocking_calls(table, infos: dict, ids: frozenset | None = None,
                    limit: int = MAX_CALLS) -> list[dict]:
-    """The blocking calls in `table` (the map, as bcc gives it), at most `limit`."""
+    """The blocking calls in `table` (the map, as bcc gives it), at most `limit`,
+    each once. The map is read a key after another while threads enter and
+    return: when the key last read is deleted under the reader, the kernel
+    goes on from the map's first key, and what was read already comes again."""
     ids = blocking_ids(infos) if ids is None else ids
-    out = []
-    for _, ev in table.items():
+    out, seen = [], set()
+    for key, ev in table.items():
         if len(out) >= limit:
             break
+        if key.value in seen:
+            continue
+        seen.add(key.value)
         api = int(ev.api)
         if api not in ids:
             continue
