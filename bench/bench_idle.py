@@ -12,8 +12,15 @@ RSS, and the run-queue events a second it drained. This tree and
 --baseline-rev run at once and are measured over the same window: the
 host's own load (which the daemons trace: its switches, its CUDA
 processes) varied 50-fold between rounds taken one after the other on a
-shared host. Idle discovery used to read a fifth of the processes' maps
-every poll: its cost grew with their number. Needs root. Figures go to
+shared host. The daemons start first one, then the other, in turn from
+round to round (use an even --rounds). Idle discovery used to read a fifth of the processes' maps
+every poll: its cost grew with their number.
+
+With --scoped, each daemon is scoped to one sleeping process of its own
+(`mmtrace run --pid P`, as bench_pipeline runs it): the quiet daemon, one
+wake-up a second, whose every step runs on cold caches. CPU is also
+given from the threads' schedstat (ns), which at a fraction of a percent
+is finer than /proc/PID/stat's clock ticks. Needs root. Figures go to
 bench/out/idle.json.
 """
 
@@ -23,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from bench_footprint import Daemon  # noqa: E402
+from bench_footprint import Daemon, cpu_ns  # noqa: E402
 from bench_recording import baseline_env, write_out  # noqa: E402
 
 
@@ -38,22 +46,50 @@ def processes_running() -> int:
     return sum(1 for name in os.listdir("/proc") if name.isdigit())
 
 
-def idle(envs: dict, warmup_s: float, seconds: float) -> dict:
-    """Each environment's daemon, all started first, then measured together."""
+# The floor: this interpreter, numpy loaded, waking as often as a quiet
+# daemon (loop.QUIET_WAIT_S) and doing nothing. On this host the first
+# steps after a sleep run slowly, in proportion to the sleep and to the
+# memory they touch (a C program waking once a second used 0.06 % of a
+# core, this one 0.4 %): what no change to the daemon's tick can remove.
+FLOOR_PROGRAM = "import time, numpy\nwhile True:\n    time.sleep(1.0)\n"
+
+
+def floor_cpu(pid: int, warmup_s: float, seconds: float) -> dict:
+    time.sleep(warmup_s)
+    t0, n0 = time.monotonic(), cpu_ns(pid)
+    time.sleep(seconds)
+    return {"cpu_percent_schedstat": round((cpu_ns(pid) - n0) / 1e9 / (time.monotonic() - t0)
+                                           * 100, 3)}
+
+
+def idle(envs: dict, warmup_s: float, seconds: float, scoped: bool = False) -> dict:
+    """Each environment's daemon, all started first, then measured together
+    with the floor (FLOOR_PROGRAM); `scoped`: each daemon to a sleeping
+    process of its own."""
     with tempfile.TemporaryDirectory() as tmp:
-        daemons = {}
+        daemons, sleepers = {}, []
+        floor = subprocess.Popen([sys.executable, "-c", FLOOR_PROGRAM])
+        sleepers.append(floor)
         try:
             for which, env in envs.items():
                 (Path(tmp) / which).mkdir()
-                daemons[which] = Daemon(Path(tmp) / which, env)
-            with ThreadPoolExecutor(len(daemons)) as pool:
+                args = ()
+                if scoped:
+                    sleepers.append(subprocess.Popen(["sleep", "3600"]))
+                    args = ("--pid", str(sleepers[-1].pid))
+                daemons[which] = Daemon(Path(tmp) / which, env, args)
+            with ThreadPoolExecutor(len(daemons) + 1) as pool:
                 measured = {which: pool.submit(d.measure, warmup_s, seconds)
                             for which, d in daemons.items()}
-                return {which: {"tracing_s": round(daemons[which].tracing_s, 2), **f.result()}
-                        for which, f in measured.items()}
+                at_floor = pool.submit(floor_cpu, floor.pid, warmup_s, seconds)
+                return {**{which: {"tracing_s": round(daemons[which].tracing_s, 2), **f.result()}
+                           for which, f in measured.items()}, "floor": at_floor.result()}
         finally:
             for d in daemons.values():
                 d.stop()
+            for s in sleepers:
+                s.kill()
+                s.wait()
 
 
 def main():
@@ -63,6 +99,8 @@ def main():
     ap.add_argument("--warmup", type=float, default=10.0)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--baseline-rev", help="git revision to run side by side")
+    ap.add_argument("--scoped", action="store_true",
+                    help="each daemon scoped to one sleeping process (--pid)")
     opts = ap.parse_args()
     tmp = tempfile.TemporaryDirectory()
     envs = {"this": dict(os.environ)}
@@ -75,24 +113,32 @@ def main():
             sleepers.append(subprocess.Popen(["sleep", "3600"]))
         try:
             for round_ in range(opts.rounds):
-                for which, r in idle(envs, opts.warmup, opts.seconds).items():
+                # Started in turn, first one then the other: the daemon started
+                # first read up to twice the CPU of the second, the same tree.
+                order = dict(list(envs.items())[::-1 if round_ % 2 else 1])
+                measured = idle(order, opts.warmup, opts.seconds, opts.scoped)
+                floor = measured.pop("floor")["cpu_percent_schedstat"]
+                for which, r in measured.items():
                     r.update(target=count, processes=processes_running(), implementation=which,
-                             round=round_)
+                             round=round_, scoped=opts.scoped, floor_cpu_percent=floor)
                     results.append(r)
                     print(f"{r['processes']:5d} processes  {which:<9} CPU {r['cpu_percent']:5.2f} %"
+                          f" (schedstat {r['cpu_percent_schedstat']:.3f} %, floor {floor:.3f} %)"
                           f"  RSS {r['rss_mb']:6.1f} MB  run-queue events {r['runq_events_per_s']}/s",
                           flush=True)
         finally:
             for s in sleepers:
                 s.kill()
                 s.wait()
-    print("medians (CPU %):")
+    print("medians (CPU %, schedstat):")
     for count in sorted(opts.processes):
-        row = {which: statistics.median(r["cpu_percent"] for r in results
+        row = {which: statistics.median(r["cpu_percent_schedstat"] for r in results
                                         if r["implementation"] == which
                                         and r["target"] == count)
                for which in envs}
-        print(f"  {count:5d} processes: " + "  ".join(f"{k} {v:.2f}" for k, v in row.items()))
+        floor = statistics.median(r["floor_cpu_percent"] for r in results if r["target"] == count)
+        print(f"  {count:5d} processes: " + "  ".join(f"{k} {v:.3f}" for k, v in row.items())
+              + f"  floor (Python waking once a second) {floor:.3f}")
     write_out("idle.json", results)
 
 

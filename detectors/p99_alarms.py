@@ -97,6 +97,8 @@ class AlarmStates(SeriesRows):
 
     def pass_empty_window(self, n_series: int) -> None:
         # An empty window is neutral, except that resolved lasts one window.
+        if not n_series:
+            return
         states = self.state[:n_series]
         states[states == RESOLVED] = NORMAL
 

@@ -26,7 +26,7 @@ class FakeRing:
         return -1
 
     def pending_bytes(self):
-        return 0
+        return sum(b.nbytes for b in self.batches)
 
     def close(self):
         self.closed = True

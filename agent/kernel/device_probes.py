@@ -337,7 +337,9 @@ class DeviceProbes:
 
         def take() -> dict[int, int] | None:
             changes: dict[int, int] = {}
-            for key, _ in table.items_lookup_and_delete_batch():
+            # bcc's batch read allocates room for the whole map at each
+            # call: a look at its first key first, as most polls find none.
+            for key, _ in table.items_lookup_and_delete_batch() if _holds_any(table) else ():
                 key = int(getattr(key, "value", key))       # process << 8 | reason
                 changes[key >> 8] = changes.get(key >> 8, 0) | (key & 0xFF)
             now = bpf_counters.read_counter(counters, "process_changes_full")
@@ -362,3 +364,13 @@ class DeviceProbes:
             for library in self._libraries.values():
                 library.close()
             self._retired.close_due(self.clock(), everything=True)
+
+
+def _holds_any(table) -> bool:
+    """Whether a bcc hash table holds an entry now (one syscall)."""
+    try:
+        table.next(None)
+    except StopIteration:
+        return False
+    return True
+

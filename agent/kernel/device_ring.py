@@ -225,6 +225,7 @@ class DeviceRing:
         self.comms = comms if comms is not None else ThreadComms()
         self.facts = LaunchFacts()
         self.dtype = DEV_EVENT
+        self._empty = np.empty(0, DEV_EVENT)
         self.records_read = 0
         self.batches = 0
 
@@ -248,6 +249,8 @@ class DeviceRing:
 
     def read(self, max_records: int | None = None) -> np.ndarray:
         """Every record committed now, names first; DEV_EVENT records."""
+        if not any(r.pending_bytes() for r in self._rings()):
+            return self._empty      # nothing written: no decoding step to run
         named = self.names.read(max_records)
         threads = named[:0]
         if len(named):

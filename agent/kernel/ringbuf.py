@@ -43,6 +43,9 @@ class RingReader:
         self.map_fd = map_fd
         self.size = size
         self.mask = size - 1
+        # What a read of an empty ring gives: one array, not one made per
+        # read (a quiet daemon reads its rings once a second, on cold caches).
+        self._empty = np.empty(0, self.dtype)
         self.stride = HEADER_SIZE + self.dtype.itemsize
         self._record = np.dtype([
             ("len", "<u4"), ("pg_off", "<u4"), ("data", self.dtype)])
@@ -87,7 +90,7 @@ class RingReader:
         if max_records is not None:
             available = min(available, max_records)
         if available <= 0:
-            return np.empty(0, self.dtype)
+            return self._empty
         raw = self._bytes(cons & self.mask, available * self.stride)
         records = raw.view(self._record)
         lengths = records["len"]
@@ -102,7 +105,7 @@ class RingReader:
             if busy.size:
                 ready = int(busy[0])
                 if ready == 0:
-                    return np.empty(0, self.dtype)
+                    return self._empty
                 odd = odd[odd < ready]
             flags = lengths[odd]
             sizes = flags & ~np.uint32(BUSY_BIT | DISCARD_BIT)
