@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from bench_footprint import Daemon, cpu_ns  # noqa: E402
 from bench_recording import baseline_env, write_out  # noqa: E402
+from mmtrace.agent.daemon.loop import QUIET_WAIT_S  # noqa: E402
 
 
 def processes_running() -> int:
@@ -49,9 +50,10 @@ def processes_running() -> int:
 # The floor: this interpreter, numpy loaded, waking as often as a quiet
 # daemon (loop.QUIET_WAIT_S) and doing nothing. On this host the first
 # steps after a sleep run slowly, in proportion to the sleep and to the
-# memory they touch (a C program waking once a second used 0.06 % of a
-# core, this one 0.4 %): what no change to the daemon's tick can remove.
-FLOOR_PROGRAM = "import time, numpy\nwhile True:\n    time.sleep(1.0)\n"
+# memory they touch (waking once a second, a C program used 0.06 % of a
+# core; Python 0.24 % doing nothing, 1.1 % with three numpy calls on a
+# small array): what no change to the daemon's tick can remove.
+FLOOR_PROGRAM = f"import time, numpy\nwhile True:\n    time.sleep({QUIET_WAIT_S})\n"
 
 
 def floor_cpu(pid: int, warmup_s: float, seconds: float) -> dict:
@@ -138,7 +140,7 @@ def main():
                for which in envs}
         floor = statistics.median(r["floor_cpu_percent"] for r in results if r["target"] == count)
         print(f"  {count:5d} processes: " + "  ".join(f"{k} {v:.3f}" for k, v in row.items())
-              + f"  floor (Python waking once a second) {floor:.3f}")
+              + f"  floor (Python waking every {QUIET_WAIT_S:g} s) {floor:.3f}")
     write_out("idle.json", results)
 
 

@@ -410,17 +410,26 @@ def test_a_quiet_loop_still_wakes_for_each_discovery_poll(tmp_path):
         daemon.close()
 
 
-def test_the_loop_wakes_once_a_second_only_while_there_is_nothing_to_watch(tmp_path):
+def test_the_loop_wakes_seldom_only_while_there_is_nothing_to_watch(tmp_path):
     """Quiet (no GPU/NPU work nor a launcher's run-queue record for
-    QUIET_AFTER_S, no call in flight, no alarm, no dispatcher): one wake-up a
+    QUIET_AFTER_S, no call in flight, no alarm, no dispatcher): one wake-up
+    every QUIET_WAIT_S, or sooner where a call starting to hang would be read
+    late (half the hang threshold) or where NVML has devices to sample once a
     second. Any of them: the quarter window again."""
     from mmtrace.agent.daemon import loop
     cfg = config_mod.DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "s.sock")
     daemon = loop.Daemon(cfg)
     fast = min(loop.MAX_IDLE_WAIT_S, cfg.p99.window_s / 4)
     try:
+        assert loop.QUIET_WAIT_S == cfg.discover_interval_s == 2.0
         assert daemon.quiet() and daemon.idle_wait_s() == loop.QUIET_WAIT_S
         assert daemon.idle_wait_s(watchdog_s=2.0) == 0.5      # the watchdog's ping first
+        cfg.hangs.after_s = 1.0
+        assert daemon.idle_wait_s() == 0.5
+        cfg.hangs.after_s = 10.0
+        daemon.monitors.sampling = lambda: True
+        assert daemon.idle_wait_s() == 1.0
+        del daemon.monitors.sampling
         rec = recording.read_recording(synthetic_recording(tmp_path / "s.mmtr"))
         daemon.streams.batch("dev", rec.events["dev.event"][:4], [])
         assert not daemon.quiet() and daemon.idle_wait_s() == fast
@@ -444,3 +453,14 @@ def test_the_loop_wakes_once_a_second_only_while_there_is_nothing_to_watch(tmp_p
         assert not daemon.quiet(later)           # a launcher's
     finally:
         daemon.close()
+
+
+def test_device_monitors_sample_only_where_a_monitor_has_devices():
+    from types import SimpleNamespace
+    from mmtrace.agent.daemon.device_monitors import DeviceMonitors
+    monitors = DeviceMonitors()
+    assert not monitors.sampling()                          # NVML and npu-smi off
+    monitors.nvml = SimpleNamespace(devices=lambda: [])      # NVML without a driver
+    assert not monitors.sampling()
+    monitors.npu = SimpleNamespace(devices=lambda: ["npu 0"])
+    assert monitors.sampling()

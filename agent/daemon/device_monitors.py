@@ -47,6 +47,10 @@ class DeviceMonitors:
         self._next_npu_sample = now_ns + GPU_SAMPLE_INTERVAL_NS
         return self.npu.devices()
 
+    def sampling(self) -> bool:
+        """Whether a monitor has devices to sample once a second now."""
+        return any(m is not None and m.devices() for m in (self.nvml, self.npu))
+
     def gpu_weights(self) -> dict | None:
         """The GPUs' weights by ordinal (the gpu label of the metrics), where NVML answers."""
         gpus = self.nvml.devices() if self.nvml is not None else []

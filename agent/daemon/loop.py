@@ -27,7 +27,7 @@ from mmtrace.agent.config.settings import DaemonConfig, EntropySettings, P99Sett
 from mmtrace.agent.daemon import views
 from mmtrace.agent.daemon.alarms import Alarms
 from mmtrace.agent.daemon.client_messages import ClientMessages
-from mmtrace.agent.daemon.device_monitors import DeviceMonitors
+from mmtrace.agent.daemon.device_monitors import GPU_SAMPLE_INTERVAL_NS, DeviceMonitors
 from mmtrace.agent.daemon.live_probes import LiveProbes
 from mmtrace.agent.daemon.reload import ReloadRequest, reload
 from mmtrace.agent.daemon.sd_notify import Notifier
@@ -57,7 +57,7 @@ TRIM_GROWTH_BYTES = 2 << 20    # and the resident growth since then that a trim 
 STATUS_MIN_INTERVAL_S = 0.5
 DUMP_REUSE_S = 5.0          # socket dump requests this close share one file
 MAX_IDLE_WAIT_S = 0.25      # the longest sleep without data (see Daemon.idle_wait_s)
-QUIET_WAIT_S = 1.0          # ... while the detectors have nothing to watch (Daemon.quiet)
+QUIET_WAIT_S = 2.0          # ... while the detectors have nothing to watch (Daemon.quiet)
 QUIET_AFTER_S = 10.0        # no GPU/NPU work for this long, nor a launcher's run-queue record
 EXPLAINS_PER_S = 4          # socket explain requests answered a second, all clients together
 
@@ -199,12 +199,21 @@ class Daemon:
         time to an alarm: a window closes at most a quarter window after its
         grace (a quarter window past its end). Waking 8 times a second
         instead of 4 was half an idle agent's CPU. While the daemon is quiet
-        (no launcher to watch) it wakes once a second: nothing is there
-        for a window to hold. Discovery polls from the tick: no wait is
-        longer than its interval (a quiet second read a 0.2 s interval's
-        processes five times less often). The watchdog wants a ping every
-        half of its interval."""
-        wait = QUIET_WAIT_S if self.quiet() else min(MAX_IDLE_WAIT_S, self.config.p99.window_s / 4)
+        (no launcher to watch) it wakes every QUIET_WAIT_S: nothing is there
+        for a window to hold, and on a host whose caches go cold while it
+        sleeps, each wake's first steps cost more than its work (a quiet
+        tick took 13-17 ms of CPU here). A call that starts to hang while
+        the daemon is quiet is read at most half its threshold late, and
+        NVML's or npu-smi's devices are still sampled once a second.
+        Discovery polls from the tick: no wait is longer than its interval
+        (a quiet second read a 0.2 s interval's processes five times less
+        often). The watchdog wants a ping every half of its interval."""
+        if self.quiet():
+            wait = min(QUIET_WAIT_S, self.config.hangs.after_s / 2)
+            if self.monitors.sampling():
+                wait = min(wait, GPU_SAMPLE_INTERVAL_NS / 1e9)
+        else:
+            wait = min(MAX_IDLE_WAIT_S, self.config.p99.window_s / 4)
         wait = min(wait, self.config.discover_interval_s)
         return min(wait, watchdog_s / 4) if watchdog_s else wait
 
