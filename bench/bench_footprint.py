@@ -79,7 +79,9 @@ def cpu_ticks(pid: int) -> int:
 
 def cpu_ns(pid: int) -> int:
     """CPU time of the process's threads now, in ns (/proc/PID/task/*/schedstat):
-    a daemon at a fraction of a percent is a few clock ticks a minute."""
+    a daemon at a fraction of a percent is a few clock ticks a minute. A
+    thread that ends takes its time with it (the daemon's compile thread
+    ends before a measured window)."""
     total = 0
     for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
         try:

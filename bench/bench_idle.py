@@ -2,7 +2,7 @@
 side with another revision in one run.
 
     python bench/bench_idle.py [--processes 65 200] [--seconds 30] [--warmup 10]
-                               [--baseline-rev REV] [--rounds 2]
+                               [--baseline-rev REV] [--rounds 2] [--scoped]
 
 For each count, enough `sleep` processes are started that the host runs
 that many (counted from /proc; the host's own are part of it), then
@@ -18,7 +18,7 @@ every poll: its cost grew with their number.
 
 With --scoped, each daemon is scoped to one sleeping process of its own
 (`mmtrace run --pid P`, as bench_pipeline runs it): the quiet daemon, one
-wake-up a second, whose every step runs on cold caches. CPU is also
+wake-up every QUIET_WAIT_S, whose every step runs on cold caches. CPU is also
 given from the threads' schedstat (ns), which at a fraction of a percent
 is finer than /proc/PID/stat's clock ticks. Needs root. Figures go to
 bench/out/idle.json.

@@ -2,9 +2,12 @@
 event ring, the flight recorder, and the detectors over a recording."""
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -399,7 +402,7 @@ def test_between_sweeps_the_heap_is_trimmed_only_once_the_process_has_grown(tmp_
 
 def test_a_quiet_loop_still_wakes_for_each_discovery_poll(tmp_path):
     """Discovery polls from the tick: quiet, the loop still wakes every
-    discover_interval_s when that is shorter than a second."""
+    discover_interval_s when that is shorter than QUIET_WAIT_S."""
     from mmtrace.agent.daemon import loop
     cfg = config_mod.DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "s.sock",
                                   discover_interval_s=0.2)
@@ -426,10 +429,12 @@ def test_the_loop_wakes_seldom_only_while_there_is_nothing_to_watch(tmp_path):
         assert daemon.idle_wait_s(watchdog_s=2.0) == 0.5      # the watchdog's ping first
         cfg.hangs.after_s = 1.0
         assert daemon.idle_wait_s() == 0.5
+        cfg.hangs.after_s = 0.01            # never more often than a busy daemon
+        assert daemon.idle_wait_s() == fast
         cfg.hangs.after_s = 10.0
-        daemon.monitors.sampling = lambda: True
+        daemon.monitors.has_devices_to_sample = lambda: True
         assert daemon.idle_wait_s() == 1.0
-        del daemon.monitors.sampling
+        del daemon.monitors.has_devices_to_sample
         rec = recording.read_recording(synthetic_recording(tmp_path / "s.mmtr"))
         daemon.streams.batch("dev", rec.events["dev.event"][:4], [])
         assert not daemon.quiet() and daemon.idle_wait_s() == fast
@@ -459,8 +464,43 @@ def test_device_monitors_sample_only_where_a_monitor_has_devices():
     from types import SimpleNamespace
     from mmtrace.agent.daemon.device_monitors import DeviceMonitors
     monitors = DeviceMonitors()
-    assert not monitors.sampling()                          # NVML and npu-smi off
+    assert not monitors.has_devices_to_sample()                          # NVML and npu-smi off
     monitors.nvml = SimpleNamespace(devices=lambda: [])      # NVML without a driver
-    assert not monitors.sampling()
+    assert not monitors.has_devices_to_sample()
     monitors.npu = SimpleNamespace(devices=lambda: ["npu 0"])
-    assert monitors.sampling()
+    assert monitors.has_devices_to_sample()
+
+
+def test_device_samples_come_each_second_from_wakes_a_few_ms_apart():
+    from types import SimpleNamespace
+    from mmtrace.agent.daemon.device_monitors import DeviceMonitors
+    monitors = DeviceMonitors()
+    monitors.nvml = SimpleNamespace(devices=lambda: ["gpu 0"])
+    # A wake every 1.0005 s, its sample reached 9 ms later on every other
+    # wake (discovery's poll ran first) than on the others.
+    at = [int((k * 1.0005 + (0.009 if k % 2 == 0 else 0.002)) * 1e9) for k in range(8)]
+    assert all(monitors.gpu_sample_due(t) for t in at)
+
+
+def test_a_signal_wakes_a_quiet_loop_at_once(tmp_path):
+    """A quiet daemon sleeps 2 s; SIGUSR2 (a dump) or SIGTERM is taken
+    within that sleep, not at its end."""
+    from mmtrace.agent.daemon import loop
+    from mmtrace.agent.daemon.signals import DumpRequest
+    cfg = config_mod.DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "s.sock")
+    daemon = loop.Daemon(cfg)
+    usr2 = DumpRequest()
+    usr2.install()
+    try:
+        daemon.watch_signals()
+        assert daemon.quiet() and daemon.idle_wait_s() == loop.QUIET_WAIT_S
+        timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR2))
+        timer.start()
+        began = daemon._ticked_at = time.monotonic()    # as after a tick
+        daemon._sleep(None)
+        assert time.monotonic() - began < loop.QUIET_WAIT_S / 2 and usr2.take()
+        timer.join()
+    finally:
+        usr2.restore()
+        daemon.close()
+        daemon.signal_wakeup.restore()

@@ -18,8 +18,10 @@ class FakeRing:
         self.dtype = np.dtype(dtype)
         self.batches = list(batches)
         self.closed = False
+        self.reads = 0
 
     def read(self, max_records=None):
+        self.reads += 1
         return self.batches.pop(0) if self.batches else np.zeros(0, self.dtype)
 
     def fileno(self):
@@ -85,7 +87,11 @@ def test_each_call_gets_its_threads_comm_and_thread_records_are_consumed():
     second = ring.read()
     assert second["comm"].tolist() == [b"vision", b"vision"]
     assert (ring.records_read, ring.batches) == (4, 2)
-    assert len(ring.read()) == 0
+    reads = events.reads + names.reads
+    empty = ring.read()
+    assert len(empty) == 0 and empty.dtype == device.DEV_EVENT
+    # Nothing pending: no ring is read, nothing is decoded (a quiet daemon's wake).
+    assert events.reads + names.reads == reads and (ring.records_read, ring.batches) == (4, 2)
     ring.close()
     assert events.closed and names.closed
 

@@ -84,7 +84,7 @@ def test_a_call_read_twice_while_another_returns_counts_once(table):
     assert sorted(c["tid"] for c in calls) == [501, 502]
 
 
-def test_each_call_in_a_quiet_map_is_read_once(table):
+def test_only_blocking_calls_are_read_with_their_thread_and_comm(table):
     infos = device.default_infos()
     sync = next(i for i, info in infos.items() if info.api == "aclrtSynchronizeStream")
     launch = next(i for i, info in infos.items() if info.api == "cudaLaunchKernel")

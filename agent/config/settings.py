@@ -189,7 +189,9 @@ class MemorySettings:
 class HangSettings:
     """When a device has hung (detectors/device_hang.py): a sync, blocking
     copy or blocking model execution still in flight after after_s. Checked
-    every check_s from the calls in flight in the kernel: no return needed."""
+    every check_s from the calls in flight in the kernel (while the daemon
+    is quiet, at each of its wakes, at most after_s / 2 apart): no return
+    needed."""
     after_s: float = _seconds(10.0, DAY_S, low=0.01)
     check_s: float = _seconds(0.5, 60.0, low=0.01)
 

@@ -6,6 +6,10 @@ here."""
 from mmtrace.exporters.devices import npu_smi, nvml
 
 GPU_SAMPLE_INTERVAL_NS = 10**9
+# A sample is due this much early: the loop, waking once a second, reaches
+# the sample a few ms sooner on some wakes than on others, and a strict
+# deadline skipped every other second.
+DUE_EARLY_NS = GPU_SAMPLE_INTERVAL_NS // 10
 
 
 class DeviceMonitors:
@@ -35,19 +39,19 @@ class DeviceMonitors:
     def gpu_sample_due(self, now_ns: int) -> list:
         """NVML's latest states, once a second (else none), for the flight
         recorder's ring."""
-        if self.nvml is None or now_ns < self._next_gpu_sample:
+        if self.nvml is None or now_ns < self._next_gpu_sample - DUE_EARLY_NS:
             return []
         self._next_gpu_sample = now_ns + GPU_SAMPLE_INTERVAL_NS
         return self.nvml.devices()
 
     def npu_sample_due(self, now_ns: int) -> list:
         """npu-smi's latest states, once a second (else none)."""
-        if self.npu is None or now_ns < self._next_npu_sample:
+        if self.npu is None or now_ns < self._next_npu_sample - DUE_EARLY_NS:
             return []
         self._next_npu_sample = now_ns + GPU_SAMPLE_INTERVAL_NS
         return self.npu.devices()
 
-    def sampling(self) -> bool:
+    def has_devices_to_sample(self) -> bool:
         """Whether a monitor has devices to sample once a second now."""
         return any(m is not None and m.devices() for m in (self.nvml, self.npu))
 

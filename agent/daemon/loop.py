@@ -31,7 +31,7 @@ from mmtrace.agent.daemon.device_monitors import GPU_SAMPLE_INTERVAL_NS, DeviceM
 from mmtrace.agent.daemon.live_probes import LiveProbes
 from mmtrace.agent.daemon.reload import ReloadRequest, reload
 from mmtrace.agent.daemon.sd_notify import Notifier
-from mmtrace.agent.daemon.signals import DumpRequest
+from mmtrace.agent.daemon.signals import DumpRequest, SignalWakeup
 from mmtrace.agent.daemon.steering import Steering
 from mmtrace.agent.daemon.streams import Streams
 from mmtrace.agent.ingest import block_codec
@@ -105,6 +105,7 @@ class Daemon:
         self.lock = threading.Lock()
         self.metrics = None
         self.waiter = Waiter()
+        self.signal_wakeup = SignalWakeup()
         self._next_sweep = self._next_exited_sweep = self._next_trim = 0.0
         self._since_trim = 0
         self._drained_at = 0.0          # monotonic: the last drain of the rings
@@ -172,6 +173,7 @@ class Daemon:
             hup.install()
         usr2 = DumpRequest()
         usr2.install()
+        self.watch_signals()
         self.start()
         systemd.ready(f"tracing; metrics {self.metrics.address if self.metrics else 'off'}")
         try:
@@ -191,7 +193,14 @@ class Daemon:
         finally:
             systemd.stopping()
             self.close()
+            self.signal_wakeup.restore()
         log.info("stopped by %s", self.stop.reason or "request")
+
+    def watch_signals(self):
+        """A stop, reload or dump wakes the loop at once (SignalWakeup)."""
+        fd = self.signal_wakeup.install()
+        if fd is not None:
+            self.waiter.watch(fd)
 
     def idle_wait_s(self, watchdog_s: float | None = None) -> float:
         """The longest the loop sleeps without data. Every tick drains the
@@ -202,18 +211,20 @@ class Daemon:
         (no launcher to watch) it wakes every QUIET_WAIT_S: nothing is there
         for a window to hold, and on a host whose caches go cold while it
         sleeps, each wake's first steps cost more than its work (a quiet
-        tick took 13-17 ms of CPU here). A call that starts to hang while
-        the daemon is quiet is read at most half its threshold late, and
-        NVML's or npu-smi's devices are still sampled once a second.
+        tick took 13-18 ms of CPU here). A call that starts to hang while
+        the daemon is quiet is read at most half its threshold late (or a
+        busy daemon's wait), and NVML's or npu-smi's devices are still
+        sampled once a second. A signal wakes the loop at once.
         Discovery polls from the tick: no wait is longer than its interval
         (a quiet second read a 0.2 s interval's processes five times less
         often). The watchdog wants a ping every half of its interval."""
-        if self.quiet():
-            wait = min(QUIET_WAIT_S, self.config.hangs.after_s / 2)
-            if self.monitors.sampling():
-                wait = min(wait, GPU_SAMPLE_INTERVAL_NS / 1e9)
+        busy = min(MAX_IDLE_WAIT_S, self.config.p99.window_s / 4)
+        if self.quiet():        # never shorter than a busy daemon's wait
+            wait = min(QUIET_WAIT_S, max(busy, self.config.hangs.after_s / 2))
+            if self.monitors.has_devices_to_sample():
+                wait = min(wait, max(busy, GPU_SAMPLE_INTERVAL_NS / 1e9))
         else:
-            wait = min(MAX_IDLE_WAIT_S, self.config.p99.window_s / 4)
+            wait = busy
         wait = min(wait, self.config.discover_interval_s)
         return min(wait, watchdog_s / 4) if watchdog_s else wait
 
@@ -252,6 +263,9 @@ class Daemon:
                               self._ticked_at + self.idle_wait_s() - woke)
         timeout = deadline - woke
         while self.waiter.wait(timeout):
+            if self.signal_wakeup.fd in self.waiter.ready:
+                self.signal_wakeup.drain()
+                return                  # the loop takes the signal's flag now
             if not rings.issuperset(self.waiter.ready):
                 # The socket: its messages wait until tick_s after the wake.
                 rest = self.config.tick_s - (time.monotonic() - woke)

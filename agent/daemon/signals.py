@@ -1,7 +1,8 @@
 """The daemon's signals besides SIGINT/SIGTERM's stop flag: handlers only
 set flags that the loop takes (SIGHUP: reload, SIGUSR2: write the flight
-recorder's ring now), and a stop deadline: once asked to stop, the process
-ends within STOP_DEADLINE_S whatever its closing is stuck on."""
+recorder's ring now), a pipe that wakes the loop when one arrives, and a
+stop deadline: once asked to stop, the process ends within
+STOP_DEADLINE_S whatever its closing is stuck on."""
 
 import logging
 import os
@@ -41,6 +42,49 @@ class SignalFlag:
     def take(self) -> bool:
         pending, self.pending = self.pending, False
         return pending
+
+
+class SignalWakeup:
+    """A pipe the interpreter writes a byte to as each signal arrives
+    (signal.set_wakeup_fd): watched beside the rings, it wakes the loop at
+    once, where the flags alone waited for its next wake (a quiet daemon
+    sleeps 2 s). Only the main thread may install it; elsewhere fd stays
+    None and the flags are taken at the next wake, as before."""
+
+    def __init__(self):
+        self.fd: int | None = None
+        self._write: int | None = None
+        self._previous = -1
+
+    def install(self) -> int | None:
+        """The descriptor to watch, or None where there is none."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        read, write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            self._previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        except ValueError:
+            os.close(read)
+            os.close(write)
+            return None
+        self.fd, self._write = read, write
+        return read
+
+    def drain(self):
+        """Empty the pipe (the flags say which signals came)."""
+        try:
+            while os.read(self.fd, 512):
+                pass
+        except BlockingIOError:
+            pass
+
+    def restore(self):
+        if self.fd is None:
+            return
+        signal.set_wakeup_fd(self._previous)
+        os.close(self.fd)
+        os.close(self._write)
+        self.fd = self._write = None
 
 
 class DumpRequest(SignalFlag):

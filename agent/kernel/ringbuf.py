@@ -44,7 +44,7 @@ class RingReader:
         self.size = size
         self.mask = size - 1
         # What a read of an empty ring gives: one array, not one made per
-        # read (a quiet daemon reads its rings once a second, on cold caches).
+        # read (a quiet daemon reads its rings at each wake, on cold caches).
         self._empty = np.empty(0, self.dtype)
         self.stride = HEADER_SIZE + self.dtype.itemsize
         self._record = np.dtype([
