@@ -145,9 +145,12 @@ class Daemon:
                 **{k: round(v, 1) for k, v in end_mem.items()},
                 "rss_mb_at_start_of_window": round(start_mem["rss_mb"], 1)}
 
-    def stop(self):
+    def stop(self) -> float:
+        """SIGTERM, then the seconds until the process has exited."""
+        began = time.monotonic()
         self.proc.send_signal(signal.SIGTERM)
         self.proc.communicate(timeout=60)
+        return time.monotonic() - began
 
 
 def run_daemon(warmup_s: float, seconds: float, rate: int = 0) -> dict:

@@ -84,8 +84,13 @@ def idle(envs: dict, warmup_s: float, seconds: float, scoped: bool = False) -> d
                 measured = {which: pool.submit(d.measure, warmup_s, seconds)
                             for which, d in daemons.items()}
                 at_floor = pool.submit(floor_cpu, floor.pid, warmup_s, seconds)
-                return {**{which: {"tracing_s": round(daemons[which].tracing_s, 2), **f.result()}
-                           for which, f in measured.items()}, "floor": at_floor.result()}
+                out = {**{which: {"tracing_s": round(daemons[which].tracing_s, 2), **f.result()}
+                          for which, f in measured.items()}, "floor": at_floor.result()}
+            # Stopped one at a time, at whatever point of its sleep each is:
+            # how long an operator's `systemctl stop` waits.
+            for which in measured:
+                out[which]["stop_s"] = round(daemons.pop(which).stop(), 3)
+            return out
         finally:
             for d in daemons.values():
                 d.stop()
@@ -126,21 +131,26 @@ def main():
                     results.append(r)
                     print(f"{r['processes']:5d} processes  {which:<9} CPU {r['cpu_percent']:5.2f} %"
                           f" (schedstat {r['cpu_percent_schedstat']:.3f} %, floor {floor:.3f} %)"
-                          f"  RSS {r['rss_mb']:6.1f} MB  run-queue events {r['runq_events_per_s']}/s",
+                          f"  RSS {r['rss_mb']:6.1f} MB  run-queue events {r['runq_events_per_s']}/s"
+                          f"  stopped in {r['stop_s']:.2f} s",
                           flush=True)
         finally:
             for s in sleepers:
                 s.kill()
                 s.wait()
-    print("medians (CPU %, schedstat):")
+    print("medians (CPU %, schedstat; seconds from SIGTERM to exit):")
     for count in sorted(opts.processes):
         row = {which: statistics.median(r["cpu_percent_schedstat"] for r in results
                                         if r["implementation"] == which
                                         and r["target"] == count)
                for which in envs}
         floor = statistics.median(r["floor_cpu_percent"] for r in results if r["target"] == count)
+        stops = {which: statistics.median(r["stop_s"] for r in results
+                                          if r["implementation"] == which and r["target"] == count)
+                 for which in envs}
         print(f"  {count:5d} processes: " + "  ".join(f"{k} {v:.3f}" for k, v in row.items())
-              + f"  floor (Python waking every {QUIET_WAIT_S:g} s) {floor:.3f}")
+              + f"  floor (Python waking every {QUIET_WAIT_S:g} s) {floor:.3f}"
+              + "  stop " + "  ".join(f"{k} {v:.2f} s" for k, v in stops.items()))
     write_out("idle.json", results)
 
 
