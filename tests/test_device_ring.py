@@ -96,6 +96,24 @@ def test_each_call_gets_its_threads_comm_and_thread_records_are_consumed():
     assert events.closed and names.closed
 
 
+def test_a_new_threads_comm_committed_after_the_names_were_read_still_names_its_calls():
+    """The kernel commits a thread's comm record before its first event; the
+    reader takes the names ring, then the events ring. A record committed in
+    between is read again before the events are named: the thread may have
+    exited by then, with no /proc to fall back on."""
+    events = FakeRing(device.DEV_RECORD, [calls([10, 20])])
+    names = FakeRing(device.DEV_NAMED, [named([], "thread"),
+                                        named([5], "thread", comm=b"short_lived")])
+    ring = DeviceRing(events, names, ThreadComms(proc_root="/nonexistent"))
+    batch = ring.read()
+    assert batch["comm"].tolist() == [b"short_lived", b"short_lived"]
+    assert ring.comms.counters["comm_unknown"] == 0
+    # Threads already known cost no second read.
+    events.batches.append(calls([30]))
+    reads = names.reads
+    assert ring.read()["comm"].tolist() == [b"short_lived"] and names.reads == reads + 1
+
+
 def test_a_rename_applies_from_its_record_on():
     comms = ThreadComms(proc_root="/nonexistent")
     comms.learn(named([1], "thread", comm=b"python3"))

@@ -133,6 +133,10 @@ class ThreadComms:
             del self._comm[next(iter(self._comm))]
         self.counters["threads_sent"] += len(threads)
 
+    def knows(self, tid: int) -> bool:
+        """Whether the thread's comm is known (sent, or read from /proc)."""
+        return tid in self._comm
+
     def get(self, tid: int) -> bytes:
         comm = self._comm.get(tid)
         if comm is None:
@@ -252,14 +256,18 @@ class DeviceRing:
         if not any(r.pending_bytes() for r in self._rings()):
             return self._empty      # nothing written: no decoding step to run
         named = self.names.read(max_records)
+        compact = self.launches.read(max_records) if self.launches is not None else None
+        records = self.events.read(max_records)
+        late = self._names_committed_since(named, (records, compact), max_records)
+        if late is not None:
+            named = np.concatenate([named, late])
         threads = named[:0]
         if len(named):
             thread = named["kind"] == THREAD
             if thread.any():
                 threads, named = named[thread], named[~thread]
                 self.comms.learn_pids(threads)
-        compact = self.launches.read(max_records) if self.launches is not None else None
-        events = widen(self.events.read(max_records))
+        events = widen(records)
         if compact is not None and len(compact):
             self.facts.learn(events)
             compact = self.facts.widen(compact, self.comms.pids(compact["tid"]))
@@ -272,6 +280,20 @@ class DeviceRing:
             self.records_read += len(batch)
             self.batches += 1
         return batch
+
+    def _names_committed_since(self, named: np.ndarray, batches, max_records):
+        """The names ring read again when a thread of `batches` is new: its
+        comm record is committed before its first event, but after the
+        names were read here it is in the ring only now. Without it, a
+        thread that has exited since would have its events named "". None
+        when every thread is known."""
+        tids = [b["tid"] for b in batches if b is not None and len(b)]
+        if not tids:
+            return None
+        sent = set(named["tid"][named["kind"] == THREAD].tolist()) if len(named) else set()
+        new = [t for t in np.unique(np.concatenate(tids)).tolist()
+               if t not in sent and not self.comms.knows(t)]
+        return self.names.read(max_records) if new else None
 
     def close(self):
         for ring in self._rings():
