@@ -13,8 +13,8 @@ RSS, and the run-queue events a second it drained. This tree and
 host's own load (which the daemons trace: its switches, its CUDA
 processes) varied 50-fold between rounds taken one after the other on a
 shared host. The daemons start first one, then the other, in turn from
-round to round (use an even --rounds). Idle discovery used to read a fifth of the processes' maps
-every poll: its cost grew with their number.
+round to round (use an even --rounds). Idle discovery used to read a
+fifth of the processes' maps every poll: its cost grew with their number.
 
 With --scoped, each daemon is scoped to one sleeping process of its own
 (`mmtrace run --pid P`, as bench_pipeline runs it): the quiet daemon, one
@@ -140,14 +140,12 @@ def main():
                 s.wait()
     print("medians (CPU %, schedstat; seconds from SIGTERM to exit):")
     for count in sorted(opts.processes):
-        row = {which: statistics.median(r["cpu_percent_schedstat"] for r in results
-                                        if r["implementation"] == which
-                                        and r["target"] == count)
-               for which in envs}
-        floor = statistics.median(r["floor_cpu_percent"] for r in results if r["target"] == count)
-        stops = {which: statistics.median(r["stop_s"] for r in results
-                                          if r["implementation"] == which and r["target"] == count)
-                 for which in envs}
+        def median(field, which=None):
+            return statistics.median(r[field] for r in results if r["target"] == count
+                                     and which in (None, r["implementation"]))
+        row = {which: median("cpu_percent_schedstat", which) for which in envs}
+        floor = median("floor_cpu_percent")
+        stops = {which: median("stop_s", which) for which in envs}
         print(f"  {count:5d} processes: " + "  ".join(f"{k} {v:.3f}" for k, v in row.items())
               + f"  floor (Python waking every {QUIET_WAIT_S:g} s) {floor:.3f}"
               + "  stop " + "  ".join(f"{k} {v:.2f} s" for k, v in stops.items()))

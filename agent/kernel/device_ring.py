@@ -253,7 +253,7 @@ class DeviceRing:
 
     def read(self, max_records: int | None = None) -> np.ndarray:
         """Every record committed now, names first; DEV_EVENT records."""
-        if not any(r.pending_bytes() for r in self._rings()):
+        if not self.pending_bytes():
             return self._empty      # nothing written: no decoding step to run
         named = self.names.read(max_records)
         compact = self.launches.read(max_records) if self.launches is not None else None
