@@ -26,6 +26,7 @@ from mmtrace.agent.ingest import latency_series as ls
 from mmtrace.agent.ingest.align import Aligner, ApiRoles
 from mmtrace.agent.ingest.event_ring import EventRing
 from mmtrace.agent.ingest.packed_ring import PackedRing
+from mmtrace.agent.ingest.record_arrays import rows_of
 from mmtrace.agent.ingest.series_keys import SeriesKey
 from mmtrace.agent.ingest.series_window import SeriesWindow
 from mmtrace.agent.recording import recorder
@@ -217,7 +218,8 @@ class Streams:
 
 
 def _plain_device(aligned: np.ndarray) -> np.ndarray:
-    out = np.zeros(len(aligned), device_stream.DEV_EVENT)
-    for name in device_stream.DEV_EVENT.names:
-        out[name] = aligned[name]
-    return out
+    """DEV_EVENT records of aligned ones: their leading bytes (the aligned
+    layout is the device layout and retired_ns after it), copied as bytes
+    (field by field, a flight recording's 30 s took ten times longer)."""
+    rows = rows_of(aligned)[:, :device_stream.DEV_EVENT.itemsize]
+    return np.ascontiguousarray(rows).view(device_stream.DEV_EVENT).reshape(-1)

@@ -187,14 +187,17 @@ def _highest_before(sub_group, sub_rank, sub_op, sync_group, sync_rank, width):
     return out
 
 
-def align(events: np.ndarray, roles: ApiRoles, copy: bool = True) -> np.ndarray:
+def align(events: np.ndarray, roles: ApiRoles, copy: bool = True,
+          parts: tuple | None = None) -> np.ndarray:
     """ALIGNED_EVENT copies of `events` (any order, DEV_EVENT or aligned)
     with retired_ns, sync op_ids and event-sync streams filled in
-    (`copy=False`: aligned input is filled in place)."""
+    (`copy=False`: aligned input is filled in place). `parts`: what
+    roles.of_events(events) gives, where the caller has it already (the
+    alignment changes no event's part)."""
     out = _as_aligned(events, copy=copy)
     if not len(events):
         return out
-    submission, blocking, scope, record = roles.of_events(events)
+    submission, blocking, scope, record = parts or roles.of_events(events)
     pid = out["pid"].astype(np.uint64)
     stream = out["stream_handle"].astype(np.uint64)
     ts = out["ts_ns"].astype(np.int64)
@@ -308,21 +311,24 @@ class Aligner:
         if not len(batch):
             return np.zeros(0, ALIGNED_EVENT)
         ts = batch["ts_ns"]
-        if not (ts[1:] >= ts[:-1]).all():   # the rings' reader hands them in order
-            batch = take(batch, np.argsort(ts, kind="stable"))
+        # Two CPUs share the rings: a batch is nearly in time order, and
+        # sorted while it is copied into place behind the past.
+        order = None if (ts[1:] >= ts[:-1]).all() else np.argsort(ts, kind="stable")
         n_pending = len(self._pending)
         # What the past can change or tell, and the batch made aligned behind it (one copy).
-        aligned = align(_joined([self._pending, self._records, self._latest], batch),
-                        self.roles, copy=False)
+        joined = _joined([self._pending, self._records, self._latest], batch, order)
+        parts = self.roles.of_events(joined)
+        aligned = align(joined, self.roles, copy=False, parts=parts)
         settled = aligned["retired_ns"][:n_pending] != NONE
         self._set_retired(self._pending_seq[settled], aligned["retired_ns"][:n_pending][settled])
-        new = aligned[len(aligned) - len(batch):]
-        submission = self.roles.of_events(new)[0]
+        first = len(aligned) - len(batch)
+        new = aligned[first:]
+        submission, record = parts[0][first:], parts[3][first:]
         # What this push retired: earlier submissions and the batch's own.
         self.last_retired = concat([take(aligned[:n_pending], settled),
                                     take(new, submission & (new["retired_ns"] != NONE))])
         first_seq = self._ring.push(new)
-        self._remember(new, first_seq, keep_pending=~settled)
+        self._remember(new, first_seq, ~settled, submission, record)
         return new
 
     def unretired(self, pid: int, stream_handle: int | None = None) -> tuple[int, int | None]:
@@ -345,8 +351,8 @@ class Aligner:
         if self.on_retired is not None and len(seq):
             self.on_retired(seq, retired)
 
-    def _remember(self, new: np.ndarray, first_seq: int, keep_pending: np.ndarray):
-        submission, _, _, record = self.roles.of_events(new)
+    def _remember(self, new: np.ndarray, first_seq: int, keep_pending: np.ndarray,
+                  submission: np.ndarray, record: np.ndarray):
         waiting = submission & (new["retired_ns"] == NONE)
         seq = first_seq + np.arange(len(new))
         pending = concat([take(self._pending, keep_pending), take(new, waiting)])
@@ -357,7 +363,7 @@ class Aligner:
             pending, pending_seq = pending[-self.max_pending:], pending_seq[-self.max_pending:]
         self._pending, self._pending_seq = pending, pending_seq
         self._records = concat([self._records, take(new, record)])[-self.max_records:]
-        latest = concat([self._latest, take(new, submission)])
+        latest = concat([self._latest, take(new, _latest_of_each_stream(new, submission))])
         if len(latest):
             group = _groups(latest["pid"], latest["stream_handle"])
             order = np.lexsort((latest["ts_ns"], group))
@@ -366,6 +372,21 @@ class Aligner:
             latest = take(latest, order[last])
             latest = take(latest, np.argsort(latest["ts_ns"], kind="stable"))[-self.max_streams:]
         self._latest = latest
+
+
+def _latest_of_each_stream(events: np.ndarray, which: np.ndarray) -> np.ndarray:
+    """The rows of the last of `which` (a mask over `events`, in time order)
+    on each (process, stream): what _remember keeps of a batch, found on
+    two columns before any record is copied."""
+    at = np.flatnonzero(which)
+    if len(at) < 2:
+        return at
+    pid, stream = events["pid"][at], events["stream_handle"][at]
+    order = np.lexsort((stream, pid))           # stable: time order within a stream
+    pid, stream = pid[order], stream[order]
+    last = np.ones(len(order), bool)
+    last[:-1] = (pid[1:] != pid[:-1]) | (stream[1:] != stream[:-1])
+    return np.sort(at[order[last]])
 
 
 def _as_aligned(events: np.ndarray, copy: bool = False) -> np.ndarray:
@@ -379,23 +400,26 @@ def _as_aligned(events: np.ndarray, copy: bool = False) -> np.ndarray:
     return out
 
 
-def _aligned_into(events: np.ndarray, out: np.ndarray):
-    """`events` (DEV_EVENT or ALIGNED_EVENT) written into `out` (ALIGNED_EVENT, as long)."""
+def _aligned_into(events: np.ndarray, out: np.ndarray, order: np.ndarray | None = None):
+    """`events` (DEV_EVENT or ALIGNED_EVENT), or events[order], written into
+    `out` (ALIGNED_EVENT, as long)."""
     n = len(events)
     rows = out.view(np.uint8).reshape(n, ALIGNED_EVENT.itemsize)
+    source = rows_of(events) if order is None else rows_of(events)[order]
     if events.dtype == ALIGNED_EVENT:
-        rows[:] = rows_of(events)
+        rows[:] = source
         return
     if events.dtype != device_stream.DEV_EVENT:
         raise TypeError(f"expected device events ({device_stream.DEV_EVENT.itemsize}-byte "
                         f"records), got {events.dtype}")
-    rows[:, :device_stream.DEV_EVENT.itemsize] = rows_of(events)
+    rows[:, :device_stream.DEV_EVENT.itemsize] = source
     out["retired_ns"] = NONE
 
 
-def _joined(prior: list[np.ndarray], batch: np.ndarray) -> np.ndarray:
+def _joined(prior: list[np.ndarray], batch: np.ndarray,
+            order: np.ndarray | None = None) -> np.ndarray:
     """concat(prior + [_as_aligned(batch)]) (prior: aligned), the batch
-    converted straight into its place."""
+    (batch[order], where given) converted straight into its place."""
     n = sum(len(p) for p in prior)
     out = np.empty(n + len(batch), ALIGNED_EVENT)
     rows = out.view(np.uint8).reshape(len(out), ALIGNED_EVENT.itemsize)
@@ -403,5 +427,5 @@ def _joined(prior: list[np.ndarray], batch: np.ndarray) -> np.ndarray:
     for part in prior:
         rows[at:at + len(part)] = rows_of(part)
         at += len(part)
-    _aligned_into(batch, out[n:])
+    _aligned_into(batch, out[n:], order)
     return out

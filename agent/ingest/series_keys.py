@@ -10,6 +10,7 @@ them."""
 
 import re
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 
 RUNQ = "runq_delay"                 # run-queue delay of the threads doing device work
 SYNC = "sync_wait"                  # time blocked in a sync call
@@ -28,12 +29,7 @@ class SeriesKey:
     modality: str | None = None
 
     def __str__(self) -> str:
-        if self.kind == REQUEST:
-            series, modality = _escaped(self.series), _escaped(self.modality)
-            return f"{REQUEST}{{series={series},modality={modality}}}"
-        if self.kind == SYNC:
-            return f"{SYNC}{{pid={self.pid},stream={self.stream:#x}}}"
-        return f"{self.kind}{{pid={self.pid}}}"
+        return _name(self)
 
     def as_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -41,6 +37,18 @@ class SeriesKey:
     @property
     def per_process(self) -> bool:
         return self.kind in PER_PROCESS and self.pid is not None
+
+
+@lru_cache(maxsize=1024)
+def _name(key: SeriesKey) -> str:
+    """A key's string, kept for the keys in use: a dispatcher's sample
+    (100 a second) names its series twice."""
+    if key.kind == REQUEST:
+        series, modality = _escaped(key.series), _escaped(key.modality)
+        return f"{REQUEST}{{series={series},modality={modality}}}"
+    if key.kind == SYNC:
+        return f"{SYNC}{{pid={key.pid},stream={key.stream:#x}}}"
+    return f"{key.kind}{{pid={key.pid}}}"
 
 
 _SYNTAX = re.compile(r"([\\,={}])")

@@ -90,8 +90,9 @@ class EventCounts:
         size = max(self.infos, default=0) + 1
         self._known = np.zeros(size, bool)
         self._known[list(self.infos)] = True
-        self._stream = np.array([self.infos[i].stream if i in self.infos else ""
-                                 for i in range(size)], dtype=object)
+        # Per stream, which API ids are its own.
+        self._of_stream = {s: np.array([i in self.infos and self.infos[i].stream == s
+                                        for i in range(size)], bool) for s in ("gpu", "npu")}
         self._lock = threading.Lock()
         self._submissions = np.zeros(size, np.int64)
         self._memcpy = np.zeros((size, 256), np.float64)
@@ -117,12 +118,13 @@ class EventCounts:
                     proc.hist.add(delays[inverse == k])
 
     def on_device(self, aligned: np.ndarray, retired: np.ndarray):
-        """Aligned device events of a batch, and the submissions it retired."""
-        api = aligned["api"].astype(np.int64)
-        known = (api < len(self._known)) & self._known[np.minimum(api, len(self._known) - 1)]
-        if not known.all():     # (a copy of every 248-byte row otherwise)
-            aligned, api = aligned[known], api[known]
-        failed = device_stream.failed(aligned)
+        """Aligned device events of a batch, and the submissions it retired.
+        Each column is read with a mask of the calls it counts: a copy of
+        the rows themselves (248-byte records with byte-string fields) goes
+        field by field, and cost more than the counting."""
+        api = np.minimum(aligned["api"].astype(np.int64), len(self._known) - 1)
+        known = self._known[api] & (aligned["api"] < len(self._known))
+        failed = device_stream.failed(aligned) & known
         if failed.any():
             codes = aligned["ret"][failed]
             keys = device_stream.api_code_keys(api[failed], codes)
@@ -131,11 +133,11 @@ class EventCounts:
             with self._lock:
                 for api_id, code, n in pairs:
                     self._failures[(api_id, code)] = self._failures.get((api_id, code), 0) + n
-            aligned, api = aligned[~failed], api[~failed]     # they did no work
-        submitted = device_stream.in_table(aligned["kind"], SUBMISSION_KINDS)
-        memcpy = aligned["kind"] == MEMCPY
-        syncs = ((aligned["kind"] == SYNC)
-                 & ((aligned["flags"] & device_stream.FLAG_RETURNED) != 0))
+        worked = known & ~failed            # a failed call did no work
+        kind = aligned["kind"]
+        submitted = device_stream.in_table(kind, SUBMISSION_KINDS) & worked
+        memcpy = (kind == MEMCPY) & worked
+        syncs = (kind == SYNC) & ((aligned["flags"] & device_stream.FLAG_RETURNED) != 0) & worked
         with self._lock:
             self._submissions += np.bincount(api[submitted], minlength=len(self._submissions))
             if memcpy.any():
@@ -143,15 +145,16 @@ class EventCounts:
                 # cannot turn the total negative
                 np.add.at(self._memcpy, (api[memcpy], aligned["direction"][memcpy]),
                           aligned["bytes"][memcpy].astype(np.float64))
-            for stream, hist in self._sync_wait.items():
-                mask = syncs & (self._stream[api] == stream)
-                hist.add(aligned["duration_ns"][mask] / 1e9)
+            if syncs.any():
+                for stream, hist in self._sync_wait.items():
+                    mask = syncs & self._of_stream[stream][api]
+                    hist.add(aligned["duration_ns"][mask] / 1e9)
             if len(retired):
-                r_api = np.minimum(retired["api"].astype(np.int64), len(self._stream) - 1)
+                r_api = np.minimum(retired["api"].astype(np.int64), len(self._known) - 1)
                 latency = np.maximum(retired["retired_ns"] - retired["ts_ns"].astype(np.int64),
                                      0) / 1e9
                 for stream, hist in self._retire.items():
-                    hist.add(latency[self._stream[r_api] == stream])
+                    hist.add(latency[self._of_stream[stream][r_api]])
 
     def forget_exited(self):
         """Drop processes that have exited (their counts leave with them)."""
