@@ -75,10 +75,37 @@ class DeviceRows:
                           self.op_name[at], self.direction[at],
                           [self.fields[i] for i in at.tolist()], self.error[at])
 
+    def api_groups(self) -> "ApiGroups":
+        """The rows by API id (ApiGroups): what follows from the id, read once per id."""
+        return ApiGroups(self)
+
     @property
     def failed(self) -> np.ndarray:
         """Rows whose call returned an error code."""
         return self.error != None  # noqa: E711  (elementwise on an object array)
+
+
+class ApiGroups:
+    """Decoded rows by API id: each id's first row, stream and kind, and
+    each row's group. A row's stream, kind and fields follow from its id
+    (and a failed call's error from its id and code): read once per id,
+    not once per row."""
+
+    def __init__(self, rows: DeviceRows):
+        _, first, inverse = np.unique(rows.events["api"], return_index=True,
+                                      return_inverse=True)
+        self.first, self.inverse = first, inverse.reshape(-1)
+        self.stream = rows.stream[first].tolist()
+        self.kind = rows.kind[first].tolist()
+        self.fields = [rows.fields[i] for i in first.tolist()]
+
+    def of_kinds(self, *kinds: str) -> np.ndarray:
+        """Which rows are of one of `kinds`."""
+        return np.array([k in kinds for k in self.kind], bool)[self.inverse]
+
+    def filling(self, name: str) -> np.ndarray:
+        """Which rows fill the optional field `name`."""
+        return np.array([name in f for f in self.fields], bool)[self.inverse]
 
 
 def _name_text(raw: bytes, truncated: bool) -> str | None:
@@ -99,12 +126,14 @@ def decode(events: np.ndarray, ctx: DeviceContext) -> DeviceRows:
 
 def decode_aligned(aligned: np.ndarray, ctx: DeviceContext, kernel_names: dict) -> DeviceRows:
     """Aligned events in time order; `kernel_names` maps (pid, handle) to a
-    kernel name (see function_names)."""
+    kernel name (see function_names). The rows' events are `aligned` itself
+    where every event is exported."""
     infos = ctx.infos
     api_ids = aligned["api"].astype(np.int64)
     exported = np.array([infos[i].kind in device_stream.EXPORTED_KINDS if i in infos else False
                          for i in range(int(api_ids.max(initial=0)) + 1)], bool)
-    rows = take(aligned, exported[api_ids]) if len(aligned) else aligned
+    keep = exported[api_ids]
+    rows = aligned if keep.all() else take(aligned, keep)   # most often every row: no copy
     n = len(rows)
     stream = np.empty(n, object)
     kind = np.empty(n, object)
@@ -135,7 +164,7 @@ def decode_aligned(aligned: np.ndarray, ctx: DeviceContext, kernel_names: dict) 
             continue
         pids = rows["pid"][at].tolist()
         if info.library == "cudart":
-            op_name[at] = _runtime_launch_names(take(rows, at), ctx.op_names, kernel_names)
+            op_name[at] = _runtime_launch_names(rows, at, ctx.op_names, kernel_names)
         elif info.library == "cuda":
             op_name[at] = [kernel_names.get(k)
                            for k in zip(pids, rows["handle"][at].tolist())]
@@ -152,16 +181,17 @@ def decode_aligned(aligned: np.ndarray, ctx: DeviceContext, kernel_names: dict) 
     return DeviceRows(rows, stream, kind, api, op_name, direction, fields, error)
 
 
-def _runtime_launch_names(rows: np.ndarray, op_names: dict, kernel_names: dict) -> list:
-    """A runtime launch's kernel: its handle (a host function, or a
-    cudaKernel_t __cudaGetKernel made), else its caller when that is the
-    kernel's host stub (agent/ingest/device_names.py). Each distinct
-    (pid, handle, callers) is looked up once: a loop launches a few kernels
-    from a few places many times."""
-    columns = [rows["pid"].tolist(), rows["handle"].tolist()]
+def _runtime_launch_names(rows: np.ndarray, at: np.ndarray, op_names: dict,
+                          kernel_names: dict) -> list:
+    """The kernel of each runtime launch `at` (rows): its handle (a host
+    function, or a cudaKernel_t __cudaGetKernel made), else its caller when
+    that is the kernel's host stub (agent/ingest/device_names.py). Each
+    distinct (pid, handle, callers) is looked up once: a loop launches a few
+    kernels from a few places many times."""
+    columns = [rows["pid"][at].tolist(), rows["handle"][at].tolist()]
     callers = "return_ip" in (rows.dtype.names or ())
     if callers:
-        columns += [rows["return_ip"].tolist(), rows["outer_return_ip"].tolist()]
+        columns += [rows["return_ip"][at].tolist(), rows["outer_return_ip"][at].tolist()]
     keys = list(zip(*columns))
     named = {}
     for key in dict.fromkeys(keys):

@@ -8,6 +8,7 @@ from mmtrace.bpf import device as device_stream
 
 from mmtrace.detectors.diagnosis import STATES, DiagnosisRules
 
+from mmtrace.agent.recording.device_view import ApiGroups
 from mmtrace.agent.recording.explain import DiagnosisReplay, anomaly_verdict, explain_split
 from mmtrace.agent.recording.offline_detectors import Detectors, settings_of
 from mmtrace.agent.ingest.percentiles import Percentiles
@@ -108,37 +109,71 @@ class DeviceSummary:
         self.launch_returns = [0, 0]               # launches, those whose return was probed
 
     def add(self, rows):
+        """One batch of decoded rows. Rows are grouped by their API id with
+        numpy: a row's stream and kind, a sync's API and a failed call's
+        error (by its code) follow from the id, so only the columns that
+        vary within an id (a launch's op, an aclnn launch's API) are
+        counted row by row."""
+        ev = rows.events
+        by_api = rows.api_groups()
         failed = rows.failed
         if failed.any():
-            self.failures.update(zip(rows.stream[failed], rows.kind[failed], rows.api[failed],
-                                     rows.error[failed]))
-            rows = rows.where(~failed)
-        launches = rows.kind == "launch"
-        self.launch_returns[0] += int(launches.sum())
-        self.launch_returns[1] += int((launches & device_stream.returned(rows.events)).sum())
-        # Counted by Counter's C loop over the columns, named per distinct key.
-        self.events.update({f"{s}.{k}": n
-                            for (s, k), n in Counter(zip(rows.stream, rows.kind)).items()})
-        kind = rows.kind
-        ops = np.flatnonzero(launches | (kind == "graph_launch") | (kind == "model_exec"))
-        self.ops.update(Counter(zip(rows.stream[ops], kind[ops], rows.api[ops],
-                                    rows.op_name[ops])))
-        ev = rows.events
+            self._add_failures(rows, by_api, np.flatnonzero(failed))
+        ok = ~failed
         returned = device_stream.returned(ev)
-        is_sync = (rows.kind == "sync") & returned
-        if is_sync.any():
-            at = np.flatnonzero(is_sync)
-            keys = list(zip(rows.stream[at], rows.api[at]))
-            waits = ev["duration_ns"][at]
-            for key in set(keys):
-                mine = np.fromiter((k == key for k in keys), bool, len(keys))
-                self.waits.setdefault(key, Percentiles(1 << 16)).add(waits[mine])
-        is_copy = np.flatnonzero(rows.kind == "memcpy")
-        for copied, stream, direction in zip(ev["bytes"][is_copy].tolist(), rows.stream[is_copy],
-                                             rows.direction[is_copy]):
-            entry = self.copies.setdefault((stream, direction), [0, 0])
-            entry[0] += 1
-            entry[1] += copied
+        counts = np.bincount(by_api.inverse[ok], minlength=len(by_api.first))
+        for j, n in enumerate(counts.tolist()):
+            if n:
+                self.events[f"{by_api.stream[j]}.{by_api.kind[j]}"] += n
+        launches = by_api.of_kinds("launch") & ok
+        self.launch_returns[0] += int(launches.sum())
+        self.launch_returns[1] += int((launches & returned).sum())
+        ops = np.flatnonzero(by_api.of_kinds("launch", "graph_launch", "model_exec") & ok)
+        if len(ops):
+            named = Counter(zip(by_api.inverse[ops].tolist(), rows.api[ops], rows.op_name[ops]))
+            keyed: Counter = Counter()      # ids that share a name (a _ptsz variant) add up
+            for (j, api, op), n in named.items():
+                keyed[(by_api.stream[j], by_api.kind[j], api, op)] += n
+            self.ops.update(keyed)
+        syncs = np.flatnonzero(by_api.of_kinds("sync") & ok & returned)
+        if len(syncs):
+            waits = ev["duration_ns"][syncs]
+            group = by_api.inverse[syncs]
+            for key, ids in _ids_by_key(by_api, np.unique(group).tolist(),
+                                        lambda j: (by_api.stream[j], rows.api[by_api.first[j]])):
+                self.waits.setdefault(key, Percentiles(1 << 16)).add(waits[np.isin(group, ids)])
+        copies = np.flatnonzero(by_api.of_kinds("memcpy") & ok)
+        if len(copies):
+            keys = by_api.inverse[copies] << 8 | ev["direction"][copies].astype(np.int64)
+            _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+            copied = ev["bytes"][copies].astype(np.uint64)
+            # Exact sums of uint64 lengths, as their 32-bit halves (no sum wraps).
+            calls = np.bincount(inverse, minlength=len(first))
+            for g, at in enumerate(first.tolist()):
+                mine = copied[inverse == g]
+                total = (int((mine >> np.uint64(32)).sum()) << 32) + int(
+                    (mine & np.uint64(0xFFFFFFFF)).sum())
+                key = (rows.stream[copies[at]], rows.direction[copies[at]])
+                entry = self.copies.setdefault(key, [0, 0])
+                entry[0] += int(calls[g])
+                entry[1] += total
+
+    def _add_failures(self, rows, by_api: ApiGroups, at: np.ndarray):
+        """Failed calls per (stream, kind, api, error): grouped by API id
+        and code (the error's text is the code's), an API that names rows
+        apart (an aclnn launch names its op) counted row by row."""
+        keys = device_stream.api_code_keys(by_api.inverse[at], rows.events["ret"][at])
+        _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        for g, row in enumerate(at[first].tolist()):
+            mine = at[inverse == g]
+            j = by_api.inverse[row]
+            head = (by_api.stream[j], by_api.kind[j])
+            apis = rows.api[mine]
+            if (apis == apis[0]).all():
+                self.failures[head + (apis[0], rows.error[row])] += len(mine)
+            else:
+                for api, n in Counter(apis).items():
+                    self.failures[head + (api, rows.error[row])] += n
 
     def top_ops(self, limit: int = 20) -> list[dict]:
         """Submissions (not syncs, not copies) by (stream, api, op_name), most first."""
@@ -173,6 +208,14 @@ class DeviceSummary:
         return [{"stream": stream, "direction": direction, "count": n, "bytes": total}
                 for (stream, direction), (n, total) in sorted(
                     self.copies.items(), key=lambda kv: (kv[0][0], str(kv[0][1])))]
+
+
+def _ids_by_key(by_api: ApiGroups, groups: list[int], key) -> list:
+    """(key, the groups that have it): groups whose ids name one key together."""
+    out: dict = {}
+    for j in groups:
+        out.setdefault(key(j), []).append(j)
+    return list(out.items())
 
 
 def duration_s(rec) -> float:

@@ -7,7 +7,7 @@ import numpy as np
 
 from mmtrace.bpf import device as device_stream
 
-from mmtrace.exporters.files.rowtext import (NO_LINES, Rows, codes, device_lines, json_texts,
+from mmtrace.exporters.files.rowtext import (NO_LINES, Rows, device_lines, json_texts, json_value,
                                              strings, write_merged)
 
 # Every line carries every key of the spec, null where it does not apply.
@@ -33,10 +33,6 @@ def json_text(raw: bytes) -> bytes:
     return json.dumps(raw.decode(errors="replace")).encode()
 
 
-def _present(fields: list, names) -> dict[str, np.ndarray]:
-    """Per optional field, which rows fill it (rows of one API share one set)."""
-    found, sets = codes(fields)
-    return {name: np.array([name in f for f in sets], bool)[found] for name in names}
 
 
 def device_rows(rows) -> Rows:
@@ -45,9 +41,11 @@ def device_rows(rows) -> Rows:
     ev = rows.events
     n = len(ev)
     ds = device_stream
-    has = _present(rows.fields, (ds.HANDLE, ds.STREAM, ds.GRID, ds.BLOCK, ds.SHARED_MEM,
-                                 ds.BYTES))
-    sync = rows.kind == "sync"
+    # Stream, kind and the fields a row fills follow from its API id.
+    by_api = rows.api_groups()
+    has = {name: by_api.filling(name) for name in (ds.HANDLE, ds.STREAM, ds.GRID, ds.BLOCK,
+                                                   ds.SHARED_MEM, ds.BYTES)}
+    sync = by_api.of_kinds("sync")
     from_record = (ev["flags"] & device_stream.FLAG_STREAM_FROM_RECORD) != 0
     # An event sync whose record was not seen has no stream.
     stream_known = has[ds.STREAM] & ~(sync & has[ds.HANDLE] & ~from_record)
@@ -64,8 +62,8 @@ def device_rows(rows) -> Rows:
 
     comm_codes, comms = strings(ev["comm"])
     return (Rows(n, text=True).const(b'{"ts_ns":').decimal(ev["ts_ns"])
-            .const(b',"stream":').table(*json_texts(rows.stream))
-            .const(b',"kind":').table(*json_texts(rows.kind))
+            .const(b',"stream":').table(by_api.inverse, [json_value(v) for v in by_api.stream])
+            .const(b',"kind":').table(by_api.inverse, [json_value(v) for v in by_api.kind])
             .const(b',"pid":').decimal(ev["pid"]).const(b',"tid":').decimal(ev["tid"])
             .const(b',"comm":').table(comm_codes, [json_text(c) for c in comms])
             .const(b',"api":').table(*json_texts(rows.api))

@@ -67,15 +67,16 @@ class PerfettoWriter:
 
     def _device_tracks(self, device):
         ev = device.events
-        submitted = np.array([k in SUBMISSION_KINDS for k in device.kind], bool) & (
-            ev["retired_ns"] != NONE)
-        keys = np.unique(np.stack([ev["pid"][submitted].astype(np.uint64),
-                                   ev["stream_handle"][submitted]], axis=1), axis=0)
-        stream_of = dict(zip(zip(ev["pid"].tolist(), ev["stream_handle"].tolist()),
-                             device.stream.tolist()))
-        for pid, handle in keys.tolist():
-            self._descriptors(self.tracks.stream(pid, stream_of[(pid, handle)], handle))
-        for pid in np.unique(ev["pid"][device.kind == "memcpy"]).tolist():
+        by_api = device.api_groups()
+        submitted = np.flatnonzero(by_api.of_kinds(*SUBMISSION_KINDS)
+                                   & (ev["retired_ns"] != NONE))
+        keys, first = np.unique(np.stack([ev["pid"][submitted].astype(np.uint64),
+                                          ev["stream_handle"][submitted]], axis=1),
+                                axis=0, return_index=True)
+        streams = device.stream[submitted[first]].tolist()
+        for (pid, handle), stream in zip(keys.tolist(), streams):
+            self._descriptors(self.tracks.stream(pid, stream, handle))
+        for pid in np.unique(ev["pid"][by_api.of_kinds("memcpy")]).tolist():
             self._descriptors(self.tracks.copied(pid))
 
     def step(self, step, extra=()):

@@ -20,24 +20,38 @@ from mmtrace.exporters.files.rowtext import codes as rowtext_codes
 _OUTER = varint(TE_DEBUG_ANNOTATIONS << 3 | 2)
 
 
-def _present(rows) -> dict:
+def _present(rows, by_api) -> dict:
     """Which rows carry each conditional annotation."""
     ev = rows.events
-    return {"launch": np.array([k == "launch" for k in rows.kind], bool),
-            "copy": np.array([d is not None for d in rows.direction], bool),
+    return {"launch": by_api.of_kinds("launch"),
+            "copy": rows.direction != None,  # noqa: E711  (elementwise on an object array)
             "op_id": ev["op_id"] != 0,
             "retired": ev["retired_ns"] != NOT_RETIRED,
             "returned": (ev["flags"] & device_stream.FLAG_RETURNED) != 0,
             "device": ev["device"] >= 0}
 
 
-def outcomes(rows) -> list[str]:
+def outcomes(rows) -> tuple[list[str], np.ndarray]:
     """Each call's outcome in words: "ok", its error ("failed:
     cudaErrorInsufficientDriver (35)"), or "return not probed" (a launch
-    its probe did not sample)."""
-    returned = device_stream.returned(rows.events).tolist()
-    return [f"failed: {e}" if e is not None else "ok" if r else "return not probed"
-            for e, r in zip(rows.error, returned)]
+    its probe did not sample); as (distinct texts, each row's index)."""
+    texts = ["ok", "return not probed"]
+    found = np.where(device_stream.returned(rows.events), 0, 1)
+    failed = rows.failed
+    if failed.any():
+        codes, errors = rowtext_codes(list(rows.error[failed]))
+        found[failed] = codes + len(texts)
+        texts += [f"failed: {e}" for e in errors]
+    return texts, found
+
+
+def _directions(rows, by_api) -> tuple[list[str], np.ndarray]:
+    """(distinct directions, each row's index): a copy's direction in words
+    follows from its API id and direction code."""
+    keys = by_api.inverse << 8 | rows.events["direction"].astype(np.int64)
+    _, first, found = np.unique(keys, return_index=True, return_inverse=True)
+    index, texts = rowtext_codes([d or "" for d in rows.direction[first]])
+    return [str(t) for t in texts], index[found.reshape(-1)]
 
 
 def _by_value(values) -> tuple[list[str], np.ndarray]:
@@ -63,7 +77,8 @@ def _dims(ev, which: str) -> tuple[list[str], np.ndarray]:
 def call_fields(rows):
     """(name, values, present or None: every row, is_text), in their order;
     a text field's values are (distinct texts, each row's index)."""
-    ev, p = rows.events, _present(rows)
+    by_api = rows.api_groups()
+    ev, p = rows.events, _present(rows, by_api)
     handles, streams = np.unique(ev["stream_handle"], return_inverse=True)
     return [("api", _by_value(list(rows.api)), None, True),
             ("stream", ([hex(h) for h in handles.tolist()], streams.reshape(-1)), None, True),
@@ -73,10 +88,10 @@ def call_fields(rows):
             ("block", _dims(ev, "block"), p["launch"], True),
             ("shared_mem_bytes", ev["shared_mem_bytes"], p["launch"], False),
             ("bytes", ev["bytes"], p["copy"], False),
-            ("direction", _by_value([d or "" for d in rows.direction]), p["copy"], True),
+            ("direction", _directions(rows, by_api), p["copy"], True),
             ("retired_ns", ev["retired_ns"], p["retired"], False),
             ("return_code", ev["ret"], p["returned"], False),
-            ("outcome", _by_value(outcomes(rows)), None, True),
+            ("outcome", outcomes(rows), None, True),
             ("device", ev["device"], p["device"], False)]
 
 

@@ -131,15 +131,15 @@ class DeviceEncoder:
         n = len(ev)
         codes, keys = rowtext_codes(list(zip(rows.stream, rows.kind, rows.op_name, rows.api)))
         entries = [labels(f"{s}.{k}", op or api) for s, k, op, api in keys]
-        kinds = rows.kind.astype("U16")
-        submission = np.isin(kinds, SUBMISSION_KINDS)
+        by_api = rows.api_groups()
+        submission = by_api.of_kinds(*SUBMISSION_KINDS)
         returned = (ev["flags"] & device_stream.FLAG_RETURNED) != 0
         end_ns = ev["ts_ns"] + ev["duration_ns"]
         retired = ev["retired_ns"] != NONE
         starts = submission & retired & ~(returned & (ev["retired_ns"].astype(np.uint64) == end_ns))
         fid, (end_rows, end_fids) = self.flows.step(
             ev["pid"], ev["op_id"], ev["ts_ns"], end_ns, ev["retired_ns"], starts,
-            (kinds == "sync") & returned)
+            by_api.of_kinds("sync") & returned)
         # The fields that end flows, per sync row (a table entry each).
         end_codes = np.zeros(n, np.int64)
         end_entries = [b""]
@@ -181,7 +181,7 @@ class DeviceEncoder:
                 e["ts_ns"], e["retired_ns"].astype(np.uint64) - e["ts_ns"], e["pid"], e["tid"],
                 (codes[inflight], entries), stream_uuids(e["pid"], e["stream_handle"]))
             _append(pieces, inflight, 2, e["ts_ns"], begins, e["retired_ns"], ends_)
-        copies = np.flatnonzero(kinds == "memcpy")
+        copies = np.flatnonzero(by_api.of_kinds("memcpy"))
         if len(copies):
             e = records_at(ev, copies)
             totals = np.zeros(len(e), np.uint64)

@@ -267,7 +267,12 @@ def codes(values) -> tuple[np.ndarray, list]:
 def json_texts(values) -> tuple[np.ndarray, list[bytes]]:
     """(codes, JSON texts) of a column of str or None, for Rows.table."""
     found, distinct = codes(values)
-    return found, [b"null" if v is None else json.dumps(v).encode() for v in distinct]
+    return found, [json_value(v) for v in distinct]
+
+
+def json_value(value) -> bytes:
+    """A str or None as JSON text."""
+    return b"null" if value is None else json.dumps(value).encode()
 
 
 _HASH_BITS = 16
