@@ -95,6 +95,16 @@ def call_fields(rows):
             ("device", ev["device"], p["device"], False)]
 
 
+def fields_at(fields: list, at: np.ndarray) -> list:
+    """call_fields of the calls `at` (indices) alone: built from them, the
+    rows of a subset cost no copy of the whole batch's rows."""
+    out = []
+    for name, values, present, is_text in fields:
+        values = (values[0], values[1][at]) if is_text else values[at]
+        out.append((name, values, None if present is None else present[at], is_text))
+    return out
+
+
 def _int64(values) -> np.ndarray:
     """int64 varints' values: a negative one as its 64-bit two's complement."""
     return np.asarray(values).astype(np.int64).view(np.uint64)

@@ -10,7 +10,7 @@ from mmtrace.bpf.device import NOT_RETIRED as NONE
 from mmtrace.bpf.device import SUBMISSION_KINDS
 
 from mmtrace.exporters.files.perfetto_call_annotations import (call_bytes, call_fields,
-                                                               call_rows)
+                                                               call_rows, fields_at)
 from mmtrace.exporters.files.perfetto_fields import (
     TP_TIMESTAMP, TP_TRACK_EVENT, TE_TYPE, TE_TRACK_UUID, TE_FLOW_IDS, TE_TERMINATING_FLOW_IDS,
     SLICE_BEGIN, SLICE_END, INSTANT, packet)
@@ -159,9 +159,8 @@ class DeviceEncoder:
         wide = lengths > limit
         narrow = [e if len(e) <= limit else b"" for e in end_entries]   # the table's width
         fields = call_fields(rows)
-        notes = call_rows(fields, n)
         self._calls(ev, np.flatnonzero(~wide), (codes, entries), starts, fid,
-                    (end_codes, narrow), notes, pieces)
+                    (end_codes, narrow), fields, pieces)
         for i in np.flatnonzero(wide).tolist():     # a returned sync: a slice
             e = ev[i]
             track = field_varint(TE_TRACK_UUID, thread_uuid(int(e["pid"]), int(e["tid"])))
@@ -195,7 +194,7 @@ class DeviceEncoder:
         return pieces
 
     @staticmethod
-    def _calls(ev, at: np.ndarray, labels, starts, fid, ends, notes: Rows, pieces: list):
+    def _calls(ev, at: np.ndarray, labels, starts, fid, ends, fields: list, pieces: list):
         if not len(at):
             return
         codes, entries = labels
@@ -209,7 +208,7 @@ class DeviceEncoder:
             def flows(body: Rows, sub=sub) -> Rows:
                 return (body.fixed(fixed64_rows(FLOW_TAG, fid[sub]), starts[sub])
                         .table(end_codes[sub], end_entries)
-                        .rows(notes.take(sub)))
+                        .rows(call_rows(fields_at(fields, sub), len(sub))))
 
             if kind == SLICE_BEGIN:
                 begins, ends_ = slice_rows_apart(e["ts_ns"], e["duration_ns"], e["pid"],
