@@ -1,6 +1,7 @@
 """The native Perfetto export, decoded back field by field."""
 
 import io
+import re
 import sys
 from pathlib import Path
 
@@ -513,3 +514,26 @@ def test_late_packets_come_back_sorted_and_whole_from_their_file():
     on_late = [p[proto.TP_TIMESTAMP][0] for p in written
                if p[proto.TP_SEQUENCE_ID][0] == proto.LATE_SEQUENCE and proto.TP_TIMESTAMP in p]
     assert on_late == sorted(late)
+
+
+def test_a_stream_track_is_named_by_the_last_call_on_its_handle():
+    """A process's GPU and NPU calls on one handle (0: the default stream,
+    and the calls that name no stream) share one track, named by the stream
+    of the last call on it, of any kind."""
+    from mmtrace.bpf import device as ds
+    from mmtrace.agent.recording.device_view import DeviceContext, decode
+    from mmtrace.agent.recording.replay import Step
+    for apis, named in (([1, 13, 113], b"npu stream 0x0"),      # launch, two syncs
+                        ([101, 113, 13], b"gpu stream 0x0")):   # NPU launch, NPU then GPU sync
+        e = np.zeros(3, ds.DEV_EVENT)
+        e["pid"] = e["tid"] = 7
+        e["flags"] = ds.FLAG_RETURNED
+        e["ts_ns"] = [100, 200, 300]
+        e["api"] = apis
+        e["op_id"] = [1, 0, 0]
+        e["duration_ns"] = 10
+        out = io.BytesIO()
+        writer = perfetto.PerfettoWriter(out)
+        writer.step(Step({}, decode(e, DeviceContext(ds.default_infos()))))
+        writer.finish()
+        assert set(re.findall(rb"[a-z]+ stream 0x[0-9a-f]+", out.getvalue())) == {named}

@@ -26,7 +26,8 @@ def _events(n: int, seed: int) -> np.ndarray:
     ev["api"] = rng.choice(exported, n)
     ev["pid"] = ev["tid"] = 7
     ev["flags"] = np.where(rng.random(n) < 0.9, ds.FLAG_RETURNED, 0)
-    ev["ret"] = np.where(rng.random(n) < 0.3, rng.choice([1, 35, 100], n), 0)
+    codes = [1, 35, 100, *rng.integers(1, 1 << 31, 200).tolist()]     # a storm of codes too
+    ev["ret"] = np.where(rng.random(n) < 0.3, rng.choice(codes, n), 0)
     ev["duration_ns"] = rng.integers(0, 10**6, n)
     ev["direction"] = rng.choice([0, 1, 2, 3, ds.NO_DIRECTION], n)
     big = rng.random(n) < 0.05      # garbled lengths: their sums pass 2**64

@@ -221,5 +221,5 @@ def _plain_device(aligned: np.ndarray) -> np.ndarray:
     """DEV_EVENT records of aligned ones: their leading bytes (the aligned
     layout is the device layout and retired_ns after it), copied as bytes
     (field by field, a flight recording's 30 s took ten times longer)."""
-    rows = rows_of(aligned)[:, :device_stream.DEV_EVENT.itemsize]
-    return np.ascontiguousarray(rows).view(device_stream.DEV_EVENT).reshape(-1)
+    rows = rows_of(aligned)[:, :device_stream.DEV_EVENT.itemsize].copy()     # always a copy
+    return rows.view(device_stream.DEV_EVENT).reshape(-1)

@@ -363,6 +363,7 @@ class Aligner:
             pending, pending_seq = pending[-self.max_pending:], pending_seq[-self.max_pending:]
         self._pending, self._pending_seq = pending, pending_seq
         self._records = concat([self._records, take(new, record)])[-self.max_records:]
+        # `new` is in time order (push sorts it).
         latest = concat([self._latest, take(new, _latest_of_each_stream(new, submission))])
         if len(latest):
             group = _groups(latest["pid"], latest["stream_handle"])

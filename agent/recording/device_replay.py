@@ -65,6 +65,8 @@ class DeviceReplay:
     def _emit(self, cut: int) -> DeviceRows | None:
         if cut <= 0:
             return None
+        # Two views of one buffer: nothing writes into what is handed out
+        # (_retired writes past the cut, and the next push copies _held).
         out, self._held = self._held[:cut], self._held[cut:]
         self._base += cut
         # A call stamped at its entry arrives when it returns: a long sync

@@ -145,17 +145,15 @@ class DeviceSummary:
         copies = np.flatnonzero(by_api.of_kinds("memcpy") & ok)
         if len(copies):
             keys = by_api.inverse[copies] << 8 | ev["direction"][copies].astype(np.int64)
-            _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
             copied = ev["bytes"][copies].astype(np.uint64)
-            # Exact sums of uint64 lengths, as their 32-bit halves (no sum wraps).
-            calls = np.bincount(inverse, minlength=len(first))
-            for g, at in enumerate(first.tolist()):
-                mine = copied[inverse == g]
+            for members in _groups_of(keys):
+                mine = copied[members]
+                # Exact sums of uint64 lengths, as their 32-bit halves (no sum wraps).
                 total = (int((mine >> np.uint64(32)).sum()) << 32) + int(
                     (mine & np.uint64(0xFFFFFFFF)).sum())
-                key = (rows.stream[copies[at]], rows.direction[copies[at]])
-                entry = self.copies.setdefault(key, [0, 0])
-                entry[0] += int(calls[g])
+                at = copies[members[0]]
+                entry = self.copies.setdefault((rows.stream[at], rows.direction[at]), [0, 0])
+                entry[0] += len(members)
                 entry[1] += total
 
     def _add_failures(self, rows, by_api: ApiGroups, at: np.ndarray):
@@ -163,9 +161,9 @@ class DeviceSummary:
         and code (the error's text is the code's), an API that names rows
         apart (an aclnn launch names its op) counted row by row."""
         keys = device_stream.api_code_keys(by_api.inverse[at], rows.events["ret"][at])
-        _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
-        for g, row in enumerate(at[first].tolist()):
-            mine = at[inverse == g]
+        for members in _groups_of(keys):
+            mine = at[members]
+            row = int(mine[0])
             j = by_api.inverse[row]
             head = (by_api.stream[j], by_api.kind[j])
             apis = rows.api[mine]
@@ -208,6 +206,16 @@ class DeviceSummary:
         return [{"stream": stream, "direction": direction, "count": n, "bytes": total}
                 for (stream, direction), (n, total) in sorted(
                     self.copies.items(), key=lambda kv: (kv[0][0], str(kv[0][1])))]
+
+
+def _groups_of(keys: np.ndarray) -> list[np.ndarray]:
+    """The positions of each distinct key, in order within each group: one
+    sort, not a pass over every key per group (a storm of failures can have
+    as many codes as calls)."""
+    order = np.argsort(keys, kind="stable")
+    ordered = keys[order]
+    cuts = np.flatnonzero(ordered[1:] != ordered[:-1]) + 1
+    return np.split(order, cuts) if len(order) else []
 
 
 def _ids_by_key(by_api: ApiGroups, groups: list[int], key) -> list:

@@ -70,12 +70,14 @@ class PerfettoWriter:
         by_api = device.api_groups()
         submitted = np.flatnonzero(by_api.of_kinds(*SUBMISSION_KINDS)
                                    & (ev["retired_ns"] != NONE))
-        keys, first = np.unique(np.stack([ev["pid"][submitted].astype(np.uint64),
-                                          ev["stream_handle"][submitted]], axis=1),
-                                axis=0, return_index=True)
-        streams = device.stream[submitted[first]].tolist()
-        for (pid, handle), stream in zip(keys.tolist(), streams):
-            self._descriptors(self.tracks.stream(pid, stream, handle))
+        rows = np.stack([ev["pid"].astype(np.uint64), ev["stream_handle"]], axis=1)
+        # A track is named by the stream of the last row on its (process,
+        # handle), of any kind: found per distinct key, not per row.
+        every, last = np.unique(rows[::-1], axis=0, return_index=True)
+        stream_of = dict(zip(map(tuple, every.tolist()),
+                             device.stream[len(rows) - 1 - last].tolist()))
+        for pid, handle in np.unique(rows[submitted], axis=0).tolist():
+            self._descriptors(self.tracks.stream(pid, stream_of[(pid, handle)], handle))
         for pid in np.unique(ev["pid"][by_api.of_kinds("memcpy")]).tolist():
             self._descriptors(self.tracks.copied(pid))
 

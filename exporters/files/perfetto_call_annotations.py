@@ -31,7 +31,7 @@ def _present(rows, by_api) -> dict:
             "device": ev["device"] >= 0}
 
 
-def outcomes(rows) -> tuple[list[str], np.ndarray]:
+def outcome_texts(rows) -> tuple[list[str], np.ndarray]:
     """Each call's outcome in words: "ok", its error ("failed:
     cudaErrorInsufficientDriver (35)"), or "return not probed" (a launch
     its probe did not sample); as (distinct texts, each row's index)."""
@@ -91,7 +91,7 @@ def call_fields(rows):
             ("direction", _directions(rows, by_api), p["copy"], True),
             ("retired_ns", ev["retired_ns"], p["retired"], False),
             ("return_code", ev["ret"], p["returned"], False),
-            ("outcome", outcomes(rows), None, True),
+            ("outcome", outcome_texts(rows), None, True),
             ("device", ev["device"], p["device"], False)]
 
 
