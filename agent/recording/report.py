@@ -160,18 +160,28 @@ class DeviceSummary:
         """Failed calls per (stream, kind, api, error): grouped by API id
         and code (the error's text is the code's), an API that names rows
         apart (an aclnn launch names its op) counted row by row."""
-        keys = device_stream.api_code_keys(by_api.inverse[at], rows.events["ret"][at])
-        for members in _groups_of(keys):
-            mine = at[members]
-            row = int(mine[0])
-            j = by_api.inverse[row]
+        ids = by_api.inverse[at]
+        apis = rows.api[at]
+        varies = set()
+        for j in np.unique(ids).tolist():
+            mine = apis[ids == j]
+            if not (mine == mine[0]).all():
+                varies.add(j)
+        keys = device_stream.api_code_keys(ids, rows.events["ret"][at])
+        order = np.argsort(keys, kind="stable")
+        ordered = keys[order]
+        starts = np.flatnonzero(np.concatenate([[True], ordered[1:] != ordered[:-1]]))
+        sizes = np.diff(np.append(starts, len(order))).tolist()
+        firsts = at[order[starts]]
+        for start, n, j, api, error in zip(starts.tolist(), sizes, by_api.inverse[firsts].tolist(),
+                                           rows.api[firsts].tolist(),
+                                           rows.error[firsts].tolist()):
             head = (by_api.stream[j], by_api.kind[j])
-            apis = rows.api[mine]
-            if (apis == apis[0]).all():
-                self.failures[head + (apis[0], rows.error[row])] += len(mine)
-            else:
-                for api, n in Counter(apis).items():
-                    self.failures[head + (api, rows.error[row])] += n
+            if j not in varies:
+                self.failures[head + (api, error)] += n
+                continue
+            for name, calls in Counter(rows.api[at[order[start:start + n]]]).items():
+                self.failures[head + (name, error)] += calls
 
     def top_ops(self, limit: int = 20) -> list[dict]:
         """Submissions (not syncs, not copies) by (stream, api, op_name), most first."""
