@@ -50,7 +50,7 @@ class DeviceRows:
     api: np.ndarray             # object
     op_name: np.ndarray         # object: str or None
     direction: np.ndarray       # object: str or None
-    fields: list                # per row: frozenset of the optional fields it fills
+    fields: np.ndarray          # object: per row, the frozenset of optional fields it fills
     error: np.ndarray = None    # object: a failed call's code as text, else None
 
     def __post_init__(self):
@@ -73,7 +73,7 @@ class DeviceRows:
         at = np.flatnonzero(mask)
         return DeviceRows(self.events[at], self.stream[at], self.kind[at], self.api[at],
                           self.op_name[at], self.direction[at],
-                          [self.fields[i] for i in at.tolist()], self.error[at])
+                          self.fields[at], self.error[at])
 
     def api_groups(self) -> "ApiGroups":
         """The rows by API id (ApiGroups): what follows from the id, read once per id."""
@@ -142,9 +142,12 @@ def decode_aligned(aligned: np.ndarray, ctx: DeviceContext, kernel_names: dict) 
     direction = np.full(n, None, object)
     error = np.full(n, None, object)
     failed = device_stream.failed(rows)
-    row_apis = rows["api"].tolist()
     distinct = np.unique(rows["api"]).tolist()
-    fields = list(map({a: infos[a].fields for a in distinct}.__getitem__, row_apis))
+    # Each row's set is its API's: one object array of them, indexed by id.
+    sets = np.empty(max(distinct, default=0) + 1, object)
+    for a in distinct:
+        sets[a] = infos[a].fields
+    fields = sets[rows["api"]]
     for api_id in distinct:
         info = infos[api_id]
         at = np.flatnonzero(rows["api"] == api_id)

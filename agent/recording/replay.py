@@ -74,7 +74,7 @@ def _joined(a: DeviceRows | None, b: DeviceRows | None) -> DeviceRows | None:
     return DeviceRows(concat([a.events, b.events]),
                       *(np.concatenate([getattr(a, f), getattr(b, f)])
                         for f in ("stream", "kind", "api", "op_name", "direction")),
-                      a.fields + b.fields, np.concatenate([a.error, b.error]))
+                      np.concatenate([a.fields, b.fields]), np.concatenate([a.error, b.error]))
 
 
 def _release(waiting: dict, limit: int | None) -> dict[str, np.ndarray]:
