@@ -74,10 +74,11 @@ class DeviceNames:
         cudart = {i: info for i, info in infos.items() if info.library == "cudart"}
         # Launches take the host function, or a cudaKernel_t named through
         # the __cudaGetKernel call that made it (its host function, alias).
-        self._stub_apis = np.array(sorted(
-            i for i, info in cudart.items() if info.kind == "launch"), np.uint16)
-        self._alias_apis = np.array(sorted(
-            i for i, info in cudart.items() if info.kind == "function_name"), np.uint16)
+        # As lookups by API id (device_stream.id_table), not np.isin's sort per batch.
+        self._stub_apis = device_stream.id_table(
+            i for i, info in cudart.items() if info.kind == "launch")
+        self._alias_apis = device_stream.id_table(
+            i for i, info in cudart.items() if info.kind == "function_name")
         self._caller_apis = self._stub_apis
         aclnn = by_symbol.get("aclnn")
         self._aclnn_api = aclnn.id if aclnn else None
@@ -111,8 +112,9 @@ class DeviceNames:
 
     def _addresses(self, batch: np.ndarray):
         """(pid, distinct addresses not seen before) for each process."""
-        stub = np.isin(batch["api"], self._stub_apis) & (batch["handle"] != 0)
-        alias = np.isin(batch["api"], self._alias_apis) & (batch["alias"] != 0)
+        api = batch["api"]
+        stub = device_stream.in_table(api, self._stub_apis) & (batch["handle"] != 0)
+        alias = device_stream.in_table(api, self._alias_apis) & (batch["alias"] != 0)
         # A cudaKernel_t is named through its host function (alias), never
         # looked up as an address of the process itself.
         made = alias & (batch["handle"] != 0) & (batch["handle"] != batch["alias"])
@@ -129,7 +131,7 @@ class DeviceNames:
     def _callers(self, batch: np.ndarray):
         # The three fields, not the launches' whole records: a batch is tens
         # of thousands of launches at the rates the probes allow.
-        launch = np.isin(batch["api"], self._caller_apis)
+        launch = device_stream.in_table(batch["api"], self._caller_apis)
         both = np.concatenate([batch["return_ip"][launch], batch["outer_return_ip"][launch]])
         pid = batch["pid"][launch]
         pids = np.concatenate([pid, pid])
