@@ -261,12 +261,12 @@ def test_agrees_with_a_bpftrace_reference(tmp_path, workloads):
     """Every wait of the workload's threads, counted by both: the workload
     starts after both are attached and ends before either stops, so the
     totals must agree (within 0.05 %: a switch-in the kernel did not report
-    is lost to both alike). bpftrace attaches first: its programs run ahead
-    of mmtrace's at each tracepoint and shift the delays mmtrace stamps by
-    the difference of their costs, some 100 ns (see the runqlat test), so
-    the histograms are compared by cumulative share, within 3 points and a
-    bucket: one run in ten had 8 % of the waits on the other side of the
-    4 µs boundary."""
+    is lost to both alike; a full ring, counted, is allowed for). bpftrace
+    attaches first: its programs run ahead of mmtrace's at each tracepoint
+    and shift the delays mmtrace stamps by the difference of their costs,
+    some 100 ns (see the runqlat test), so the histograms are compared by
+    cumulative share, within 3 points and a bucket: one run in ten had 8 %
+    of the waits on the other side of the 4 µs boundary."""
     ctx = workloads.path("ctxswitch")
     comm = ctx.name.encode()[:15]      # the kernel's name of its threads
     reference = BpftraceRunq()
@@ -287,13 +287,19 @@ def test_agrees_with_a_bpftrace_reference(tmp_path, workloads):
     assert recorder.returncode == 0
     rec = recording.read_recording(path)
     counters = rec.footer["counters"]
-    assert rec.footer["lost_events"] == counters["switch_in_unseen"], \
+    # The recorder shares two CPUs with five busy threads: a drain it could
+    # not run in time overflows the ring, counted (66 of 1.58 M events once
+    # in CI). Those waits are missing from the recording, not wrong in it:
+    # the totals agree within them, and they stay a sliver of the events.
+    full = counters.get("ringbuf_full_cpu", 0)
+    assert rec.footer["lost_events"] == counters["switch_in_unseen"] + full, \
         {name: n for name, n in counters.items() if n}
+    assert full <= 0.01 * counters["runq_events"], counters
     runq = rec.events["cpu.runq"]
     mine = runq[runq["comm"] == comm]
     theirs = waits.get(comm.decode(), 0)
     assert theirs > 20_000, waits                  # the workload really switched
-    assert abs(len(mine) - theirs) <= 0.0005 * theirs, (len(mine), theirs)
+    assert abs(len(mine) - theirs) <= 0.0005 * theirs + full, (len(mine), theirs, full)
     assert_cumulative_shares_agree(runqlat_buckets(mine["delay_ns"]), hists[comm.decode()])
 
 
