@@ -5,18 +5,16 @@ here."""
 
 from mmtrace.exporters.devices import npu_smi, nvml
 
+from mmtrace.agent.due import due
+
 GPU_SAMPLE_INTERVAL_NS = 10**9
-# A sample is due this much early: the loop, waking once a second, reaches
-# the sample a few ms sooner on some wakes than on others, and a strict
-# deadline skipped every other second.
-DUE_EARLY_NS = GPU_SAMPLE_INTERVAL_NS // 10
 
 
 class DeviceMonitors:
     def __init__(self):
         self.nvml = None                    # DeviceMonitor of the GPUs
         self.npu = None                     # ... of the Ascend NPUs, where npu-smi is
-        self._next_gpu_sample = self._next_npu_sample = 0
+        self._last_gpu_sample = self._last_npu_sample = None    # monotonic ns
 
     def start(self, interval_s: float):
         if interval_s <= 0:
@@ -39,16 +37,16 @@ class DeviceMonitors:
     def gpu_sample_due(self, now_ns: int) -> list:
         """NVML's latest states, once a second (else none), for the flight
         recorder's ring."""
-        if self.nvml is None or now_ns < self._next_gpu_sample - DUE_EARLY_NS:
+        if self.nvml is None or not _due(self._last_gpu_sample, now_ns):
             return []
-        self._next_gpu_sample = now_ns + GPU_SAMPLE_INTERVAL_NS
+        self._last_gpu_sample = now_ns
         return self.nvml.devices()
 
     def npu_sample_due(self, now_ns: int) -> list:
         """npu-smi's latest states, once a second (else none)."""
-        if self.npu is None or now_ns < self._next_npu_sample - DUE_EARLY_NS:
+        if self.npu is None or not _due(self._last_npu_sample, now_ns):
             return []
-        self._next_npu_sample = now_ns + GPU_SAMPLE_INTERVAL_NS
+        self._last_npu_sample = now_ns
         return self.npu.devices()
 
     def has_devices_to_sample(self) -> bool:
@@ -65,3 +63,8 @@ class DeviceMonitors:
             if monitor is not None:
                 monitor.close()
         self.nvml = self.npu = None
+
+
+def _due(last_ns: int | None, now_ns: int) -> bool:
+    """A sample once a second (agent/due.py: a little early counts)."""
+    return last_ns is None or due(now_ns - last_ns, GPU_SAMPLE_INTERVAL_NS)

@@ -23,6 +23,7 @@ from mmtrace.detectors.p99_drift import P99Drift
 from mmtrace.exporters.live import prometheus
 
 from mmtrace.agent import heap
+from mmtrace.agent.due import due
 from mmtrace.agent.config.settings import DaemonConfig, EntropySettings, P99Settings
 from mmtrace.agent.daemon import views
 from mmtrace.agent.daemon.alarms import Alarms
@@ -302,7 +303,7 @@ class Daemon:
     def _idle_wait_over(self, since: float) -> bool:
         """An idle wait (nearly: a wake a little early still counts) since
         `since` (monotonic)."""
-        return time.monotonic() - since >= 0.9 * self.idle_wait_s()
+        return due(time.monotonic() - since, self.idle_wait_s())
 
     def wake(self):
         """One wake of the loop: the whole tick when it is due, else the

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from mmtrace.agent.discovery.glob_cache import GlobCache
+from mmtrace.agent.due import due
 from mmtrace.agent.discovery.install_paths import (SITE_PACKAGES_GLOBS, LdconfigLibraries,
                                                    default_search_globs)
 from mmtrace.agent.discovery.library_files import (LibraryFiles, LibraryTarget, Wanted,
@@ -51,9 +52,6 @@ def find_targets(wanted: Wanted, pids: Iterable[int] | None = None,
     return Discoverer(wanted, pids, extra_paths, proc_root,
                       search_paths=search_paths).poll()
 
-
-# A poll is due this share of its interval early (poll_if_due).
-DUE_EARLY = 0.1
 
 class Discoverer:
     """Keeps discovering while the agent runs: poll() returns only targets
@@ -148,12 +146,10 @@ class Discoverer:
         return released
 
     def poll_if_due(self) -> list[LibraryTarget]:
-        """poll() when interval_s has passed since the last one (a tenth of
-        it early counts: a quiet loop wakes once an interval, some wakes a
-        few ms sooner than others, and a strict deadline skipped every
-        other one), else []."""
-        if self._last_poll is not None and \
-                self.clock() - self._last_poll < self.interval_s * (1 - DUE_EARLY):
+        """poll() when interval_s has passed since the last one (agent/due.py:
+        a little early counts), else []."""
+        if self._last_poll is not None and not due(self.clock() - self._last_poll,
+                                                   self.interval_s):
             return []
         return self.poll()
 
