@@ -139,14 +139,15 @@ class DeviceSummary:
         if len(syncs):
             waits = ev["duration_ns"][syncs]
             group = by_api.inverse[syncs]
-            for key, ids in _ids_by_key(by_api, np.unique(group).tolist(),
+            for key, ids in _ids_by_key(np.unique(group).tolist(),
                                         lambda j: (by_api.stream[j], rows.api[by_api.first[j]])):
                 self.waits.setdefault(key, Percentiles(1 << 16)).add(waits[np.isin(group, ids)])
         copies = np.flatnonzero(by_api.of_kinds("memcpy") & ok)
         if len(copies):
             keys = by_api.inverse[copies] << 8 | ev["direction"][copies].astype(np.int64)
             copied = ev["bytes"][copies].astype(np.uint64)
-            for members in _groups_of(keys):
+            order, starts = _sorted_runs(keys)
+            for members in np.split(order, starts[1:]):
                 mine = copied[members]
                 # Exact sums of uint64 lengths, as their 32-bit halves (no sum wraps).
                 total = (int((mine >> np.uint64(32)).sum()) << 32) + int(
@@ -167,10 +168,7 @@ class DeviceSummary:
             mine = apis[ids == j]
             if not (mine == mine[0]).all():
                 varies.add(j)
-        keys = device_stream.api_code_keys(ids, rows.events["ret"][at])
-        order = np.argsort(keys, kind="stable")
-        ordered = keys[order]
-        starts = np.flatnonzero(np.concatenate([[True], ordered[1:] != ordered[:-1]]))
+        order, starts = _sorted_runs(device_stream.api_code_keys(ids, rows.events["ret"][at]))
         sizes = np.diff(np.append(starts, len(order))).tolist()
         firsts = at[order[starts]]
         for start, n, j, api, error in zip(starts.tolist(), sizes, by_api.inverse[firsts].tolist(),
@@ -218,17 +216,17 @@ class DeviceSummary:
                     self.copies.items(), key=lambda kv: (kv[0][0], str(kv[0][1])))]
 
 
-def _groups_of(keys: np.ndarray) -> list[np.ndarray]:
-    """The positions of each distinct key, in order within each group: one
-    sort, not a pass over every key per group (a storm of failures can have
-    as many codes as calls)."""
+def _sorted_runs(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the positions of `keys` sorted, stably; where each run of one key
+    begins in that order): every group of equal keys from one sort, not a
+    pass over every key per group (a storm of failures can have as many
+    codes as calls)."""
     order = np.argsort(keys, kind="stable")
     ordered = keys[order]
-    cuts = np.flatnonzero(ordered[1:] != ordered[:-1]) + 1
-    return np.split(order, cuts) if len(order) else []
+    return order, np.flatnonzero(np.concatenate([[True], ordered[1:] != ordered[:-1]]))
 
 
-def _ids_by_key(by_api: ApiGroups, groups: list[int], key) -> list:
+def _ids_by_key(groups: list[int], key) -> list:
     """(key, the groups that have it): groups whose ids name one key together."""
     out: dict = {}
     for j in groups:

@@ -33,8 +33,6 @@ def json_text(raw: bytes) -> bytes:
     return json.dumps(raw.decode(errors="replace")).encode()
 
 
-
-
 def device_rows(rows) -> Rows:
     """One line per GPU/NPU event of a recording's decoded DeviceRows (newline
     included), for a whole batch."""
