@@ -70,3 +70,31 @@ def test_report_and_export_ask_for_it(monkeypatch, tmp_path):
                  ["export", str(tmp_path / "missing.mmtr"), "--format", "jsonl", "-o", "-"]):
         CliRunner().invoke(cli.cli, args)
     assert len(asked) == 2
+
+
+THREADS = """
+import os
+import mmtrace.agent.cli
+import numpy
+print(os.environ.get("OPENBLAS_NUM_THREADS"), len(os.listdir("/proc/self/task")))
+"""
+
+
+def _command_process(env_extra: dict) -> tuple[str, int]:
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
+    done = subprocess.run([sys.executable, "-c", THREADS], capture_output=True, text=True,
+                          check=True, env={**env, **env_extra})
+    setting, threads = done.stdout.split()
+    return setting, int(threads)
+
+
+def test_a_command_starts_no_blas_threads_unless_the_user_asks():
+    # mmtrace does no linear algebra: numpy imported by the command line
+    # starts no OpenBLAS thread per CPU (0.09 CPU-s a command on 2 CPUs).
+    assert _command_process({}) == ("1", 1)
+    setting, _ = _command_process({"OPENBLAS_NUM_THREADS": "2"})
+    assert setting == "2"
