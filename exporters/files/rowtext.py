@@ -135,18 +135,26 @@ class Rows:
         for i, entry in enumerate(entries):
             padded[i, :len(entry)] = np.frombuffer(entry, np.uint8)
         lengths = np.array([len(e) for e in entries], np.int64)
-        self._add(padded[codes], lengths[codes], right=False)
+        # Padded with NUL: text rows need no mask (JSON text holds no NUL).
+        self._add(padded[codes], lengths[codes], right=False, padded=True)
         return self
 
     def optional(self, present: np.ndarray, sub: "Rows", absent: bytes = b"null"):
-        """`sub`'s text on the rows where `present`, else `absent` (text rows)."""
+        """`sub`'s text on the rows where `present`, else `absent` (text rows).
+        `sub` is used up: its columns may be written over."""
         if not self.text or not sub.text or sub._stand_ins:
             raise ValueError("optional() takes text rows without stand-ins")
-        cols = np.concatenate([np.zeros((self.n, len(absent)), np.uint8)] + sub._cols, axis=1)
+        cols = sub._cols[0] if len(sub._cols) == 1 else np.concatenate(sub._cols, axis=1)
+        if not cols.flags.writeable:        # a fixed piece alone: a view of its bytes
+            cols = cols.copy()
+        if cols.shape[1] < len(absent):
+            cols = np.concatenate([cols, np.zeros((self.n, len(absent) - cols.shape[1]),
+                                                  np.uint8)], axis=1)
         missing = ~np.asarray(present, bool)
-        cols[missing] = 0
-        if absent:
-            cols[missing, :len(absent)] = np.frombuffer(absent, np.uint8)
+        # The absent text over the first bytes of a missing row, NUL after.
+        stand = np.zeros(cols.shape[1], np.uint8)
+        stand[:len(absent)] = np.frombuffer(absent, np.uint8)
+        cols[missing] = stand
         self._cols.append(cols)
         self._keep.append(None)
         self._lengths += np.where(missing, len(absent), sub._lengths)
@@ -189,7 +197,7 @@ class Rows:
     def bytes(self) -> bytes:
         if not self.n or not self._cols:
             return b""
-        cols = np.concatenate(self._cols, axis=1)
+        cols = self._matrix()
         if self.text:
             out = cols[cols != 0].tobytes()
             for stand_in, text in self._stand_ins:
@@ -204,6 +212,27 @@ class Rows:
                 keep[:, at:at + col.shape[1]] = mask
             at += col.shape[1]
         return cols[keep].tobytes()
+
+    def _matrix(self) -> np.ndarray:
+        """The columns side by side. Copying a column into place costs per
+        row whatever its width, and half the columns are fixed pieces: those
+        are laid once in a template row that every row is copied from (one
+        wide copy a row), and only the computed columns are copied in."""
+        widths = [col.shape[1] for col in self._cols]
+        template = np.zeros(sum(widths), np.uint8)
+        computed = []
+        at = 0
+        for col, width in zip(self._cols, widths):
+            if col.strides[0] == 0:         # a broadcast: the same bytes on every row
+                template[at:at + width] = col[0]
+            else:
+                computed.append((at, width, col))
+            at += width
+        out = np.empty((self.n, len(template)), np.uint8)
+        out[:] = template
+        for at, width, col in computed:
+            out[:, at:at + width] = col
+        return out
 
 
 def records_at(records: np.ndarray, at: np.ndarray) -> np.ndarray:
