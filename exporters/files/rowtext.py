@@ -69,18 +69,19 @@ class Rows:
 
     def decimal(self, values: np.ndarray):
         """Non-negative integers in decimal."""
-        values = np.asarray(values).astype(np.uint64)
-        lengths = decimal_lengths(values)
-        width = int(lengths.max(initial=1))
+        values = np.asarray(values).astype(np.uint64, copy=False)
+        lengths, shortest, width = _lengths_and_range(values, _POW10)
         groups = (width + 3) // 4
         digits = np.empty((self.n, groups), np.uint32)
         v = values
         for k in range(groups - 1, -1, -1):     # four digits a step, NUL before the first
             above = v // _TEN4
             at = (v - above * _TEN4).astype(np.intp)
-            at += 10000 * (above == 0)
-            if k < groups - 1:
-                at += 10000 * (v == 0)
+            digits_below = 4 * (groups - 1 - k)     # in the groups to the right of this one
+            if shortest < digits_below + 4:     # a number whose highest group this is, or above it
+                at += 10000 * (above == 0)
+                if shortest <= digits_below:
+                    at += 10000 * (v == 0)
             digits[:, k] = _DIGITS4[at]
             v = above
         cols = digits.view(np.uint8).reshape(self.n, 4 * groups)[:, 4 * groups - width:]
@@ -267,12 +268,21 @@ def _lengths(values: np.ndarray, steps: np.ndarray) -> np.ndarray:
     values = np.asarray(values).astype(np.uint64)
     if not values.size:
         return np.zeros(values.shape, np.int64)
+    lengths, _, _ = _lengths_and_range(values, steps)
+    return lengths if values.ndim else lengths[()]     # one value: a scalar, as before
+
+
+def _lengths_and_range(values: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, int, int]:
+    """(lengths, the least, the greatest) of uint64 `values` (_lengths);
+    no values: the lengths of none, and 1 (the width of "0")."""
+    if not values.size:
+        return np.zeros(values.shape, np.int64), 1, 1
     low = int(np.searchsorted(steps, values.min(), side="right"))
     high = int(np.searchsorted(steps, values.max(), side="right"))
     lengths = np.full(values.shape, 1 + low, np.int64)
     for step in steps[low:high]:
         lengths += values >= step
-    return lengths if values.ndim else lengths[()]     # one value: a scalar, as before
+    return lengths, 1 + low, 1 + high
 
 
 def decimal_lengths(values: np.ndarray) -> np.ndarray:
