@@ -281,12 +281,26 @@ def test_merged_rows_come_in_key_order_records_first_on_ties(mine, theirs, batch
 
 
 def test_long_fixed_pieces_past_nine_never_stand_as_a_newline():
+    # Eleven pieces, each over a twelfth of the row, stand in: the stand-in
+    # bytes skip tab, newline and carriage return.
+    piece = b"%02d-a-long-fixed-text-piece-that-stands-in-for-many-bytes\n"
     rows = Rows(2, text=True)
-    for k in range(12):
-        rows.const(b"%02d-long-fixed-text-piece\n" % k).decimal(np.array([k, k + 1]))
-    expected = b"".join(b"".join(b"%02d-long-fixed-text-piece\n%d" % (k, k + i)
-                                 for k in range(12)) for i in range(2))
+    for k in range(11):
+        rows.const(piece % k).decimal(np.array([k, k + 1]))
+    assert len(rows._matrix()[1]) == 11
+    expected = b"".join(b"".join(piece % k + b"%d" % (k + i) for k in range(11))
+                        for i in range(2))
     assert rows.bytes() == expected
+
+
+def test_fixed_pieces_stand_in_only_where_they_are_a_share_of_the_row():
+    values = np.array([7, 12345])
+    short = Rows(2, text=True).const(b"x" * 20).decimal(values).const(b"y" * 400)
+    assert [len(p) for _, p in short._matrix()[1]] == [400]     # 20 < (420 + digits) / 12
+    assert short.bytes() == b"".join(b"x" * 20 + b"%d" % v + b"y" * 400 for v in values)
+    taken = short.take(np.array([1, 1, 0]))
+    assert taken.bytes() == b"".join(b"x" * 20 + b"%d" % v + b"y" * 400
+                                     for v in (12345, 12345, 7))
 
 
 @settings(max_examples=200, deadline=None)

@@ -21,6 +21,11 @@ _VARINT_STEPS = np.array([1 << 7 * k for k in range(1, 10)], np.uint64)   # 2**7
 # Text rows carry no control byte but a newline: the others can stand for
 # long fixed pieces until the end.
 _STAND_IN_BYTES = [bytes([b]) for b in range(1, 0x20) if b not in b"\t\n\r"]
+# A fixed piece of text rows stands in where it is longer than this share
+# of the mean row (and than 16 bytes): a byte costs about twelve times as
+# much carried through the matrix (compared and compacted) as passed over
+# by bytes.replace once the rows are joined.
+STAND_IN_SHARE = 1 / 12
 
 
 class Rows:
@@ -29,8 +34,9 @@ class Rows:
     `text=True` (JSON text, where no byte below 0x20 appears raw) marks
     unused bytes with NUL and drops them in one comparison, instead of a
     mask per column; and a long fixed piece stands as one control byte
-    until the end, where bytes.replace puts it back (far cheaper than
-    carrying it through every row of the matrix)."""
+    until the end, where bytes.replace puts it back. That pass over the
+    text pays where the piece is a twelfth of a row or more; a shorter one
+    costs less carried through every row of the matrix (STAND_IN_SHARE)."""
 
     def __init__(self, n: int, text: bool = False):
         self.n = n
@@ -38,14 +44,8 @@ class Rows:
         self._cols: list[np.ndarray] = []
         self._keep: list[np.ndarray | None] = []    # None: every byte of the column
         self._lengths = np.zeros(n, np.int64)
-        self._stand_ins: list[tuple[bytes, bytes]] = []
 
     def const(self, text: bytes):
-        if self.text and len(text) > 16 and len(self._stand_ins) < len(_STAND_IN_BYTES):
-            stand_in = _STAND_IN_BYTES[len(self._stand_ins)]
-            self._stand_ins.append((stand_in, text))
-            self._lengths += len(text) - 1
-            text = stand_in
         if text:
             self._cols.append(np.broadcast_to(np.frombuffer(text, np.uint8), (self.n, len(text))))
             self._keep.append(None)
@@ -143,8 +143,8 @@ class Rows:
     def optional(self, present: np.ndarray, sub: "Rows", absent: bytes = b"null"):
         """`sub`'s text on the rows where `present`, else `absent` (text rows).
         `sub` is used up: its columns may be written over."""
-        if not self.text or not sub.text or sub._stand_ins:
-            raise ValueError("optional() takes text rows without stand-ins")
+        if not self.text or not sub.text:
+            raise ValueError("optional() takes text rows")
         cols = sub._cols[0] if len(sub._cols) == 1 else np.concatenate(sub._cols, axis=1)
         if not cols.flags.writeable:        # a fixed piece alone: a view of its bytes
             cols = cols.copy()
@@ -176,16 +176,14 @@ class Rows:
     def take(self, at: np.ndarray) -> "Rows":
         """A new Rows of the rows `at` (indices), in that order."""
         out = Rows(len(at), self.text)
-        out._cols = [col[at] for col in self._cols]
+        out._cols = [np.broadcast_to(col[0], (len(at), col.shape[1])) if _fixed(col)
+                     else col[at] for col in self._cols]
         out._keep = [None if keep is None else keep[at] for keep in self._keep]
         out._lengths = self._lengths[at]
-        out._stand_ins = list(self._stand_ins)
         return out
 
     def rows(self, other: "Rows"):
         """Append another batch's columns (same row count) to each row."""
-        if other._stand_ins:
-            raise ValueError("rows with stand-ins for fixed text cannot be appended")
         self._cols += other._cols
         self._keep += other._keep
         self._lengths += other._lengths
@@ -198,10 +196,10 @@ class Rows:
     def bytes(self) -> bytes:
         if not self.n or not self._cols:
             return b""
-        cols = self._matrix()
+        cols, stand_ins = self._matrix()
         if self.text:
             out = cols[cols != 0].tobytes()
-            for stand_in, text in self._stand_ins:
+            for stand_in, text in stand_ins:
                 out = out.replace(stand_in, text)
             return out
         if all(mask is None for mask in self._keep):
@@ -214,26 +212,38 @@ class Rows:
             at += col.shape[1]
         return cols[keep].tobytes()
 
-    def _matrix(self) -> np.ndarray:
-        """The columns side by side. Copying a column into place costs per
-        row whatever its width, and half the columns are fixed pieces: those
-        are laid once in a template row that every row is copied from (one
-        wide copy a row), and only the computed columns are copied in."""
-        widths = [col.shape[1] for col in self._cols]
-        template = np.zeros(sum(widths), np.uint8)
-        computed = []
+    def _matrix(self) -> tuple[np.ndarray, list[tuple[bytes, bytes]]]:
+        """The columns side by side, and the (stand-in, fixed piece) pairs
+        of text rows. Copying a column into place costs per row whatever
+        its width, and half the columns are fixed pieces: those are laid
+        once in a template row that every row is copied from (one wide copy
+        a row), and only the computed columns are copied in."""
+        long_piece = max(16, int(self._lengths.mean()) * STAND_IN_SHARE) if self.text else None
+        pieces, stand_ins, computed = [], [], []
         at = 0
-        for col, width in zip(self._cols, widths):
-            if col.strides[0] == 0:         # a broadcast: the same bytes on every row
-                template[at:at + width] = col[0]
+        for col in self._cols:
+            piece = col[0].tobytes() if _fixed(col) else None
+            if long_piece is not None and piece is not None and len(piece) > long_piece \
+                    and len(stand_ins) < len(_STAND_IN_BYTES):
+                stand_ins.append((_STAND_IN_BYTES[len(stand_ins)], piece))
+                piece = stand_ins[-1][0]
+            if piece is not None:
+                pieces.append(piece)
+                at += len(piece)
             else:
-                computed.append((at, width, col))
-            at += width
-        out = np.empty((self.n, len(template)), np.uint8)
-        out[:] = template
-        for at, width, col in computed:
-            out[:, at:at + width] = col
-        return out
+                pieces.append(bytes(col.shape[1]))
+                computed.append((at, col))
+                at += col.shape[1]
+        out = np.empty((self.n, at), np.uint8)
+        out[:] = np.frombuffer(b"".join(pieces), np.uint8)
+        for at, col in computed:
+            out[:, at:at + col.shape[1]] = col
+        return out, stand_ins
+
+
+def _fixed(col: np.ndarray) -> bool:
+    """Whether a column is a fixed piece (a broadcast: one row's bytes)."""
+    return col.strides[0] == 0
 
 
 def records_at(records: np.ndarray, at: np.ndarray) -> np.ndarray:
