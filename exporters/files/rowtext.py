@@ -108,16 +108,15 @@ class Rows:
 
     def varint(self, values: np.ndarray):
         """Protobuf base-128 varints of non-negative integers."""
-        values = np.asarray(values).astype(np.uint64)
-        lengths = varint_lengths(values)
-        width = int(lengths.max(initial=1))
+        v = np.asarray(values).astype(np.uint64)       # a copy: shifted in place below
+        lengths, shortest, width = _lengths_and_range(v, _VARINT_STEPS)
         cols = np.empty((self.n, width), np.uint8)
-        even = not len(lengths) or int(lengths.min()) == width     # no mask to make
-        v = values.copy()
         for k in range(width):
-            cols[:, k] = v & np.uint64(0x7F)
-            if k + 1 < width:
-                cols[:, k] |= 0x80 if even else np.where(k + 1 < lengths, 0x80, 0).astype(np.uint8)
+            np.bitwise_and(v, np.uint64(0x7F), out=cols[:, k], casting="unsafe")
+            if k + 1 < shortest:            # every varint goes on past this byte
+                cols[:, k] |= 0x80
+            elif k + 1 < width:
+                cols[:, k] |= (lengths > k + 1).view(np.uint8) << 7
             v >>= np.uint64(7)
         self._add(cols, lengths, right=False)
         return self
