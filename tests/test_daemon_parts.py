@@ -504,3 +504,61 @@ def test_a_signal_wakes_a_quiet_loop_at_once(tmp_path):
         usr2.restore()
         daemon.close()
         daemon.signal_wakeup.restore()
+
+
+SAMPLES_EVERY_2MS = """
+import socket, sys, time
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1])
+line = b'{"v":1,"type":"sample","series":"e2e","modality":"text","value_ms":3.5}\\n'
+end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    s.sendall(line)
+    time.sleep(0.002)
+"""
+
+
+def _voluntary_switches() -> int:
+    status = open(f"/proc/self/task/{threading.get_native_id()}/status").read()
+    return int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+
+
+def test_a_busy_socket_is_served_at_most_every_tick_and_wakes_the_loop_once_a_serve(tmp_path):
+    """A dispatcher writing every 2 ms: its messages are served at most
+    every tick_s, and each serve costs the loop one sleep (a wake-up), not
+    a wake on the next write and another tick_s later."""
+    from mmtrace.agent.daemon import loop
+    cfg = config_mod.DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "s.sock",
+                                  tick_s=0.05)
+    daemon = loop.Daemon(cfg)
+    daemon.server = HintServer(cfg.socket)
+    sender = subprocess.Popen([sys.executable, "-c", SAMPLES_EVERY_2MS, str(cfg.socket), "3"])
+    try:
+        deadline = time.monotonic() + 10
+        while not daemon.server.clients and time.monotonic() < deadline:
+            daemon.serve_clients()
+            time.sleep(0.01)
+        serves = []
+        handle = daemon.messages.handle
+
+        def handled(server, messages, *args):
+            if messages:
+                serves.append(time.monotonic())
+            return handle(server, messages, *args)
+
+        daemon.messages.handle = handled
+        switches = _voluntary_switches()
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            daemon._ticked_at = time.monotonic()        # as after a tick: none is due
+            daemon._sleep(None)
+            daemon.serve_clients()
+        switches = _voluntary_switches() - switches
+        gaps = np.diff(serves)
+        assert len(serves) >= 10, serves                     # served all along
+        assert gaps.min() >= cfg.tick_s * 0.95, gaps         # at most every tick_s
+        assert switches <= len(serves) + 6, (switches, len(serves))
+    finally:
+        sender.kill()
+        sender.wait()
+        daemon.close()
