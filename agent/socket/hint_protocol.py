@@ -87,6 +87,11 @@ def _finite_float(text):
     return value
 
 
+# One decoder for every line: json.loads with these hooks builds a new one
+# for each call.
+_JSON = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float)
+
+
 def decode(line: bytes):
     """The JSON value of one line, within the size and depth bounds."""
     if len(line) > MAX_MESSAGE:
@@ -104,7 +109,7 @@ def decode(line: bytes):
         raise ProtocolError(f"expected UTF-8, got byte {line[exc.start]:#04x} "
                             f"at offset {exc.start}") from None
     try:
-        return json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+        return _JSON.decode(text)
     except ProtocolError:
         raise
     except ValueError as exc:       # JSONDecodeError, or an integer of too many digits
