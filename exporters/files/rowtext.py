@@ -175,7 +175,7 @@ class Rows:
     def take(self, at: np.ndarray) -> "Rows":
         """A new Rows of the rows `at` (indices), in that order."""
         out = Rows(len(at), self.text)
-        out._cols = [np.broadcast_to(col[0], (len(at), col.shape[1])) if _fixed(col)
+        out._cols = [np.broadcast_to(col[:1], (len(at), col.shape[1])) if _fixed(col)
                      else col[at] for col in self._cols]
         out._keep = [None if keep is None else keep[at] for keep in self._keep]
         out._lengths = self._lengths[at]
