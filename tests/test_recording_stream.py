@@ -293,6 +293,16 @@ def test_long_fixed_pieces_past_nine_never_stand_as_a_newline():
     assert rows.bytes() == expected
 
 
+def test_optional_text_writes_over_no_array_of_the_callers_and_takes_an_empty_value():
+    present = np.array([True, False])
+    mine = np.frombuffer(b"abcdabcd", np.uint8).reshape(2, 4).copy()
+    rows = Rows(2, text=True).optional(present, Rows(2, text=True).fixed(mine, np.ones(2, bool)))
+    assert rows.const(b";").bytes() == b"abcd;null;"
+    assert mine.tobytes() == b"abcdabcd"
+    empty = Rows(2, text=True).optional(present, Rows(2, text=True).const(b"")).const(b";")
+    assert empty.bytes() == b";null;"
+
+
 def test_fixed_pieces_stand_in_only_where_they_are_a_share_of_the_row():
     values = np.array([7, 12345])
     short = Rows(2, text=True).const(b"x" * 20).decimal(values).const(b"y" * 400)

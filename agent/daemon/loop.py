@@ -111,7 +111,10 @@ class Daemon:
         self._since_trim = 0
         self._drained_at = 0.0          # monotonic: the last drain of the rings
         self._ticked_at = 0.0           # ... and the last whole tick (_tick_due)
-        self._served_at = 0.0           # ... and the last wake that found messages
+        self._served_at = 0.0           # ... and the last serve that found messages
+        self._socket_busy = False       # written to faster than tick_s: served on a timer
+        self._socket_woke = False       # the last wake was the socket's
+        self._socket_idle_until = 0.0   # readable without a message: not watched till then
         self._trimmed_rss = 0           # resident bytes after the last trim
         self._status_cache: tuple[int, dict] | None = None
         self._last_dump: tuple[float, Path] | None = None
@@ -249,13 +252,19 @@ class Daemon:
 
     def _sleep(self, watchdog_s: float | None):
         """Until a dispatcher writes, or the idle wait is up (no later than
-        the next tick is due). Messages are served at most every tick_s:
-        for tick_s after a wake that found some, the socket does not wake
-        the loop, and what came meanwhile is served when that time is up.
-        Each wake costs far more here than the messages it serves (cold
-        caches): a dispatcher writing 50 times a second woke the loop on
-        its next write and again tick_s after, twice for each serve. A
-        ring that signals (its programs do every so many records, whether
+        the next tick is due). Between ticks the socket is served at most
+        every tick_s, with one wake-up a serve where it can: each wake
+        costs far more here than the messages it serves (cold caches). A
+        write tick_s or more after the last serve is served at once; one
+        sooner (a writer faster than tick_s) waits until tick_s after it,
+        and from then on the socket is not watched but served on that
+        timer, for as long as each timed serve finds messages. (A dispatcher
+        writing every 20 ms woke the loop on each write and again when its
+        tick_s was up: two wake-ups a serve.) A socket that woke the loop
+        without a message (a connection that cannot be accepted yet, blank
+        lines) is not watched for tick_s.
+
+        A ring that signals (its programs do every so many records, whether
         or not the drains kept up) is drained at once when it is
         SIGNAL_DRAIN_FILL full (agent/ingest/wakeups.py): a burst faster
         than a tick's worth of ring is kept whole. A signal for less waits
@@ -267,11 +276,12 @@ class Daemon:
             if self.probes.loaded is not None else set()
         deadline = woke + min(self.idle_wait_s(watchdog_s),
                               self._ticked_at + self.idle_wait_s() - woke)
+        serve_at = self._served_at + self.config.tick_s
         if self.server is not None:
-            serve_at = self._served_at + self.config.tick_s
-            if serve_at > woke:
+            hold = serve_at if self._socket_busy else self._socket_idle_until
+            if hold > woke:
                 self.waiter.forget(self.server.fileno())
-                deadline = min(deadline, serve_at)
+                deadline = min(deadline, hold)
             else:
                 self.waiter.watch(self.server.fileno())
         timeout = deadline - woke
@@ -279,13 +289,19 @@ class Daemon:
             if self.signal_wakeup.fd in self.waiter.ready:
                 self.signal_wakeup.drain()
                 return                  # the loop takes the signal's flag now
-            if not rings.issuperset(self.waiter.ready):
-                return                  # the socket, watched only when its messages are due
-            if rings_filling(self.probes.loaded.rings):
+            now = time.monotonic()
+            if not rings.issuperset(self.waiter.ready):     # the socket
+                if now >= serve_at:
+                    self._socket_woke = True
+                    return
+                self._socket_busy = True        # written to again within tick_s
+                self.waiter.forget(self.server.fileno())
+                deadline = min(deadline, serve_at)
+            elif rings_filling(self.probes.loaded.rings):
                 self.drain_rings()
-                timeout = self.config.tick_s - (time.monotonic() - woke)
-            else:
-                timeout = deadline - time.monotonic()
+                deadline = min(deadline, woke + self.config.tick_s)
+                now = time.monotonic()
+            timeout = deadline - now
             if timeout <= 0:
                 return
 
@@ -344,8 +360,14 @@ class Daemon:
         except Exception:               # the server guards each client; this is the last line
             messages = []
             self.messages.failed("poll")
+        now = time.monotonic()
         if messages:
-            self._served_at = time.monotonic()
+            self._served_at = now
+        else:
+            self._socket_busy = False   # the writer paused: its next write wakes the loop
+            if self._socket_woke:
+                self._socket_idle_until = now + self.config.tick_s
+        self._socket_woke = False
         self.messages.handle(self.server, messages, time.monotonic_ns(), self._answer)
 
     def tick(self, now_ns: int | None = None):

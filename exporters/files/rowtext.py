@@ -123,6 +123,8 @@ class Rows:
 
     def fixed(self, cols: np.ndarray, present: np.ndarray):
         """Row i gets cols[i] (a byte matrix) where present[i], else nothing."""
+        if self.text:
+            cols = np.array(cols, np.uint8)     # text rows may write over their columns
         self._add(cols, np.where(present, cols.shape[1], 0), right=False)
         return self
 
@@ -144,9 +146,14 @@ class Rows:
         `sub` is used up: its columns may be written over."""
         if not self.text or not sub.text:
             raise ValueError("optional() takes text rows")
-        cols = sub._cols[0] if len(sub._cols) == 1 else np.concatenate(sub._cols, axis=1)
-        if not cols.flags.writeable:        # a fixed piece alone: a view of its bytes
-            cols = cols.copy()
+        if not sub._cols:
+            cols = np.zeros((self.n, 0), np.uint8)
+        elif len(sub._cols) == 1:
+            cols = sub._cols[0]
+            if not cols.flags.writeable:    # a fixed piece alone: a view of its bytes
+                cols = cols.copy()
+        else:
+            cols = np.concatenate(sub._cols, axis=1)
         if cols.shape[1] < len(absent):
             cols = np.concatenate([cols, np.zeros((self.n, len(absent) - cols.shape[1]),
                                                   np.uint8)], axis=1)
