@@ -282,8 +282,6 @@ def _lengths(values: np.ndarray, steps: np.ndarray) -> np.ndarray:
     vector comparison each: a column's values mostly share a length (times,
     pids), and a binary search per value cost 2-10 times more."""
     values = np.asarray(values).astype(np.uint64)
-    if not values.size:
-        return np.zeros(values.shape, np.int64)
     lengths, _, _ = _lengths_and_range(values, steps)
     return lengths if values.ndim else lengths[()]     # one value: a scalar, as before
 
