@@ -36,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
+from bench_footprint import cpu_ns  # noqa: E402
 from bench_recording import baseline_env  # noqa: E402
 
 OUT = ROOT / "bench" / "out" / "dispatcher_cost.json"
@@ -50,17 +51,6 @@ requests = Requests(sys.argv[1], int(sys.argv[2]))
 sys.stdin.readline()
 print(requests.stop()["completed"], flush=True)
 """
-
-
-def thread_cpu_ns(pid: int) -> int:
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as stat:
-                total += int(stat.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            pass        # a thread that ended between the listing and the read
-    return total
 
 
 class Consumer:
@@ -132,12 +122,12 @@ def main():
             c.start_dispatcher()
         time.sleep(args.warmup)
         for r in range(args.rounds):
-            before = {c.name: thread_cpu_ns(c.daemon.pid) for c in consumers}
+            before = {c.name: cpu_ns(c.daemon.pid) for c in consumers}
             began = time.monotonic()
             time.sleep(args.window)
             seconds = time.monotonic() - began
             for c in consumers:
-                c.cpu.append((thread_cpu_ns(c.daemon.pid) - before[c.name]) / seconds / 1e7)
+                c.cpu.append((cpu_ns(c.daemon.pid) - before[c.name]) / seconds / 1e7)
             print(f"round {r + 1}: " + ", ".join(f"{c.name} {c.cpu[-1]:.3f} %"
                                                 for c in consumers), flush=True)
     finally:
