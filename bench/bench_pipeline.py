@@ -22,8 +22,10 @@ After a warm-up at the rate (--warmup, default 35 s: the daemon's rings
 fill their 30 s reach), --rounds rounds of a quiet window and a paced
 one, --window seconds each, interleaved. Per consumer: ns per event
 (CPU in the paced window / events), the marginal ns per event (less the
-quiet window's CPU over the same time), the ratios to the drain and the
-anonymous RSS at the end of the paced windows, medians over the rounds.
+quiet window's CPU over the same time), the ratios to the drain, the
+anonymous RSS at the end of the paced windows and the minor page faults a
+second in them (kernel CPU spent on pages touched afresh), medians over
+the rounds.
 
 With --baseline-rev REV, that revision's run and record (a `git archive`
 of it on PYTHONPATH, as bench_recording's baseline_env makes) are started
@@ -111,6 +113,13 @@ def stat_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])
 
 
+def minor_faults(pid: int) -> int:
+    """Page faults served without I/O (/proc/PID/stat): each a page the
+    process touched afresh, zeroed by the kernel (1.4 us on this host),
+    CPU that no Python profile shows."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
+
+
 class Consumer:
     def __init__(self, name: str, cmd: list, ready: str, env: dict | None = None):
         self.name = name
@@ -179,14 +188,17 @@ def window(consumers, drain: Consumer, action) -> dict:
     e0 = drained()
     c0 = {c.name: cpu_ns(c.proc.pid) for c in consumers}
     t0_threads = {c.name: thread_cpu_ns(c.proc.pid) for c in consumers}
+    f0 = {c.name: minor_faults(c.proc.pid) for c in consumers}
     t0 = time.monotonic()
     trips = action()
     time.sleep(0.3)             # what the window made is drained within it
     elapsed = time.monotonic() - t0
     c1 = {c.name: cpu_ns(c.proc.pid) for c in consumers}
     t1_threads = {c.name: thread_cpu_ns(c.proc.pid) for c in consumers}
+    f1 = {c.name: minor_faults(c.proc.pid) for c in consumers}
     return {"seconds": elapsed, "events": drained() - e0, "trips": trips,
             "cpu_ns": {name: c1[name] - c0[name] for name in c0},
+            "minor_faults": {name: f1[name] - f0[name] for name in f0},
             "anon_mb": {c.name: anon_mb(c.proc.pid) for c in consumers},
             "thread_cpu_ns": {name: {t: v - t0_threads[name].get(t, 0) for t, v in
                                      t1_threads[name].items()} for name in t1_threads}}
@@ -279,7 +291,7 @@ def recorded_events(record: Consumer) -> int:
 
 def summarise(rate, window_s, quiet, paced, ticks, totals, names=CONSUMERS) -> dict:
     per = {name: {"ns_per_event": [], "marginal_ns_per_event": [], "quiet_cpu_percent": [],
-                  "paced_cpu_percent": [], "anon_mb": []} for name in names}
+                  "paced_cpu_percent": [], "anon_mb": [], "faults_per_s": []} for name in names}
     for q, p in zip(quiet, paced):
         for name in names:
             idle_ns = q["cpu_ns"][name] / q["seconds"] * p["seconds"]
@@ -289,6 +301,7 @@ def summarise(rate, window_s, quiet, paced, ticks, totals, names=CONSUMERS) -> d
             per[name]["quiet_cpu_percent"].append(q["cpu_ns"][name] / q["seconds"] / 1e7)
             per[name]["paced_cpu_percent"].append(p["cpu_ns"][name] / p["seconds"] / 1e7)
             per[name]["anon_mb"].append(p["anon_mb"][name])
+            per[name]["faults_per_s"].append(p["minor_faults"][name] / p["seconds"])
     med = {name: {k: statistics.median(v) for k, v in figures.items()}
            for name, figures in per.items()}
     events = sum(p["events"] for p in paced)
@@ -311,13 +324,13 @@ def show(out: dict):
     print(f"run-queue events: {out['rate_runq_events_per_s']:,.0f}/s in the paced windows "
           f"({out['rounds']} rounds of {out['window_s']:g} s quiet + {out['window_s']:g} s paced)")
     print(f"{'consumer':<12}{'ns/event':>10}{'marginal':>10}{'x drain':>9}{'quiet %':>9}"
-          f"{'paced %':>9}{'stat ns/ev':>12}{'anon MB':>9}")
+          f"{'paced %':>9}{'stat ns/ev':>12}{'anon MB':>9}{'faults/s':>10}")
     for name in out["median"]:
         m = out["median"][name]
         print(f"{name:<12}{m['ns_per_event']:>10.1f}{m['marginal_ns_per_event']:>10.1f}"
               f"{out['ratio_to_drain'][name]:>9.2f}{m['quiet_cpu_percent']:>9.3f}"
               f"{m['paced_cpu_percent']:>9.3f}{out['stat_ticks_ns_per_event'][name]:>12.1f}"
-              f"{m['anon_mb']:>9.1f}")
+              f"{m['anon_mb']:>9.1f}{m['faults_per_s']:>10.0f}")
     print("events seen in all (drain, run's runq_events counter, record's file):",
           out["events_total"])
 
