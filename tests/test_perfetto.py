@@ -318,6 +318,29 @@ def test_syncs_that_end_many_flows_are_encoded_on_their_own_the_same(monkeypatch
     assert perfetto_device.device_packets(rows) == whole
 
 
+@pytest.mark.parametrize("spread", [3, 5000, 1 << 40])
+def test_few_valued_annotations_encode_per_combination_as_call_by_call(spread):
+    """Neighbouring few-valued fields go as one table of the combinations
+    that occur: the same bytes as each call's annotations on their own,
+    whether the values span a lookup table or call for a sort, and however
+    many combinations there are."""
+    from mmtrace.exporters.files import perfetto_call_annotations as ann
+    rng = np.random.default_rng(spread)
+    n = 3000
+    ret = rng.integers(-spread, spread, n)
+    device = rng.integers(0, min(spread, 127), n)
+    fields = [("api", (["a", "bb", "ccc"], rng.integers(0, 3, n)), None, ann.TEXT),
+              ("sched_delay_ns", rng.integers(0, 1 << 40, n), None, ann.INT),
+              ("shared_mem_bytes", rng.integers(0, spread, n), rng.random(n) < 0.5, ann.FEW),
+              ("return_code", ret, rng.random(n) < 0.7, ann.FEW),
+              ("outcome", (["ok", "failed"], (ret != 0).astype(np.int64)), None, ann.TEXT),
+              ("device", device, device > 0, ann.FEW)]
+    rows = ann.call_rows(fields, n)
+    assert rows.bytes() == b"".join(ann.call_bytes(fields, i) for i in range(n))
+    assert rows.lengths().tolist() == [len(ann.call_bytes(fields, i)) for i in range(n)]
+    assert ann.call_rows(ann.fields_at(fields, np.arange(0)), 0).bytes() == b""
+
+
 # ------------------------------------- what dispatchers reported, and the hints
 
 def test_request_latency_entropy_and_hints_are_in_the_trace(tmp_path):
