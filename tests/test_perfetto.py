@@ -318,20 +318,21 @@ def test_syncs_that_end_many_flows_are_encoded_on_their_own_the_same(monkeypatch
     assert perfetto_device.device_packets(rows) == whole
 
 
-@pytest.mark.parametrize("spread", [3, 5000, 1 << 40])
+@pytest.mark.parametrize("spread", [3, 30, 5000, 1 << 62])
 def test_few_valued_annotations_encode_per_combination_as_call_by_call(spread):
-    """Neighbouring few-valued fields go as one table of the combinations
-    that occur: the same bytes as each call's annotations on their own,
-    whether the values span a lookup table or call for a sort, and however
-    many combinations there are."""
+    """Neighbouring few-valued fields go as tables of the combinations that
+    occur: the same bytes as each call's annotations on their own, whether
+    the values span a lookup table or call for a sort, are few enough to be
+    a table or not, and their combinations fit one table or several."""
     from mmtrace.exporters.files import perfetto_call_annotations as ann
-    rng = np.random.default_rng(spread)
-    n = 3000
+    rng = np.random.default_rng(spread % 1000)
+    n = 6000
     ret = rng.integers(-spread, spread, n)
-    device = rng.integers(0, min(spread, 127), n)
-    fields = [("api", (["a", "bb", "ccc"], rng.integers(0, 3, n)), None, ann.TEXT),
-              ("sched_delay_ns", rng.integers(0, 1 << 40, n), None, ann.INT),
+    device = rng.integers(0, min(spread, 60), n)
+    apis = [f"api{k}" for k in range(10)]     # codes of a small dtype, 9 x 31 past it
+    fields = [("api", (apis, rng.choice([0, 9], n).astype(np.uint8)), None, ann.TEXT),
               ("shared_mem_bytes", rng.integers(0, spread, n), rng.random(n) < 0.5, ann.FEW),
+              ("sched_delay_ns", rng.integers(0, 1 << 40, n), None, ann.INT),
               ("return_code", ret, rng.random(n) < 0.7, ann.FEW),
               ("outcome", (["ok", "failed"], (ret != 0).astype(np.int64)), None, ann.TEXT),
               ("device", device, device > 0, ann.FEW)]

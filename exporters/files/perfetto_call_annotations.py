@@ -114,36 +114,42 @@ def _int64(values) -> np.ndarray:
 
 def call_rows(fields: list, n: int) -> Rows:
     """Every call's annotations (call_fields of n calls), a row each, built
-    with numpy. Neighbouring fields of few values (TEXT and FEW) go as one
-    column of the rows, each combination of theirs that occurs encoded
-    once: the matrix is a third narrower than with a column each."""
+    with numpy. Neighbouring fields of few values (TEXT, and FEW integers
+    of at most MAX_FEW values in the batch) go as one column of the rows,
+    each combination of theirs that occurs encoded once: a third fewer
+    columns than one a field."""
     out = Rows(n)
     run: list = []                  # (codes, entries) of neighbouring few-valued fields
     for name, values, present, kind in fields:
-        if kind == INT:
-            if run:
-                out.table(*_combined(run))
-                run = []
-            v = _int64(values)
-            inner = field_str(DA_NAME, name) + varint(DA_INT << 3)
-            one = (Rows(n).const(_OUTER).varint(len(inner) + varint_lengths(v))
-                   .const(inner).varint(v))
-            if present is None:
-                out.rows(one)
-            else:
-                out.where(present, one)
-            continue
-        keys, codes = values if kind == TEXT else _few(values)
-        entries = [annotation(name, k) for k in keys] + [b""]
-        if present is not None:
-            codes = np.where(present, codes, len(entries) - 1)
-        run.append((codes, entries))
-    if run:
-        out.table(*_combined(run))
+        if kind != INT:
+            keys, codes = values if kind == TEXT else _few(values)
+            if len(keys) <= MAX_FEW or kind == TEXT:
+                entries = [annotation(name, k) for k in keys] + [b""]
+                if present is not None:
+                    codes = np.where(present, codes, len(entries) - 1)
+                run.append((codes, entries))
+                continue
+        for table in _combined(run):
+            out.table(*table)
+        run = []
+        v = _int64(values)
+        inner = field_str(DA_NAME, name) + varint(DA_INT << 3)
+        one = (Rows(n).const(_OUTER).varint(len(inner) + varint_lengths(v))
+               .const(inner).varint(v))
+        if present is None:
+            out.rows(one)
+        else:
+            out.where(present, one)
+    for table in _combined(run):
+        out.table(*table)
     return out
 
 
 MAX_INDEX = 1 << 12     # codes a lookup table may span (past it, a sort)
+MAX_FEW = 64            # a FEW field of more values in a batch goes as integers
+# Combinations a table may hold: each is encoded in Python, so many distinct
+# ones (a crafted recording) go as several tables, as dear as a column each.
+MAX_COMBINATIONS = 256
 
 
 def _few(values: np.ndarray) -> tuple[list[int], np.ndarray]:
@@ -168,14 +174,24 @@ def _used(code: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
     return used, lookup[code]
 
 
-def _combined(run: list) -> tuple[np.ndarray, list[bytes]]:
-    """Neighbouring fields' (codes, entries) as one: each row's code, and
-    the entry of each combination that occurs (its fields' entries joined)."""
-    code, entries = run[0]
-    for codes, more in run[1:]:
-        used, code = _used(code * len(more) + codes, len(entries) * len(more))
-        entries = [entries[u // len(more)] + more[u % len(more)] for u in used.tolist()]
-    return code, entries
+def _combined(run: list) -> list[tuple[np.ndarray, list[bytes]]]:
+    """Neighbouring fields' (codes, entries) as few tables, in order: each
+    row's code, and the entry of each combination that occurs (its fields'
+    entries joined); a new table where one would pass MAX_COMBINATIONS."""
+    tables = []
+    for codes, more in run:
+        codes = np.asarray(codes, np.int64)
+        if not tables:
+            tables.append((codes, more))
+            continue
+        code, entries = tables[-1]
+        used, joined = _used(code * len(more) + codes, len(entries) * len(more))
+        if len(used) > MAX_COMBINATIONS:
+            tables.append((codes, more))
+            continue
+        tables[-1] = (joined, [entries[u // len(more)] + more[u % len(more)]
+                               for u in used.tolist()])
+    return tables
 
 
 def call_bytes(fields: list, i: int) -> bytes:
