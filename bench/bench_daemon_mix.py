@@ -44,17 +44,27 @@ from profile_daemon import start_daemon  # noqa: E402
 from soak import soak_loops  # noqa: E402
 
 OUT = ROOT / "bench" / "out" / "daemon_mix.json"
+THIS = "this"           # this tree's daemons are named this#1, this#2, ...
+
+
+def alive(daemons: dict):
+    """Raise if a daemon has exited: its CPU would read as zero."""
+    for name, d in daemons.items():
+        if d.poll() is not None:
+            raise SystemExit(f"bench_daemon_mix: the daemon {name} exited with {d.returncode}")
 
 
 def measure(daemons: dict, rounds: int, window_s: float) -> dict:
     """Per daemon, per round: (CPU % of a core, faults a second, anonymous MB)."""
     out = {name: [] for name in daemons}
     for _ in range(rounds):
+        alive(daemons)
         cpu0 = {n: cpu_ns(d.pid) for n, d in daemons.items()}
         flt0 = {n: minor_faults(d.pid) for n, d in daemons.items()}
         began = time.monotonic()
         time.sleep(window_s)
         took = time.monotonic() - began
+        alive(daemons)
         for n, d in daemons.items():
             out[n].append(((cpu_ns(d.pid) - cpu0[n]) / took / 1e7,
                            (minor_faults(d.pid) - flt0[n]) / took, anon_mb(d.pid)))
@@ -73,18 +83,21 @@ def main():
     p.add_argument("--swap", action="store_true", help="the baseline's daemons start first")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args()
+    if args.baseline_rev == THIS:
+        p.error(f"--baseline-rev names a revision; {THIS!r} is this tree's label")
     binary = native.build(ROOT / "bench" / "paced_wakeups.c", flags=["-pthread"])
     pacer = subprocess.Popen([str(binary), "0", str(args.rate / 2), "stdin"],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert pacer.stdout.readline().startswith("ready")
-    pacer.stdin.write(f"{args.warmup + args.rounds * args.window + 300}\n")
+    # Paced from now: long enough for every daemon's start (each up to 120 s).
+    pacer.stdin.write(f"{args.warmup + args.rounds * args.window + 300 * args.copies}\n")
     pacer.stdin.flush()
     daemons, loops = {}, []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         try:
             loops, pids, extra = soak_loops(tmp)
-            trees = [("this", dict(os.environ)),
+            trees = [(THIS, dict(os.environ)),
                      (args.baseline_rev, baseline_env(args.baseline_rev, tmp / "baseline"))]
             if args.swap:
                 trees.reverse()
@@ -93,6 +106,7 @@ def main():
                     name = f"{tree}#{copy + 1}"
                     daemons[name] = start_daemon([pacer.pid, *pids], tmp / f"d-{len(daemons)}",
                                                  env, extra)
+                    alive({name: daemons[name]})      # it ended before it traced
             for loop in loops:
                 loop.start()
             time.sleep(args.warmup)
@@ -100,7 +114,12 @@ def main():
         finally:
             for d in daemons.values():
                 d.terminate()
-                d.wait(60)
+            for d in daemons.values():
+                try:
+                    d.wait(60)
+                except subprocess.TimeoutExpired:
+                    d.kill()
+                    d.wait()
             for loop in loops:
                 loop.stop()
             pacer.kill()
@@ -109,10 +128,10 @@ def main():
                       "faults_per_s": statistics.median(r[1] for r in v),
                       "anon_mb_max": max(r[2] for r in v)} for n, v in rounds.items()}
     per_tree = {}
-    for tree in ("this", args.baseline_rev):
+    for tree in (THIS, args.baseline_rev):
         mine = [v for n, v in per_daemon.items() if n.rpartition("#")[0] == tree]
         per_tree[tree] = {k: statistics.mean(m[k] for m in mine) for k in mine[0]}
-    ratio = per_tree["this"]["cpu_percent"] / per_tree[args.baseline_rev]["cpu_percent"]
+    ratio = per_tree[THIS]["cpu_percent"] / per_tree[args.baseline_rev]["cpu_percent"]
     for n, v in per_daemon.items():
         print(f"{n:<24} CPU {v['cpu_percent']:.2f} %  faults/s {v['faults_per_s']:.0f}  "
               f"anon max {v['anon_mb_max']:.1f} MB")

@@ -52,8 +52,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import native  # noqa: E402
+from bench_footprint import cpu_ns  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 CONSUMERS = ("drain", "drain_250ms", "run", "record")
@@ -78,17 +80,6 @@ def drain_child(pid: int, interval_s: float):
                 print(events, flush=True)
     finally:
         loaded.close()
-
-
-def cpu_ns(pid: int) -> int:
-    """CPU time of every live thread of `pid`, ns (schedstat's first field)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            pass        # a thread that just ended
-    return total
 
 
 def thread_cpu_ns(pid: int) -> dict[str, int]:
