@@ -56,8 +56,8 @@ HEAP_TRIM_INTERVAL_S = 0.5
 TRIM_AFTER_RECORDS = 5000      # records drained since the last trim that call for one
 # ... and the resident growth since then that a trim is worth. A trim hands
 # free pages back and the next batches fault them in again (1.4 us a page
-# here): at 2 MiB the soak's daemon trimmed every 0.7 s and took 2 300
-# faults a second, 0.5 % of a core for both, to hold 2-5 MB less.
+# here): at 2 MiB the soak's daemon trimmed every 0.6 s and took 2 300
+# faults a second, 0.5 % of a core for both, to hold 3-5 MB less.
 TRIM_GROWTH_BYTES = 8 << 20
 STATUS_MIN_INTERVAL_S = 0.5
 DUMP_REUSE_S = 5.0          # socket dump requests this close share one file
