@@ -517,6 +517,8 @@ WRITER = """
 import socket, sys, time
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.connect(sys.argv[1])
+if sys.argv[4] == "hello":
+    s.sendall(b'{"v":1,"type":"hello","client":"bench","pid":1}\\n')
 line = b'{"v":1,"type":"sample","series":"e2e","modality":"text","value_ms":3.5}\\n'
 every, end = float(sys.argv[2]), time.monotonic() + float(sys.argv[3])
 while time.monotonic() < end:
@@ -535,7 +537,8 @@ cfg = config_mod.DaemonConfig(state_dir=tmp / "state", socket=tmp / "s.sock",
                               tick_s=float(sys.argv[2]))
 daemon = loop.Daemon(cfg)
 daemon.server = HintServer(cfg.socket)
-writer = subprocess.Popen([sys.executable, "-c", WRITER, str(cfg.socket), sys.argv[1], "3"])
+writer = subprocess.Popen([sys.executable, "-c", WRITER, str(cfg.socket), sys.argv[1], "3",
+                           sys.argv[3]])
 deadline = time.monotonic() + 10
 while not daemon.server.clients and time.monotonic() < deadline:
     daemon.serve_clients()
@@ -553,9 +556,13 @@ def handled(server, messages, *args):
 daemon.messages.handle = handled
 before = switches()
 end = time.monotonic() + 1.0
+daemon._ticked_at = time.monotonic()
 while time.monotonic() < end:
-    daemon._ticked_at = time.monotonic()        # as after a tick: none is due
+    if sys.argv[3] == "raw":
+        daemon._ticked_at = time.monotonic()    # as after a tick: none is due
     daemon._sleep(None)
+    if time.monotonic() - daemon._ticked_at >= daemon.idle_wait_s() * 0.95:
+        daemon._ticked_at = time.monotonic()    # a tick (its serve below)
     daemon.serve_clients()
 print(json.dumps({"serves": serves, "switches": switches() - before}))
 writer.kill()
@@ -572,11 +579,59 @@ def test_a_written_socket_is_served_at_most_every_tick_and_wakes_the_loop_once_a
     next write and another tick_s later. The loop runs in a process of its
     own: its sleeps are counted as its thread's voluntary context switches."""
     tick_s = 0.025
-    done = subprocess.run([sys.executable, "-c", SOCKET_LOOP, str(write_every_s), str(tick_s)],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", SOCKET_LOOP, str(write_every_s), str(tick_s),
+                           "raw"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     serves, switches = result["serves"], result["switches"]
     assert len(serves) >= 15, serves                        # served all along
     assert np.diff(serves).min() >= tick_s * 0.95, np.diff(serves)
     assert switches <= len(serves) + 4, (switches, len(serves))
+
+
+def test_a_dispatchers_telemetry_is_read_at_the_ticks_only():
+    """A client that said hello and sends only samples (every 2 ms) is read
+    at the ticks, an idle wait apart, not every tick_s: its samples are used
+    at the drains, and each serve between ticks was a wake-up of the loop."""
+    done = subprocess.run([sys.executable, "-c", SOCKET_LOOP, "0.002", "0.025", "hello"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    serves, switches = result["serves"], result["switches"]
+    assert 3 <= len(serves) <= 7, serves                   # about 4 ticks in the second
+    assert np.diff(serves[1:]).min() >= 0.2, np.diff(serves)
+    assert switches <= len(serves) + 4, (switches, len(serves))
+
+
+def test_a_question_or_a_client_without_hello_brings_the_socket_back(tmp_path):
+    from mmtrace.agent.daemon import loop
+    from mmtrace.agent.socket.hint_socket import HintServer
+    cfg = config_mod.DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "s.sock")
+    daemon = loop.Daemon(cfg)
+    daemon.server = HintServer(cfg.socket)
+    sample = b'{"v":1,"type":"sample","series":"e2e","modality":"text","value_ms":3.5}\n'
+
+    def served(client, data: bytes) -> bool:
+        client.sendall(data)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            daemon.serve_clients()
+            if daemon._served_at and time.monotonic() - daemon._served_at < 0.5:
+                daemon._served_at = 0.0
+                return daemon._socket_at_ticks
+            time.sleep(0.01)
+        raise AssertionError("not served")
+
+    dispatcher = socket.socket(socket.AF_UNIX)
+    other = socket.socket(socket.AF_UNIX)
+    try:
+        dispatcher.connect(str(cfg.socket))
+        other.connect(str(cfg.socket))
+        assert served(dispatcher, b'{"v":1,"type":"hello","client":"d","pid":1}\n' + sample)
+        assert not served(dispatcher, b'{"v":1,"type":"status"}\n')
+        assert served(dispatcher, sample)
+        assert not served(other, sample)                # it never said hello
+    finally:
+        dispatcher.close()
+        other.close()
+        daemon.close()

@@ -60,6 +60,15 @@ TRIM_AFTER_RECORDS = 5000      # records drained since the last trim that call f
 # faults a second, 0.5 % of a core for both, to hold 3-5 MB less.
 TRIM_GROWTH_BYTES = 8 << 20
 STATUS_MIN_INTERVAL_S = 0.5
+# Dispatchers' telemetry is used at the drains: once a serve finds nothing
+# else, from clients that said hello, the socket is read at the ticks only
+# (a dispatcher's 20 flushes a second were 20 wake-ups, about 1 % of a core).
+# A question (status, explain, ...) or a new connection then waits for the
+# next tick, an idle wait (0.25 s) at most, and the socket is watched again;
+# so it is after a serve of AT_TICKS_MAX_MESSAGES or more (a writer that would
+# fill its socket's buffer between ticks).
+TELEMETRY = frozenset({"hello", "subscribe", "sample", "entropy"})
+AT_TICKS_MAX_MESSAGES = 512
 DUMP_REUSE_S = 5.0          # socket dump requests this close share one file
 MAX_IDLE_WAIT_S = 0.25      # the longest sleep without data (see Daemon.idle_wait_s)
 QUIET_WAIT_S = 2.0          # ... while the detectors have nothing to watch (Daemon.quiet)
@@ -119,6 +128,7 @@ class Daemon:
         self._socket_busy = False       # written to faster than tick_s: served on a timer
         self._socket_woke = False       # the last wake was the socket's
         self._socket_idle_until = 0.0   # readable without a message: not watched till then
+        self._socket_at_ticks = False   # only dispatchers' telemetry: read at the ticks
         self._trimmed_rss = 0           # resident bytes after the last trim
         self._status_cache: tuple[int, dict] | None = None
         self._last_dump: tuple[float, Path] | None = None
@@ -266,7 +276,9 @@ class Daemon:
         writing every 20 ms woke the loop on each write and again when its
         tick_s was up: two wake-ups a serve.) A socket that woke the loop
         without a message (a connection that cannot be accepted yet, blank
-        lines) is not watched for tick_s.
+        lines) is not watched for tick_s. While the last serve found only
+        telemetry of clients that said hello (TELEMETRY), the socket waits
+        for the next tick.
 
         A ring that signals (its programs do every so many records, whether
         or not the drains kept up) is drained at once when it is
@@ -283,6 +295,8 @@ class Daemon:
         serve_at = self._served_at + self.config.tick_s
         if self.server is not None:
             hold = serve_at if self._socket_busy else self._socket_idle_until
+            if self._socket_at_ticks:
+                hold = max(hold, self._ticked_at + self.idle_wait_s())
             if hold > woke:
                 self.waiter.forget(self.server.fileno())
                 deadline = min(deadline, hold)
@@ -372,6 +386,8 @@ class Daemon:
             if self._socket_woke:
                 self._socket_idle_until = now + self.config.tick_s
         self._socket_woke = False
+        self._socket_at_ticks = 0 < len(messages) < AT_TICKS_MAX_MESSAGES and all(
+            msg["type"] in TELEMETRY and client.name for client, msg in messages)
         self.messages.handle(self.server, messages, time.monotonic_ns(), self._answer)
 
     def tick(self, now_ns: int | None = None):
@@ -379,9 +395,9 @@ class Daemon:
         if self.probes.compiling:
             self.probes.wire_devices()
         self.probes.attach_new()
+        self.serve_clients()            # first: the drain takes the samples it read
         if self._drain_due():
             self._drain()
-        self.serve_clients()
         now_ns = now_ns or time.monotonic_ns()
         if time.monotonic() >= self._next_exited_sweep:
             self._next_exited_sweep = time.monotonic() + EXITED_SWEEP_INTERVAL_S
