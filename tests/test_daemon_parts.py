@@ -630,6 +630,10 @@ def test_a_question_or_a_client_without_hello_brings_the_socket_back(tmp_path):
         assert served(dispatcher, b'{"v":1,"type":"hello","client":"d","pid":1}\n' + sample)
         assert not served(dispatcher, b'{"v":1,"type":"status"}\n')
         assert served(dispatcher, sample)
+        waiting = next(c for c in daemon.server.clients.values() if c.name == "d")
+        waiting.outbox += b"\n" * (8 << 20)             # an answer the peer has not read
+        assert not served(dispatcher, sample)
+        waiting.outbox.clear()
         assert not served(other, sample)                # it never said hello
     finally:
         dispatcher.close()

@@ -66,7 +66,7 @@ STATUS_MIN_INTERVAL_S = 0.5
 # A question (status, explain, ...) or a new connection then waits for the
 # next tick, an idle wait (0.25 s) at most, and the socket is watched again;
 # so it is after a serve of AT_TICKS_MAX_MESSAGES or more (a writer that would
-# fill its socket's buffer between ticks).
+# fill its socket's buffer between ticks), and while an answer is going out.
 TELEMETRY = frozenset({"hello", "subscribe", "sample", "entropy"})
 AT_TICKS_MAX_MESSAGES = 512
 DUMP_REUSE_S = 5.0          # socket dump requests this close share one file
@@ -386,8 +386,10 @@ class Daemon:
             if self._socket_woke:
                 self._socket_idle_until = now + self.config.tick_s
         self._socket_woke = False
-        self._socket_at_ticks = 0 < len(messages) < AT_TICKS_MAX_MESSAGES and all(
-            msg["type"] in TELEMETRY and client.name for client, msg in messages)
+        self._socket_at_ticks = (
+            0 < len(messages) < AT_TICKS_MAX_MESSAGES
+            and all(msg["type"] in TELEMETRY and client.name for client, msg in messages)
+            and not any(c.outbox for c in self.server.clients.values()))  # an answer going out
         self.messages.handle(self.server, messages, time.monotonic_ns(), self._answer)
 
     def tick(self, now_ns: int | None = None):
