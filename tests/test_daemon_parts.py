@@ -603,7 +603,9 @@ def test_a_dispatchers_telemetry_is_read_at_the_ticks_only():
     assert switches <= len(serves) + 4, (switches, len(serves))
 
 
-def test_a_question_or_a_client_without_hello_brings_the_socket_back(tmp_path):
+def test_a_question_a_backlog_or_a_newcomer_brings_the_socket_back(tmp_path):
+    """The socket waits for the ticks only after a serve of telemetry from
+    clients that said hello, with nothing going out, while one is connected."""
     from mmtrace.agent.daemon import loop
     from mmtrace.agent.socket.hint_socket import HintServer
     cfg = config_mod.DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "s.sock")
@@ -611,14 +613,14 @@ def test_a_question_or_a_client_without_hello_brings_the_socket_back(tmp_path):
     daemon.server = HintServer(cfg.socket)
     sample = b'{"v":1,"type":"sample","series":"e2e","modality":"text","value_ms":3.5}\n'
 
-    def served(client, data: bytes) -> bool:
+    def served(client, data: bytes, serve=daemon.serve_clients) -> bool:
         client.sendall(data)
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
-            daemon.serve_clients()
+            serve()
             if daemon._served_at and time.monotonic() - daemon._served_at < 0.5:
                 daemon._served_at = 0.0
-                return daemon._socket_at_ticks
+                return daemon._reads_at_ticks()
             time.sleep(0.01)
         raise AssertionError("not served")
 
@@ -635,6 +637,31 @@ def test_a_question_or_a_client_without_hello_brings_the_socket_back(tmp_path):
         assert not served(dispatcher, sample)
         waiting.outbox.clear()
         assert not served(other, sample)                # it never said hello
+        assert served(dispatcher, sample)
+        assert not served(dispatcher, sample * 300)     # 21 KiB at once: a backlog
+        assert served(dispatcher, sample)
+        newcomer = socket.socket(socket.AF_UNIX)
+        newcomer.connect(str(cfg.socket))               # accepted in the next serve
+        assert not served(dispatcher, sample)
+        newcomer.close()
+        assert served(dispatcher, sample)
+        assert not served(dispatcher, b'{"v":1,"type":"status"}\n', serve=daemon.tick)
+        assert served(dispatcher, sample, serve=daemon.tick)
+        dispatcher.close()
+        other.close()
+        deadline = time.monotonic() + 5
+        while daemon.server.clients and time.monotonic() < deadline:
+            daemon.serve_clients()
+        # A client that is let go in the serve that read its telemetry (bad
+        # lines past its error budget): none is left to wait for, and the
+        # socket must not wait a quiet daemon's 2 s.
+        parting = socket.socket(socket.AF_UNIX)
+        parting.connect(str(cfg.socket))
+        daemon.serve_clients()                          # accepted
+        assert not served(parting, b'{"v":1,"type":"hello","client":"p","pid":2}\n' + sample
+                          + b"not json\n" * 40)
+        assert not daemon.server.clients
+        parting.close()
     finally:
         dispatcher.close()
         other.close()

@@ -64,11 +64,12 @@ STATUS_MIN_INTERVAL_S = 0.5
 # else, from clients that said hello, the socket is read at the ticks only
 # (a dispatcher's 20 flushes a second were 20 wake-ups, about 1 % of a core).
 # A question (status, explain, ...) or a new connection then waits for the
-# next tick, an idle wait (0.25 s) at most, and the socket is watched again;
-# so it is after a serve of AT_TICKS_MAX_MESSAGES or more (a writer that would
-# fill its socket's buffer between ticks), and while an answer is going out.
+# next tick, MAX_IDLE_WAIT_S at most, and the socket is watched again; so it
+# is after a serve that accepted a connection or read AT_TICKS_MAX_BYTES or
+# more (a writer that would fill its socket's buffer between ticks: a read
+# takes 64 KiB a client), and while an answer or a hint is going out.
 TELEMETRY = frozenset({"hello", "subscribe", "sample", "entropy"})
-AT_TICKS_MAX_MESSAGES = 512
+AT_TICKS_MAX_BYTES = 16 << 10
 DUMP_REUSE_S = 5.0          # socket dump requests this close share one file
 MAX_IDLE_WAIT_S = 0.25      # the longest sleep without data (see Daemon.idle_wait_s)
 QUIET_WAIT_S = 2.0          # ... while the detectors have nothing to watch (Daemon.quiet)
@@ -295,8 +296,8 @@ class Daemon:
         serve_at = self._served_at + self.config.tick_s
         if self.server is not None:
             hold = serve_at if self._socket_busy else self._socket_idle_until
-            if self._socket_at_ticks:
-                hold = max(hold, self._ticked_at + self.idle_wait_s())
+            if self._reads_at_ticks():
+                hold = max(hold, self._ticked_at + MAX_IDLE_WAIT_S)
             if hold > woke:
                 self.waiter.forget(self.server.fileno())
                 deadline = min(deadline, hold)
@@ -322,6 +323,15 @@ class Daemon:
             timeout = deadline - now
             if timeout <= 0:
                 return
+
+    def _reads_at_ticks(self) -> bool:
+        """Whether the socket waits for the next tick (TELEMETRY): the last
+        serve found only dispatchers' telemetry, and a client is connected
+        with nothing left to send it (an answer or hint the socket has not
+        taken yet goes out as the socket takes it)."""
+        clients = self.server.clients
+        return self._socket_at_ticks and bool(clients) and not any(
+            c.outbox for c in clients.values())
 
     def drain_rings(self):
         """What the rings hold now, through the ingest path (between ticks)."""
@@ -387,9 +397,9 @@ class Daemon:
                 self._socket_idle_until = now + self.config.tick_s
         self._socket_woke = False
         self._socket_at_ticks = (
-            0 < len(messages) < AT_TICKS_MAX_MESSAGES
-            and all(msg["type"] in TELEMETRY and client.name for client, msg in messages)
-            and not any(c.outbox for c in self.server.clients.values()))  # an answer going out
+            bool(messages) and self.server.polled_bytes < AT_TICKS_MAX_BYTES
+            and not self.server.polled_connection
+            and all(msg["type"] in TELEMETRY and client.name for client, msg in messages))
         self.messages.handle(self.server, messages, time.monotonic_ns(), self._answer)
 
     def tick(self, now_ns: int | None = None):

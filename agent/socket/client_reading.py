@@ -20,6 +20,7 @@ class ClientReader:
         self.connections = connections
         self.error = error
         self.clock = clock
+        self.bytes_read = 0             # all told: a caller's loop weighs its backlog by it
 
     def read(self, client: Client) -> list[tuple[Client, dict]]:
         try:
@@ -30,6 +31,7 @@ class ClientReader:
             self.connections.close(client)
             return []
         client.last_seen = self.clock()
+        self.bytes_read += len(data)
         if data:
             if not client.inbox and not client.discarding:     # a new line's first bytes
                 client.line_started = client.last_seen

@@ -48,6 +48,8 @@ class HintServer:
         self._reader = ClientReader(self._connections, self.error, clock)
         self._deadlines = DeadlineSweep(self._connections, idle_timeout_s)
         self._next_sweep = 0.0
+        self.polled_bytes = 0           # read by the last poll
+        self.polled_connection = False  # the last poll found a connection to accept
         self.errors_sent = 0          # error replies
         self.internal_errors = 0      # failures of the server's own code, caught
         self._log_internal = RateLimitedLog(log)
@@ -85,10 +87,15 @@ class HintServer:
         return self._deadlines.idle_timeout_s
 
     def poll(self, timeout: float = 0.0) -> list[tuple[Client, dict]]:
-        """Accept, read and write what is ready; return the checked messages."""
+        """Accept, read and write what is ready; return the checked messages.
+        `polled_bytes` and `polled_connection` then say what it read and
+        whether a connection came."""
         out = []
+        read_before = self._reader.bytes_read
+        self.polled_connection = False
         for key, events in self._sel.select(timeout):
             if key.data is None:
+                self.polled_connection = True
                 self._admission.accept()
                 continue
             client = key.data
@@ -102,6 +109,7 @@ class HintServer:
                 self._log_internal.log(logging.ERROR, "hint socket: failure serving client "
                                        "%s; disconnected", client.name or "?", exc_info=True)
                 self._connections.close(client)
+        self.polled_bytes = self._reader.bytes_read - read_before
         now = self.clock()
         if now >= self._next_sweep:
             self._next_sweep = now + SWEEP_INTERVAL_S
