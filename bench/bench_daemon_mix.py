@@ -37,8 +37,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import native  # noqa: E402
-from bench_footprint import cpu_ns  # noqa: E402
-from bench_pipeline import anon_mb, minor_faults  # noqa: E402
+from bench_footprint import cpu_ns, minor_faults  # noqa: E402
+from bench_pipeline import anon_mb  # noqa: E402
 from bench_recording import baseline_env  # noqa: E402
 from profile_daemon import start_daemon  # noqa: E402
 from soak import soak_loops  # noqa: E402

@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import native  # noqa: E402
-from bench_footprint import cpu_ns  # noqa: E402
+from bench_footprint import cpu_ns, cpu_ticks, minor_faults  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 CONSUMERS = ("drain", "drain_250ms", "run", "record")
@@ -97,18 +97,6 @@ def thread_cpu_ns(pid: int) -> dict[str, int]:
 def anon_mb(pid: int) -> float:
     m = re.search(r"^RssAnon:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text(), re.M)
     return int(m.group(1)) / 1024 if m else float("nan")
-
-
-def stat_ticks(pid: int) -> int:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
-
-
-def minor_faults(pid: int) -> int:
-    """Page faults served without I/O (/proc/PID/stat): each a page the
-    process touched afresh, zeroed by the kernel (1.4 us on this host),
-    CPU that no Python profile shows."""
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
 
 
 class Consumer:
@@ -240,12 +228,12 @@ def bench(rate: int, window_s: float, rounds: int, warmup_s: float,
                            if (m := re.search(r"metrics on (\S+)/metrics", line)))
             settle(consumers)
             pacer.pace(warmup_s)
-            ticks0 = {c.name: stat_ticks(c.proc.pid) for c in consumers}
+            ticks0 = {c.name: cpu_ticks(c.proc.pid) for c in consumers}
             quiet, paced = [], []
             for _ in range(rounds):
                 quiet.append(window(consumers, by_name["drain"], lambda: time.sleep(window_s)))
                 paced.append(window(consumers, by_name["drain"], lambda: pacer.pace(window_s)))
-            ticks = {c.name: stat_ticks(c.proc.pid) - ticks0[c.name] for c in consumers}
+            ticks = {c.name: cpu_ticks(c.proc.pid) - ticks0[c.name] for c in consumers}
             time.sleep(0.5)
             daemon_events = scrape_runq_events(address)
             baseline_events = {}
