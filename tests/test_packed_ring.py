@@ -229,3 +229,19 @@ def test_a_second_ask_extracts_only_the_hot_block_and_a_new_key_extracts_again()
     # A block that leaves the window lets go of what it kept.
     list(ring.extracts(5 * 10**9, "k", counted))
     assert all(b.kept is None for b in ring._blocks if b.last_ns < 5 * 10**9)
+
+
+def test_a_piece_inside_the_window_is_handed_on_uncopied_and_one_across_it_is_cut_exactly():
+    from mmtrace.agent.ingest.record_arrays import stamped_from
+    batch = runq_like(10**9, 500, 1000, seed=3)
+    assert stamped_from(batch, 0) is batch                  # all inside: no copy
+    assert stamped_from(batch, -5) is batch                 # a window reaching before 0
+    cut = int(batch["ts_ns"][250])
+    part = stamped_from(batch, cut)
+    want = batch[batch["ts_ns"].astype(np.int64) >= cut]
+    assert part is not batch and part.tobytes() == want.tobytes()
+    assert len(stamped_from(batch, 1 << 62)) == 0
+    late = batch.copy()
+    late["ts_ns"][7] = 1 << 63                              # past int64: never in a window
+    kept = stamped_from(late, 0)
+    assert len(kept) == len(late) - 1 and (kept["ts_ns"] != np.uint64(1 << 63)).all()

@@ -9,7 +9,7 @@ record it pushed (update) while the ring holds it."""
 
 import numpy as np
 
-from mmtrace.agent.ingest.record_arrays import rows_of, take
+from mmtrace.agent.ingest.record_arrays import rows_of, stamped_from, take
 
 
 class EventRing:
@@ -92,7 +92,7 @@ class EventRing:
         first = self.start if since_ns is None else self._first_recent(since_ns)
         events = take(self._ring, np.arange(first, self.end) % len(self._ring))
         if since_ns is not None:
-            events = events[events["ts_ns"].astype(np.int64) >= since_ns]
+            events = stamped_from(events, since_ns)
         return events
 
     def pieces(self, since_ns: int | None = None):

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mmtrace.agent.ingest import block_codec
-from mmtrace.agent.ingest.record_arrays import concat, rows_of
+from mmtrace.agent.ingest.record_arrays import concat, rows_of, stamped_from
 
 
 # Sealed blocks of this size or more are kept in pages of their own, off
@@ -250,7 +250,7 @@ class PackedRing:
             if block.kept is None or block.kept[0] != (key, cut):
                 block.kept = ((key, cut), extract(self._unpack(block)))
             part = block.kept[1]
-            part = part[part["ts_ns"].astype(np.int64) >= low]
+            part = stamped_from(part, low)
             if len(part):
                 yield part
         hot = self._hot_held()
@@ -268,7 +268,7 @@ class PackedRing:
         blocks = [b for b in self._blocks if b.last_ns >= low]
         hot = self._hot_held().copy()
         for records in itertools.chain(map(self._unpack, blocks), [hot]):   # one block at a time
-            records = records[records["ts_ns"].astype(np.int64) >= low]
+            records = stamped_from(records, low)
             if len(records):
                 yield records
 

@@ -21,3 +21,11 @@ def take(records: np.ndarray, which) -> np.ndarray:
 def concat(parts: list[np.ndarray]) -> np.ndarray:
     dtype = parts[0].dtype
     return np.concatenate([rows_of(p) for p in parts]).view(dtype).reshape(-1)
+
+
+def stamped_from(records: np.ndarray, ts_ns: int) -> np.ndarray:
+    """The records whose ts_ns is ts_ns or later (as signed nanoseconds), in
+    their order: `records` itself where every one is (a block inside a
+    window is not copied), else a copy of those, as bytes."""
+    keep = records["ts_ns"].view(np.int64) >= ts_ns
+    return records if keep.all() else take(records, keep)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mmtrace.agent.ingest.record_arrays import stamped_from
 from mmtrace.agent.recording.file_format import RecordingWriter
 from mmtrace.agent.safe_files import private_dir
 
@@ -75,7 +76,7 @@ class FlightRecorder:
                 for schema, records in windows.items():
                     # An array, or an iterable of pieces written one by one.
                     for piece in [records] if isinstance(records, np.ndarray) else records:
-                        recent = piece[piece["ts_ns"].astype("int64") >= since]
+                        recent = stamped_from(piece, since)
                         if len(recent):
                             writer.write_events(schema, recent)
             finally:
