@@ -58,8 +58,6 @@ class CallFailures:
         self.consecutive, self.clear_windows = consecutive, clear_windows
         self.max_processes = max_processes
         self.processes: dict[int, _Process] = {}
-        # A bad run under way, not fired yet, when tick() last looked.
-        self.brewing = consecutive < 2
         self.skipped = 0        # calls of processes past max_processes
 
     def feed(self, pid: np.ndarray, ts_ns: np.ndarray, failed: np.ndarray, api, error,
@@ -102,14 +100,11 @@ class CallFailures:
         """Close the windows that time has passed (a process gone quiet)."""
         out = []
         current = int(now_ns) // self.window_ns
-        brewing = self.consecutive < 2
         for p, proc in list(self.processes.items()):
             if proc.window < current:
                 out += self._close(p, proc, current)
             if not proc.firing and not proc.bad_run and proc.calls == 0:
                 del self.processes[p]       # nothing pending: forget it
-            brewing |= bool(proc.bad_run) and not proc.firing
-        self.brewing = brewing
         return out
 
     def _close(self, pid: int, proc: _Process, next_window: int) -> list:

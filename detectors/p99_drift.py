@@ -83,7 +83,7 @@ from typing import Callable
 
 import numpy as np
 
-from mmtrace.detectors.p99_alarms import PENDING, STATE_NAMES, AlarmRule, AlarmStates
+from mmtrace.detectors.p99_alarms import STATE_NAMES, AlarmRule, AlarmStates
 from mmtrace.detectors.p99_baseline import Baselines
 from mmtrace.detectors.p99_intake import Intake, as_timestamps, dense_ids, require_same_length
 from mmtrace.detectors.p99_series_rows import packing, shrunk_capacity
@@ -192,13 +192,6 @@ class P99Drift:
 
     def state(self, series: str | int) -> str:
         return STATE_NAMES[self._alarms.state[self._resolve(series)]]
-
-    def brewing(self) -> bool:
-        """Whether an alarm may fire at the next window that closes: a
-        series is pending (bad windows in a row, not yet `consecutive`), or
-        one bad window fires (consecutive 1)."""
-        return self._alarms.rule.consecutive < 2 or \
-            bool((self._alarms.state[:len(self._names)] == PENDING).any())
 
     def baseline(self, series: str | int) -> float | None:
         value = self._baselines.base[self._resolve(series)]

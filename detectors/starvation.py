@@ -93,7 +93,6 @@ class Starvation:
         self.baseline_windows, self.baseline_cap = baseline_windows, baseline_cap
         self.max_processes = max_processes
         self.states: dict[int, _State] = {}
-        self.brewing = consecutive < 2     # a starved run under way, not fired yet (observe)
 
     @classmethod
     def of(cls, d, state: str = "runnable") -> "Starvation":
@@ -191,8 +190,6 @@ class Starvation:
                 if state.calm >= self.clear_windows:
                     state.firing = False
                     out.append(self._record(pid, state, "resolved", end_ns))
-        self.brewing = self.consecutive < 2 or any(
-            s.run and not s.firing for s in self.states.values())
         return out
 
     def _record(self, pid: int, state: _State, what: str, end_ns: int) -> dict:

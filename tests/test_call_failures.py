@@ -135,24 +135,3 @@ def test_counted_by_pair_keys_as_call_by_call():
     want += by_call.tick(10 * S)
     got += by_pair.tick(10 * S)
     assert want and got == want
-
-
-def test_a_bad_run_that_has_not_fired_is_brewing_at_the_tick():
-    """What the daemon's loop ticks faster for (Daemon.brewing): a process
-    with bad windows in a row, short of `consecutive`; not a firing storm,
-    whose next change (resolving) may wait."""
-    d = CallFailures(consecutive=3)
-    assert not d.brewing
-    d.feed(*calls(7, 0, 2, 100, 0.0))
-    d.tick(2 * S)
-    assert not d.brewing                         # good windows
-    d.feed(*calls(7, 2, 1, 100, 1.0))
-    d.tick(3 * S + 1)
-    assert d.brewing                             # one bad window of three
-    d.feed(*calls(7, 3, 2, 100, 1.0))
-    assert [a["state"] for a in d.tick(5 * S + 1)] == ["firing"]
-    assert not d.brewing                         # fired: nothing more to catch early
-    d.feed(*calls(8, 5, 1, 100, 1.0))
-    d.tick(6 * S + 1)
-    assert d.brewing                             # another process's first bad window
-    assert CallFailures(consecutive=1).brewing   # one window fires: always

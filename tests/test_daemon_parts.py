@@ -400,45 +400,6 @@ def test_between_sweeps_the_heap_is_trimmed_only_once_the_process_has_grown(tmp_
         daemon.close()
 
 
-@pytest.mark.parametrize("detector", ["p99", "launchers", "failures"])
-def test_a_busy_loop_ticks_every_half_window_and_every_quarter_while_an_alarm_brews(
-        tmp_path, detector):
-    """Not quiet: a tick every half window (STEADY_WAIT_S at most); while a
-    detector has bad windows in a row that have not fired, every quarter
-    window (MAX_IDLE_WAIT_S at most), so the window that fires closes as
-    soon as before. A tick drains the rings whenever the last drain is a
-    quarter window old (a ring's signal drained a moment before a steady
-    tick: the windows it closes still have all their events)."""
-    from mmtrace.agent.daemon import loop
-    cfg = config_mod.DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "s.sock")
-    daemon = loop.Daemon(cfg)
-    try:
-        rec = recording.read_recording(synthetic_recording(tmp_path / "s.mmtr"))
-        daemon.streams.batch("dev", rec.events["dev.event"][:4], [])
-        assert not daemon.quiet() and not daemon.brewing()
-        assert daemon.idle_wait_s() == 0.5
-        assert daemon.idle_wait_s(watchdog_s=1.0) == 0.25      # the watchdog's ping first
-        cfg.hangs.after_s = 0.6                 # a hang read at most half its threshold late
-        assert daemon.idle_wait_s() == 0.3
-        cfg.hangs.after_s = 10.0
-        now = time.monotonic()
-        daemon._drained_at = now - 0.3          # a ring's signal drained 0.3 s ago
-        assert daemon._drain_due()
-        daemon._drained_at = now - 0.1
-        assert not daemon._drain_due()
-        if detector == "p99":
-            daemon.p99.brewing = lambda: True
-        elif detector == "launchers":
-            daemon.streams.launchers.watches[2].brewing = True
-        else:
-            daemon.streams.failures.brewing = True
-        assert daemon.brewing() and daemon.idle_wait_s() == 0.25
-        cfg.p99.window_s = 0.4                  # a quarter window, shorter than 0.25
-        assert daemon.idle_wait_s() == pytest.approx(0.1)
-    finally:
-        daemon.close()
-
-
 def test_a_quiet_loop_still_wakes_for_each_discovery_poll(tmp_path):
     """Discovery polls from the tick: quiet, the loop still wakes every
     discover_interval_s when that is shorter than QUIET_WAIT_S."""
@@ -476,8 +437,7 @@ def test_the_loop_wakes_seldom_only_while_there_is_nothing_to_watch(tmp_path):
         del daemon.monitors.has_devices_to_sample
         rec = recording.read_recording(synthetic_recording(tmp_path / "s.mmtr"))
         daemon.streams.batch("dev", rec.events["dev.event"][:4], [])
-        steady = min(loop.STEADY_WAIT_S, cfg.p99.window_s / 2)
-        assert not daemon.quiet() and not daemon.brewing() and daemon.idle_wait_s() == steady
+        assert not daemon.quiet() and daemon.idle_wait_s() == fast
         later = daemon.streams.last_work_ns + int(loop.QUIET_AFTER_S * 1e9)
         assert daemon.quiet(later)
         daemon.streams.memory.in_flight = 1                  # a sync that has not returned
@@ -595,7 +555,7 @@ def handled(server, messages, *args):
 
 daemon.messages.handle = handled
 before = switches()
-end = time.monotonic() + (float(sys.argv[4]) if len(sys.argv) > 4 else 1.0)
+end = time.monotonic() + 1.0
 daemon._ticked_at = time.monotonic()
 while time.monotonic() < end:
     if sys.argv[3] == "raw":
@@ -630,19 +590,16 @@ def test_a_written_socket_is_served_at_most_every_tick_and_wakes_the_loop_once_a
 
 
 def test_a_dispatchers_telemetry_is_read_at_the_ticks_only():
-    """A client that said hello and sends only samples (every 5 ms: under
-    AT_TICKS_MAX_BYTES a steady tick) is read at the ticks, an idle wait
-    apart (a steady daemon's half second), not every tick_s: its samples are
-    used at the drains, and each serve between ticks was a wake-up of the
-    loop."""
-    from mmtrace.agent.daemon import loop
-    done = subprocess.run([sys.executable, "-c", SOCKET_LOOP, "0.005", "0.025", "hello", "2.0"],
+    """A client that said hello and sends only samples (every 2 ms) is read
+    at the ticks, an idle wait apart, not every tick_s: its samples are used
+    at the drains, and each serve between ticks was a wake-up of the loop."""
+    done = subprocess.run([sys.executable, "-c", SOCKET_LOOP, "0.002", "0.025", "hello"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     serves, switches = result["serves"], result["switches"]
-    assert 3 <= len(serves) <= 6, serves                   # about 4 ticks in 2 s
-    assert np.diff(serves[1:]).min() >= 0.9 * loop.STEADY_WAIT_S, np.diff(serves)
+    assert 3 <= len(serves) <= 7, serves                   # about 4 ticks in the second
+    assert np.diff(serves[1:]).min() >= 0.2, np.diff(serves)
     assert switches <= len(serves) + 4, (switches, len(serves))
 
 

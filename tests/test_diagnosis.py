@@ -219,11 +219,8 @@ def test_a_starved_window_fires_after_consecutive_ones_and_a_noisy_baseline_cann
     for w in range(10):                         # a noisy host: 8-9 % runnable
         out += watch.observe(w * S, {1: (0.08 + 0.01 * (w % 2), 1.0, "x")})
     assert out == [] and watch.threshold(1) == pytest.approx(0.1)
-    assert not watch.brewing
     assert watch.observe(10 * S, {1: (0.12, 1.0, "x")}) == []
-    assert watch.brewing            # a starved window of two: the daemon ticks faster
     (fired,) = watch.observe(11 * S, {1: (0.12, 1.0, "x")})
-    assert not watch.brewing        # fired
     assert fired["state"] == "firing" and fired["kind"] == "cpu_starved"
     assert fired["evidence"]["share"] == 0.12 and fired["evidence"]["threshold"] == 0.1
     assert fired["key"] == {"kind": "runq_share", "pid": 1}

@@ -48,12 +48,6 @@ class LauncherTime:
         if len(aligned):
             self.split.add_device(aligned)
 
-    @property
-    def brewing(self) -> bool:
-        """Whether a watch has a run of out-of-the-ordinary windows under
-        way that has not fired yet (Starvation.brewing)."""
-        return any(w.brewing for w in self.watches)
-
     # ------------------------------------------------------------ ticks
 
     def tick(self, now_ns: int) -> list[dict]:

@@ -64,15 +64,14 @@ STATUS_MIN_INTERVAL_S = 0.5
 # else, from clients that said hello, the socket is read at the ticks only
 # (a dispatcher's 20 flushes a second were 20 wake-ups, about 1 % of a core).
 # A question (status, explain, ...) or a new connection then waits for the
-# next tick (idle_wait_s: a half second at most), and the socket is watched again; so it
+# next tick, MAX_IDLE_WAIT_S at most, and the socket is watched again; so it
 # is after a serve that accepted a connection or read AT_TICKS_MAX_BYTES or
 # more (a writer that would fill its socket's buffer between ticks: a read
 # takes 64 KiB a client), and while an answer or a hint is going out.
 TELEMETRY = frozenset({"hello", "subscribe", "sample", "entropy"})
 AT_TICKS_MAX_BYTES = 16 << 10
 DUMP_REUSE_S = 5.0          # socket dump requests this close share one file
-MAX_IDLE_WAIT_S = 0.25      # the longest sleep while an alarm is brewing (Daemon.idle_wait_s)
-STEADY_WAIT_S = 0.5         # ... while none is: the steady daemon's
+MAX_IDLE_WAIT_S = 0.25      # the longest sleep without data (see Daemon.idle_wait_s)
 QUIET_WAIT_S = 2.0          # ... while the detectors have nothing to watch (Daemon.quiet)
 QUIET_AFTER_S = 10.0        # no GPU/NPU work for this long, nor a launcher's run-queue record
 EXPLAINS_PER_S = 4          # socket explain requests answered a second, all clients together
@@ -225,17 +224,9 @@ class Daemon:
 
     def idle_wait_s(self, watchdog_s: float | None = None) -> float:
         """The longest the loop sleeps without data. Every tick drains the
-        rings before it closes windows, so the wait costs no event, only
-        time to an alarm: a window closes at most a wait after its grace (a
-        quarter window past its end). While an alarm is brewing (a detector
-        has bad windows in a row that have not fired yet: brewing()) the
-        loop wakes every quarter window (MAX_IDLE_WAIT_S at most), so the
-        window that fires closes as soon as it did; otherwise every half
-        window (STEADY_WAIT_S at most): an alarm needs `consecutive` bad
-        windows, and only the first is judged up to a quarter second later.
-        A tick costs the busy daemon about 3 ms whatever its batch (each
-        sink's steps): on the soak's loads, half-second ticks took 22 % off
-        its CPU. Waking 8 times a second
+        rings before it closes P99 windows, so the wait costs no event, only
+        time to an alarm: a window closes at most a quarter window after its
+        grace (a quarter window past its end). Waking 8 times a second
         instead of 4 was half an idle agent's CPU. While the daemon is quiet
         (no launcher to watch) it wakes every QUIET_WAIT_S: nothing is there
         for a window to hold, and on a host whose caches go cold while it
@@ -247,32 +238,15 @@ class Daemon:
         Discovery polls from the tick: no wait is longer than its interval
         (a quiet second read a 0.2 s interval's processes five times less
         often). The watchdog wants a ping every half of its interval."""
-        busy = self._watchful_wait_s()
-        hang_bound = max(busy, self.config.hangs.after_s / 2)
+        busy = min(MAX_IDLE_WAIT_S, self.config.p99.window_s / 4)
         if self.quiet():        # never shorter than a busy daemon's wait
-            wait = min(QUIET_WAIT_S, hang_bound)
+            wait = min(QUIET_WAIT_S, max(busy, self.config.hangs.after_s / 2))
             if self.monitors.has_devices_to_sample():
                 wait = min(wait, max(busy, GPU_SAMPLE_INTERVAL_NS / 1e9))
-        elif self.brewing():
-            wait = busy
         else:
-            wait = min(max(busy, min(STEADY_WAIT_S, self.config.p99.window_s / 2)), hang_bound)
+            wait = busy
         wait = min(wait, self.config.discover_interval_s)
         return min(wait, watchdog_s / 4) if watchdog_s else wait
-
-    def _watchful_wait_s(self) -> float:
-        """The wait while an alarm is brewing: a quarter window, at most
-        MAX_IDLE_WAIT_S. The rings are drained at least this often at the
-        ticks (_drain_due): a window closes a quarter window after its end."""
-        return min(MAX_IDLE_WAIT_S, self.config.p99.window_s / 4)
-
-    def brewing(self) -> bool:
-        """Whether a detector that closes windows at the ticks has bad
-        windows in a row that have not fired yet (or fires on one): the P99
-        detector, the launchers' watches (starvation and the time shares)
-        and the call failures."""
-        return (self.p99.brewing() or self.streams.launchers.brewing
-                or self.streams.failures.brewing)
 
     def quiet(self, now_ns: int | None = None) -> bool:
         """Nothing the detectors watch: the probes are all live, no GPU/NPU
@@ -323,7 +297,7 @@ class Daemon:
         if self.server is not None:
             hold = serve_at if self._socket_busy else self._socket_idle_until
             if self._reads_at_ticks():
-                hold = max(hold, self._ticked_at + self.idle_wait_s())
+                hold = max(hold, self._ticked_at + MAX_IDLE_WAIT_S)
             if hold > woke:
                 self.waiter.forget(self.server.fileno())
                 deadline = min(deadline, hold)
@@ -373,13 +347,10 @@ class Daemon:
 
     def _drain_due(self) -> bool:
         """A tick drains the rings when the idle wait has passed since the
-        last drain (or a ring filling up had one), or the watchful wait: a
-        window closes a quarter window after its end, once every event of
-        its is in, so a steady tick drains unless a ring's signal did a
-        moment ago. Batches an idle wait apart, whose cost is mostly per
-        batch."""
-        return due(time.monotonic() - self._drained_at,
-                   min(self.idle_wait_s(), self._watchful_wait_s()))
+        last drain (or a ring filling up had one): batches an idle wait
+        apart, whose cost is mostly per batch. P99 windows close after
+        every event of theirs is in: the drains stay an idle wait apart."""
+        return self._idle_wait_over(self._drained_at)
 
     def _idle_wait_over(self, since: float) -> bool:
         """An idle wait (nearly: a wake a little early still counts) since
@@ -573,7 +544,7 @@ class Daemon:
     def dump(self, reason: str) -> Path:
         """The flight recorder's ring written now (`mmtrace dump`, SIGUSR2),
         past its interval; OSError when it cannot be written. What the
-        kernel's rings hold goes in first: drains are up to half a second
+        kernel's rings hold goes in first: drains are a quarter second
         apart, and a dump holds everything up to its asking."""
         self._drain()
         return self.alarms.dump(reason)
