@@ -238,7 +238,9 @@ class PackedRing:
         (update): a reader that asks every half second (top's status, over
         5 s) unpacks each sealed block once, not at every ask. The extract must
         keep ts_ns (the oldest block is cut by it after) and be small: a
-        block outside the window lets go of its own."""
+        block outside the window lets go of its own. A block's extract
+        wholly inside the window is handed out as kept: read it, do not
+        write it."""
         if self._newest_ns is None:
             return
         low = self._low(since_ns)
