@@ -51,10 +51,16 @@ from mmtrace.bpf.sched import RUNQ_EVENT
 path, seconds, dumps, reach_s, step = (sys.argv[1], float(sys.argv[2]), int(sys.argv[3]),
                                        float(sys.argv[4]), int(sys.argv[5]))
 with RecordingReader(path) as rec:
-    runq = np.concatenate(list(rec.pieces("cpu.runq")))
-    device = np.concatenate(list(rec.pieces("dev.event")))
-first = int(runq["ts_ns"].min())
+    runq, device = (list(rec.pieces(s)) for s in ("cpu.runq", "dev.event"))
+if not runq or not device:
+    sys.exit(f"{path}: expected run-queue and GPU/NPU events, got "
+             f"{sum(map(len, runq))} and {sum(map(len, device))}")
+runq, device = np.concatenate(runq), np.concatenate(device)
+first = int(min(runq["ts_ns"].min(), device["ts_ns"].min()))
 end = first + int(seconds * 1e9)
+last = int(max(runq["ts_ns"].max(), device["ts_ns"].max()))
+if end > last:
+    sys.exit(f"{path}: expected at least {seconds:g} s of events, got {(last - first) / 1e9:.1f}")
 age = int(reach_s * 1e9)
 ring = PackedRing(RUNQ_EVENT, 1 << 22, age)
 aligner = Aligner(ApiRoles.from_infos(default_infos()), capacity=1 << 21, max_age_ns=age,
@@ -79,6 +85,8 @@ with tempfile.TemporaryDirectory() as state:
             for piece in rec.pieces(schema):
                 digest.update(piece.tobytes())
         counts = {s: n for s, n in rec.counts.items() if n}
+if not counts.get("cpu.runq") or not counts.get("dev.event"):
+    sys.exit(f"a dump wrote no run-queue or no GPU/NPU events: {counts}")
 print(json.dumps({"ms": [t * 1e3 for t in times], "sha1": digest.hexdigest(),
                   "events": counts}))
 """
@@ -89,7 +97,7 @@ def run_tree(env: dict, args) -> dict:
                            str(args.dumps), str(REACH_S), str(STEP_NS)],
                           env=env, capture_output=True, text=True, check=False)
     if done.returncode:
-        raise SystemExit(f"bench_flight_dump: a tree's run failed:\n{done.stderr}")
+        raise SystemExit(f"bench_flight_dump: a tree's run failed:\n{done.stderr.strip()}")
     return json.loads(done.stdout)
 
 
@@ -105,10 +113,18 @@ def main():
     args = p.parse_args()
     if not args.recording.is_file():
         p.error(f"--recording: expected a recording file, got {args.recording}")
+    if args.dumps < 1 or args.rounds < 1 or args.seconds <= REACH_S:
+        p.error(f"expected --dumps and --rounds of 1 or more and --seconds over {REACH_S:g}, "
+                f"got {args.dumps}, {args.rounds} and {args.seconds:g}")
     with tempfile.TemporaryDirectory() as tmp:
         trees = [("this", dict(os.environ))]
         if args.baseline_rev:
-            trees.append((args.baseline_rev, baseline_env(args.baseline_rev, Path(tmp) / "b")))
+            try:
+                env = baseline_env(args.baseline_rev, Path(tmp) / "b")
+            except subprocess.CalledProcessError as exc:
+                raise SystemExit(f"bench_flight_dump: --baseline-rev {args.baseline_rev}: "
+                                 f"{exc.stderr.decode(errors='replace').strip()}") from None
+            trees.append((args.baseline_rev, env))
         runs = {name: [] for name, _ in trees}
         for r in range(args.rounds):
             for name, env in trees if r % 2 == 0 else trees[::-1]:

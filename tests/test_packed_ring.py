@@ -5,6 +5,7 @@ import mmap
 import weakref
 
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from mmtrace.agent.ingest.event_ring import EventRing
@@ -245,3 +246,15 @@ def test_a_piece_inside_the_window_is_handed_on_uncopied_and_one_across_it_is_cu
     late["ts_ns"][7] = 1 << 63                              # past int64: never in a window
     kept = stamped_from(late, 0)
     assert len(kept) == len(late) - 1 and (kept["ts_ns"] != np.uint64(1 << 63)).all()
+    swapped = np.zeros(3, [("ts_ns", ">u8")])
+    with pytest.raises(TypeError, match="native 8-byte integers"):
+        stamped_from(swapped, 0)        # its stamps would be read byte-swapped
+
+
+def test_a_kept_extract_handed_out_whole_cannot_be_written():
+    ring = PackedRing(RUNQ_EVENT, 1 << 20, 10**12, block_records=100, block_ns=10**12)
+    ring.push(runq_like(10**9, 300, 1000))
+    (first, *_) = ring.extracts(0, "all", lambda records: records)
+    assert not first.flags.writeable
+    with pytest.raises(ValueError):
+        first["delay_ns"][:] = 0

@@ -239,8 +239,7 @@ class PackedRing:
         5 s) unpacks each sealed block once, not at every ask. The extract must
         keep ts_ns (the oldest block is cut by it after) and be small: a
         block outside the window lets go of its own. A block's extract
-        wholly inside the window is handed out as kept: read it, do not
-        write it."""
+        wholly inside the window is handed out as kept, read-only."""
         if self._newest_ns is None:
             return
         low = self._low(since_ns)
@@ -251,6 +250,7 @@ class PackedRing:
             cut = max(0, self.start - block.first_seq)     # capacity evicts inside a block too
             if block.kept is None or block.kept[0] != (key, cut):
                 block.kept = ((key, cut), extract(self._unpack(block)))
+                block.kept[1].flags.writeable = False   # handed out as it is, again
             part = block.kept[1]
             part = stamped_from(part, low)
             if len(part):

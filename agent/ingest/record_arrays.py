@@ -26,6 +26,10 @@ def concat(parts: list[np.ndarray]) -> np.ndarray:
 def stamped_from(records: np.ndarray, ts_ns: int) -> np.ndarray:
     """The records whose ts_ns is ts_ns or later (as signed nanoseconds), in
     their order: `records` itself where every one is (a block inside a
-    window is not copied), else a copy of those, as bytes."""
-    keep = records["ts_ns"].view(np.int64) >= ts_ns
+    window is not copied), else a copy of those, as bytes. ts_ns must be a
+    native 8-byte integer field, as every schema's is."""
+    stamps = records["ts_ns"]
+    if stamps.dtype.kind not in "iu" or stamps.dtype.itemsize != 8 or not stamps.dtype.isnative:
+        raise TypeError(f"expected ts_ns as native 8-byte integers, got {stamps.dtype}")
+    keep = stamps.view(np.int64) >= ts_ns
     return records if keep.all() else take(records, keep)
