@@ -255,8 +255,7 @@ class PackedRing:
             part = stamped_from(part, low)
             if len(part):
                 yield part
-        hot = self._hot_held()
-        part = extract(hot[hot["ts_ns"].astype(np.int64) >= low])
+        part = extract(stamped_from(self._hot_held().copy(), low))     # written over later
         if len(part):
             yield part
 
