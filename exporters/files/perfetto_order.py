@@ -28,9 +28,11 @@ from mmtrace.exporters.files.protowire import varint
 REORDER_NS = 500_000_000
 MAX_BATCHES = 64
 MAX_HELD_BYTES = 8 << 20       # past this, the oldest are written before their window ends
-GATHER_PACKETS = 1 << 13        # packets gathered at once
-PIECE = 48                      # bytes a row, where packets' lengths are uneven
+LATE_READS = 1 << 13            # late packets read back at once
 RELEASE_PACKETS = 1 << 15       # packets whose bytes are drawn together from the adds held
+MAX_GROUPS = 256                # (add, length) groups moved as items, at most ...
+ITEMS_A_GROUP = 32              # ... unless they hold this many packets each on average
+PIECE = 32                      # else packets move as items of this many bytes, and a tail
 _SEQ_TAG = varint(TP_SEQUENCE_ID << 3)[0]
 
 
@@ -47,56 +49,61 @@ def on_sequence(packet: bytes, sequence: int) -> bytes:
     return packet[:at + 1] + bytes([sequence]) + packet[at + 2:]
 
 
-def _gather(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
-            at: np.ndarray | None = None):
-    """The bytes of packets `at` (in that order; None: all, as given), a
-    chunk at a time: each chunk's packets as the rows of a window view over
-    `data` as wide as its longest (where some are much longer than most,
-    rows of PIECE bytes, a long packet taking several), copied row by row
-    and trimmed to their lengths (a third of the work of an index of every
-    byte)."""
-    for lo in range(0, len(starts) if at is None else len(at), GATHER_PACKETS):
-        pick = slice(lo, lo + GATHER_PACKETS) if at is None else at[lo:lo + GATHER_PACKETS]
-        ln, st = lengths[pick], starts[pick]
-        if not len(ln):
-            continue
-        width = int(ln.max())
-        if width > PIECE and width * len(ln) > 2 * int(ln.sum()):
-            # Lengths too uneven for rows as wide as the longest: the long
-            # packets as several rows of PIECE bytes, one after the other.
-            count = (ln + PIECE - 1) // PIECE
-            owner = np.repeat(np.arange(len(ln)), count)
-            part = np.arange(len(owner)) - np.repeat(np.cumsum(count) - count, count)
-            st = st[owner] + part * PIECE
-            ln = np.minimum(ln[owner] - part * PIECE, PIECE)
-            width = PIECE
-        windows = len(data) - width + 1
-        if windows <= 0 or width * len(ln) > 4 * int(ln.sum()):
-            # Fewer bytes than a row, or lengths too uneven for rows.
-            yield _gather_bytes(data, st, ln).tobytes()
-            continue
-        pos = np.arange(width)
-        near_end = np.flatnonzero(st >= windows)
-        if len(near_end):
-            # A packet in the last row's width: its row begins earlier.
-            back = st[near_end] - (windows - 1)
-            st = st.copy()
-            st[near_end] = windows - 1
-        rows = np.lib.stride_tricks.as_strided(data, shape=(windows, width), strides=(1, 1),
-                                               writeable=False)[st]
-        keep = pos < ln[:, None]
-        if len(near_end):
-            keep[near_end] = (pos >= back[:, None]) & (pos < (back + ln[near_end])[:, None])
-        yield rows[keep].tobytes()
+def _copied(sources: list[np.ndarray], source: np.ndarray, starts: np.ndarray,
+            lengths: np.ndarray) -> np.ndarray:
+    """The packets one after the other: packet i is lengths[i] bytes at
+    starts[i] of sources[source[i]]. The packets of one source and one
+    length are moved as items of that many bytes (a view of the source
+    with a stride of one byte), each group in one move: packets take a few
+    dozen lengths, and an item move costs a third of a mask over every
+    byte. Where they take too many (a crafted recording's names of every
+    length), each is moved as PIECE-byte items and a shorter tail."""
+    lengths = np.asarray(lengths, np.int64)
+    total = int(lengths.sum())
+    out = np.empty(total, np.uint8)
+    if not total:
+        return out
+    to = np.cumsum(lengths) - lengths
+    source, starts = np.asarray(source, np.int64), np.asarray(starts, np.int64)
+    groups = _groups(source, lengths)
+    if len(groups) <= MAX_GROUPS or len(groups) * ITEMS_A_GROUP <= len(lengths):
+        _move(sources, groups, source, starts, lengths, to, out)
+        return out
+    count = lengths // PIECE
+    owner = np.repeat(np.arange(len(lengths)), count)
+    step = (np.arange(len(owner)) - np.repeat(np.cumsum(count) - count, count)) * PIECE
+    pieces = np.full(len(owner), PIECE, np.int64)
+    _move(sources, _groups(source[owner], pieces), source[owner], starts[owner] + step,
+          pieces, to[owner] + step, out)
+    tail, done = lengths - count * PIECE, count * PIECE
+    _move(sources, _groups(source, tail), source, starts + done, tail, to + done, out)
+    return out
 
 
-def _gather_bytes(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The same by an index of every byte (4 bytes a byte)."""
-    index_type = np.int32 if len(data) < 1 << 31 else np.int64
-    ln, st = lengths.astype(index_type), starts.astype(index_type)
-    index = np.repeat(st - (np.cumsum(ln) - ln), ln)
-    index += np.arange(len(index), dtype=index_type)
-    return data[index]
+def _groups(source: np.ndarray, sizes: np.ndarray) -> list[tuple[int, int, np.ndarray]]:
+    """(source, size, which) of each distinct (source, size)."""
+    if not len(sizes):
+        return []
+    width = int(sizes.max()) + 1
+    key = source * width + sizes
+    # Few distinct keys: a radix sort where they fit 16 bits.
+    order = np.argsort(key.astype(np.uint16) if int(key.max()) < 1 << 16 else key,
+                       kind="stable")
+    key = key[order]
+    bounds = [0, *(np.flatnonzero(key[1:] != key[:-1]) + 1).tolist(), len(key)]
+    return [(*divmod(int(key[lo]), width), order[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
+
+
+def _move(sources: list[np.ndarray], groups, source, starts, sizes, to, out: np.ndarray):
+    """Each group's spans (sizes bytes at starts of its source) to `to` in
+    `out`, as items of its size."""
+    for h, size, pick in groups:
+        if not size:
+            continue
+        data, item = sources[h], np.dtype((np.void, size))
+        # Views as long as a whole item fits: an index past them raises.
+        taken = np.ndarray((len(data) - size + 1,), item, data, 0, (1,))[starts[pick]]
+        np.ndarray((len(out) - size + 1,), item, out, 0, (1,))[to[pick]] = taken
 
 
 class _Batch:
@@ -145,7 +152,7 @@ class _Batch:
         if not self.at and len(self.data) == int(ln.sum()) and (
                 not len(st) or st[0] == 0) and (st[1:] == st[:-1] + ln[:-1]).all():
             return self
-        data = np.frombuffer(b"".join(_gather(self.data, st, ln)), np.uint8)
+        data = _copied([self.data], np.zeros(len(st), np.int64), st, ln)
         return _Batch(self.ts[rest], ln, data, in_order=True)
 
     def take(self, end: int):
@@ -183,8 +190,8 @@ class _LatePackets:
         self._file.flush()
         fd, at, lengths = self._file.fileno(), self._at, self._lengths
         order = np.argsort(np.frombuffer(self._ts, np.uint64), kind="stable")
-        for lo in range(0, len(order), GATHER_PACKETS):
-            for i in order[lo:lo + GATHER_PACKETS].tolist():
+        for lo in range(0, len(order), LATE_READS):
+            for i in order[lo:lo + LATE_READS].tolist():
                 yield os.pread(fd, lengths[i], at[i])   # not mapped: memory stays flat
 
     def close(self):
@@ -223,7 +230,7 @@ class PacketOrder:
                 raw = bytes(data[starts[i]:starts[i] + lengths[i]])
                 self.late.add(int(ts[i]), on_sequence(raw, LATE_SEQUENCE))
             keep = np.flatnonzero(~late)
-            data = np.frombuffer(b"".join(_gather(data, starts, lengths, keep)), np.uint8)
+            data = _copied([data], np.zeros(len(keep), np.int64), starts[keep], lengths[keep])
             ts, lengths, starts = ts[keep], lengths[keep], None
             if not len(ts):
                 return
@@ -300,27 +307,12 @@ class PacketOrder:
     def _write_packets(self, data: list[np.ndarray], head: np.ndarray, starts: np.ndarray,
                        lengths: np.ndarray):
         """Packets from several adds' bytes (packet i: lengths[i] bytes at
-        starts[i] in data[head[i]]), in that order. Each add gives only the
-        span of its bytes that these packets lie in (an add's packets come
-        nearly in their stamps' order), so that what is copied follows
-        what is written, not what is held."""
+        starts[i] in data[head[i]]), in that order: what is copied is what
+        is written, never the rest of what is held. Packets that already
+        lie one after the other in one add go out as they are."""
         starts = starts.astype(np.int64)
-        spans, base = [], 0
-        for h in np.unique(head).tolist():
-            mine = np.flatnonzero(head == h)
-            st, ln = starts[mine], lengths[mine]
-            lo, hi, need = int(st.min()), int((st + ln).max()), int(ln.sum())
-            if hi - lo <= 2 * need + 4096:
-                spans.append(data[h][lo:hi])
-                starts[mine] = st - lo + base
-                base += hi - lo
-            else:                           # scattered: only its own bytes
-                spans.append(_gather_bytes(data[h], st, ln))
-                starts[mine] = np.cumsum(ln) - ln + base
-                base += need
-        whole = spans[0] if len(spans) == 1 else np.concatenate(spans)
-        if (starts[1:] == starts[:-1] + lengths[:-1]).all():
-            self.out.write(whole[starts[0]:starts[-1] + lengths[-1]].tobytes())
+        # Written as they are (a binary stream takes any buffer): not copied again.
+        if (head[1:] == head[:-1]).all() and (starts[1:] == starts[:-1] + lengths[:-1]).all():
+            self.out.write(data[int(head[0])][starts[0]:starts[-1] + lengths[-1]])
         else:
-            for chunk in _gather(whole, starts, lengths):
-                self.out.write(chunk)
+            self.out.write(_copied(data, head, starts, lengths))
