@@ -2,6 +2,7 @@
 kind, api, op_name, direction, and the alignment (retired_ns, a sync's
 op_id), computed per column for the exporters and the report."""
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -161,8 +162,7 @@ def decode_aligned(aligned: np.ndarray, ctx: DeviceContext, kernel_names: dict) 
             texts[:] = [device_stream.error_text(info, code) for code in codes.tolist()]
             error[bad] = texts[which]
         if device_stream.DIRECTION in info.fields:
-            table = device_stream.direction_names(info.stream)
-            direction[at] = list(map(table.get, rows["direction"][at].tolist()))
+            direction[at] = _direction_names(info.stream)[rows["direction"][at]]
         if info.kind != "launch":
             continue
         pids = rows["pid"][at].tolist()
@@ -182,6 +182,16 @@ def decode_aligned(aligned: np.ndarray, ctx: DeviceContext, kernel_names: dict) 
                            for name, flag in zip(rows["name"][at].tolist(),
                                                  rows["flags"][at].tolist())]
     return DeviceRows(rows, stream, kind, api, op_name, direction, fields, error)
+
+
+@functools.cache
+def _direction_names(stream: str) -> np.ndarray:
+    """Each direction code's name (None where it has none), by code (a byte):
+    a copy's direction looked up by numpy, not a Python step per row."""
+    names = np.full(256, None, object)
+    for code, name in device_stream.direction_names(stream).items():
+        names[code] = name
+    return names
 
 
 def _runtime_launch_names(rows: np.ndarray, at: np.ndarray, op_names: dict,
