@@ -111,6 +111,35 @@ def test_report_points_at_the_storm(tmp_path):
         in text
 
 
+def test_report_names_each_failed_aclnn_op_apart(tmp_path):
+    """aclnn launches of one API id are named by their op: a storm of them
+    failing with one code counts each op apart (the rarest named first
+    here, to catch a count by id and code alone naming all by it)."""
+    aclnn = next(i for i, info in device_stream.default_infos().items()
+                 if info.symbol == "aclnn")
+    n = 500
+    ev = np.zeros(n, device_stream.DEV_EVENT)
+    ev["ts_ns"] = 10 * S + np.arange(n) * (S // 100)
+    ev["api"], ev["kind"] = aclnn, device_stream.KIND_IDS["launch"]
+    ev["pid"] = ev["tid"] = 77
+    ev["op_id"] = np.arange(1, n + 1)
+    ev["flags"], ev["ret"] = device_stream.FLAG_RETURNED, 561000
+    step = np.arange(n) % 10            # Matmul, then Mul 3 times, then Add 6 times
+    ev["symbol_id"] = np.where(step == 0, 1, np.where(step < 4, 3, 2))
+    path = tmp_path / "aclnn.mmtr"
+    w = file_format.RecordingWriter(path, {"dev.event": device_stream.DEV_EVENT})
+    w.write_meta({"apis": device_stream.default_table().to_json(),
+                  "symbol_names": {"1": "aclnnMatmul", "2": "aclnnAdd", "3": "aclnnMul"}})
+    w.write_events("dev.event", ev)
+    w.close({})
+    result = CliRunner().invoke(cli, ["report", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    [storm] = [a for a in json.loads(result.output)["anomalies"]
+               if a["detector"] == "call_failures"]
+    assert [(e["api"], e["count"]) for e in storm["evidence"]["errors"]] == [
+        ("aclnnAdd", 180), ("aclnnMul", 90), ("aclnnMatmul", 30)]
+
+
 def test_counted_by_pair_keys_as_call_by_call():
     """The daemon hands each call's (API, code) key too: the storm's
     errors, their counts and their order (ties by first seen) are those of

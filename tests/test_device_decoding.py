@@ -215,3 +215,36 @@ def test_chrome_export_places_device_calls_on_their_threads(tmp_path, mmtrace_cl
     sync = next(e for e in events if e["name"] == "cudaStreamSynchronize")
     assert (sync["ph"], sync["dur"], sync["tid"]) == ("X", 0.5, 42)
     assert next(e for e in events if e["name"] == "vector_add(float*)")["ph"] == "i"
+
+
+def test_failure_keys_group_failed_calls_as_their_api_and_error_do():
+    """DeviceRows.failure_keys: among failed calls, two keys are equal
+    exactly where the (api, error) the rows show are: by API id and code,
+    and by op too for aclnn launches (one id, named by their op)."""
+    from mmtrace.agent.recording.device_view import DeviceContext, decode
+    infos = device.default_infos()
+    ids = [next(i for i, info in infos.items() if info.symbol == symbol)
+           for symbol in ("cudaLaunchKernel", "aclnn", "aclrtMemcpyAsync", "cudaMemcpy")]
+    rng = np.random.default_rng(7)
+    n = 3000
+    ev = np.zeros(n, device.DEV_EVENT)
+    ev["ts_ns"] = np.arange(n) * 1000
+    ev["api"] = rng.choice(ids, n)
+    for api in ids:
+        ev["kind"][ev["api"] == api] = device.KIND_IDS[infos[api].kind]
+    ev["pid"] = ev["tid"] = 9
+    ev["flags"] = device.FLAG_RETURNED
+    ev["ret"] = rng.choice([0, 0, 1, 2, 700, 561000], n)
+    ev["symbol_id"] = rng.integers(1, 5, n)
+    rows = decode(ev, DeviceContext.from_meta([{"symbol_names": {
+        "1": "aclnnAdd", "2": "aclnnMul", "3": "aclnnMatmul"}}]))
+    failed = np.flatnonzero(rows.failed)
+    keys = rows.failure_keys()[failed].tolist()
+    shown = list(zip(rows.api[failed], rows.error[failed]))
+    assert len(set(shown)) > len(ids)         # aclnn's ops apart, several codes
+    by_key, by_shown = {}, {}
+    for key, pair in zip(keys, shown):
+        by_key.setdefault(key, set()).add(pair)
+        by_shown.setdefault(pair, set()).add(key)
+    assert all(len(v) == 1 for v in by_key.values())
+    assert all(len(v) == 1 for v in by_shown.values())

@@ -85,6 +85,31 @@ class DeviceRows:
         """Rows whose call returned an error code."""
         return self.error != None  # noqa: E711  (elementwise on an object array)
 
+    def failure_keys(self) -> np.ndarray:
+        """An int64 per row, equal among the failed rows where their (api,
+        error) are: (API id, return code), where an id names all its rows
+        alike; else told apart by name too (an aclnn launch is named by
+        its op). Counting by it names each failure once per key, not once
+        per row (detectors/call_failures.py)."""
+        ev = self.events
+        keys = device_stream.api_code_keys(ev["api"], ev["ret"])
+        failed = np.flatnonzero(self.failed)
+        ids, group = np.unique(ev["api"][failed], return_inverse=True)
+        taken = 0
+        for j in range(len(ids)):
+            at = failed[group.reshape(-1) == j]
+            names = self.api[at]
+            if (names == names[0]).all():
+                continue
+            # Negative keys: apart from every (id, code) key, which is not.
+            _, by_name = np.unique(names, return_inverse=True)
+            _, by_code = np.unique(ev["ret"][at], return_inverse=True)
+            _, pair = np.unique(by_code.reshape(-1) * len(at) + by_name.reshape(-1),
+                                return_inverse=True)
+            keys[at] = -(taken + 1 + pair.reshape(-1))
+            taken += int(pair.max()) + 1
+        return keys
+
 
 class ApiGroups:
     """Decoded rows by API id: each id's first row, stream and kind, and

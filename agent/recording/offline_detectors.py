@@ -5,7 +5,6 @@ what they find."""
 
 import numpy as np
 
-from mmtrace.bpf.device import api_code_keys
 from mmtrace.detectors.call_failures import CallFailures
 from mmtrace.detectors.entropy_drift import EntropyDriftDetector
 from mmtrace.detectors.p99_drift import P99Drift
@@ -220,10 +219,10 @@ class FailuresReplay:
         if rows is None:
             return
         ev = rows.events
-        # Counted per (API, code), as the daemon counts them: a name and an
-        # error text looked at once per pair, not a Python step per call.
+        # Counted per (api, error) key: a name and an error text looked at
+        # once per key, not a Python step per call.
         self.found += self.detector.feed(ev["pid"], ev["ts_ns"], rows.failed, rows.api,
-                                         rows.error, api_code_keys(ev["api"], ev["ret"]))
+                                         rows.error, rows.failure_keys())
         self.last_ns = max(self.last_ns, int(ev["ts_ns"].max()))
 
     def finish(self) -> list[dict]:
