@@ -83,22 +83,32 @@ def test_settings_out_of_range_are_refused(kw):
         CallFailures(**kw)
 
 
-def test_report_points_at_the_storm(tmp_path):
-    """A recording whose process fails every launch for 5 s."""
-    infos = device_stream.default_infos()
-    launch = next(i for i, info in infos.items() if info.symbol == "cudaLaunchKernel")
+def _storm_recording(path, symbol: str, ret: int, symbol_ids=None, symbol_names=None):
+    """A recording whose process 77 fails every launch of `symbol` with
+    `ret` for 5 s (500 calls from 10 s on)."""
+    api = next(i for i, info in device_stream.default_infos().items() if info.symbol == symbol)
     n = 500
     ev = np.zeros(n, device_stream.DEV_EVENT)
     ev["ts_ns"] = 10 * S + np.arange(n) * (S // 100)
-    ev["api"], ev["kind"] = launch, device_stream.KIND_IDS["launch"]
+    ev["api"], ev["kind"] = api, device_stream.KIND_IDS["launch"]
     ev["pid"] = ev["tid"] = 77
     ev["op_id"] = np.arange(1, n + 1)
-    ev["flags"], ev["ret"] = device_stream.FLAG_RETURNED, 700
-    path = tmp_path / "storm.mmtr"
+    ev["flags"], ev["ret"] = device_stream.FLAG_RETURNED, ret
+    if symbol_ids is not None:
+        ev["symbol_id"] = symbol_ids
+    meta = {"apis": device_stream.default_table().to_json()}
+    if symbol_names:
+        meta["symbol_names"] = symbol_names
     w = file_format.RecordingWriter(path, {"dev.event": device_stream.DEV_EVENT})
-    w.write_meta({"apis": device_stream.default_table().to_json()})
+    w.write_meta(meta)
     w.write_events("dev.event", ev)
     w.close({})
+    return path
+
+
+def test_report_points_at_the_storm(tmp_path):
+    """A recording whose process fails every launch for 5 s."""
+    path = _storm_recording(tmp_path / "storm.mmtr", "cudaLaunchKernel", 700)
     result = CliRunner().invoke(cli, ["report", str(path), "--json"])
     assert result.exit_code == 0, result.output
     [storm] = [a for a in json.loads(result.output)["anomalies"]
@@ -115,23 +125,10 @@ def test_report_names_each_failed_aclnn_op_apart(tmp_path):
     """aclnn launches of one API id are named by their op: a storm of them
     failing with one code counts each op apart (the rarest named first
     here, to catch a count by id and code alone naming all by it)."""
-    aclnn = next(i for i, info in device_stream.default_infos().items()
-                 if info.symbol == "aclnn")
-    n = 500
-    ev = np.zeros(n, device_stream.DEV_EVENT)
-    ev["ts_ns"] = 10 * S + np.arange(n) * (S // 100)
-    ev["api"], ev["kind"] = aclnn, device_stream.KIND_IDS["launch"]
-    ev["pid"] = ev["tid"] = 77
-    ev["op_id"] = np.arange(1, n + 1)
-    ev["flags"], ev["ret"] = device_stream.FLAG_RETURNED, 561000
-    step = np.arange(n) % 10            # Matmul, then Mul 3 times, then Add 6 times
-    ev["symbol_id"] = np.where(step == 0, 1, np.where(step < 4, 3, 2))
-    path = tmp_path / "aclnn.mmtr"
-    w = file_format.RecordingWriter(path, {"dev.event": device_stream.DEV_EVENT})
-    w.write_meta({"apis": device_stream.default_table().to_json(),
-                  "symbol_names": {"1": "aclnnMatmul", "2": "aclnnAdd", "3": "aclnnMul"}})
-    w.write_events("dev.event", ev)
-    w.close({})
+    step = np.arange(500) % 10          # Matmul, then Mul 3 times, then Add 6 times
+    path = _storm_recording(tmp_path / "aclnn.mmtr", "aclnn", 561000,
+                            np.where(step == 0, 1, np.where(step < 4, 3, 2)),
+                            {"1": "aclnnMatmul", "2": "aclnnAdd", "3": "aclnnMul"})
     result = CliRunner().invoke(cli, ["report", str(path), "--json"])
     assert result.exit_code == 0, result.output
     [storm] = [a for a in json.loads(result.output)["anomalies"]
