@@ -1,0 +1,202 @@
+"""What the daemon's tick costs, without eBPF and without the host's noise:
+a real recording replayed through the daemon's sinks (Streams, the
+detectors, the launchers' time split, the alarms) and its tick, a tick's
+span of events at a time, timed in process CPU. This tree beside a
+baseline revision.
+
+The live daemon drains its rings once a tick (4 a second while busy); its
+CPU on a loaded host (bench/soak.py, bench_daemon_mix.py) moves by a
+fifth with the host's hour. Here the same events go in the same batches
+every run: each --spans value (seconds of recorded events a tick) is
+timed on its own daemon, its first ticks (WARMUP: 40 %) left out,
+and the ticks' cost is fitted as a fixed part a tick and a part an event
+(least squares over the spans). What the ring drain, the probes and the
+socket cost is not in it (profile_daemon.py sees those); flight
+recordings are left out (bench_flight_dump.py times them).
+
+Each tree runs in a process of its own (the baseline from a `git archive`
+on PYTHONPATH, as bench_recording's baseline_env makes), --rounds times,
+alternating. Written to bench/out/ticks.json.
+
+Usage:
+    .venv/bin/python bench/bench_ticks.py --recording FILE [--baseline-rev REV]
+        [--seconds 60] [--spans 0.02 0.25 1] [--rounds 2]
+The soak's mix makes a fitting recording (bench_recording.py --mix-s 90
+--keep).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_recording import baseline_env  # noqa: E402
+
+OUT = ROOT / "bench" / "out" / "ticks.json"
+WARMUP = 0.4            # of each span's ticks, left out: baselines learnt, tables grown
+
+# Run in each tree's own process: replay, tick, print the figures.
+TICKS = r"""
+import dataclasses, json, logging, sys, tempfile, time
+from pathlib import Path
+import numpy as np
+from mmtrace.agent import heap
+from mmtrace.agent.config.settings import DaemonConfig
+from mmtrace.agent.daemon.loop import Daemon
+from mmtrace.agent.recording.file_format import RecordingReader
+
+path, seconds, warmup = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+spans = [float(s) for s in sys.argv[4:]]
+logging.disable(logging.CRITICAL)
+with RecordingReader(path) as rec:
+    runq, device = (list(rec.pieces(s)) for s in ("cpu.runq", "dev.event"))
+if not runq or not device:
+    sys.exit(f"{path}: expected run-queue and GPU/NPU events, got "
+             f"{sum(map(len, runq))} and {sum(map(len, device))}")
+runq, device = np.concatenate(runq), np.concatenate(device)
+first = int(min(runq["ts_ns"].min(), device["ts_ns"].min()))
+last = int(max(runq["ts_ns"].max(), device["ts_ns"].max()))
+if first + int(seconds * 1e9) > last:
+    sys.exit(f"{path}: expected at least {seconds:g} s of events, got {(last - first) / 1e9:.1f}")
+times = {"cpu": runq["ts_ns"].astype(np.int64), "dev": device["ts_ns"].astype(np.int64)}
+streams = {"cpu": runq, "dev": device}
+
+
+class Feed:
+    # The rings' batches of one tick, handed to the sinks as Ingest.drain does.
+    def __init__(self, daemon):
+        self.daemon, self.batches = daemon, []
+
+    def drain(self):
+        for stream, batch in self.batches:
+            self.daemon.streams.batch(stream, batch, [])
+        n, self.batches = sum(len(b) for _, b in self.batches), []
+        return n
+
+
+class Probes:
+    compiling, loaded = False, None
+
+    def attach_new(self):
+        pass
+
+
+out = []
+heap.keep_large_blocks_mapped()
+with tempfile.TemporaryDirectory() as tmp:
+    for span in spans:
+        cfg = dataclasses.replace(DaemonConfig(), state_dir=Path(tmp) / str(span),
+                                  socket=Path(tmp) / "s.sock", metrics_address="off")
+        daemon = Daemon(cfg)
+        daemon.probes = Probes()
+        daemon.probes.ingest = Feed(daemon)
+        daemon.alarms.flight_record = lambda anomaly: None
+        step = int(span * 1e9)
+        count = int(seconds * 1e9) // step
+        # Each tick's events in their recorded (ring) order: a stable sort by tick.
+        cuts = {}
+        for s, t in times.items():
+            tick = (t - first) // step
+            order = np.argsort(tick, kind="stable")
+            cuts[s] = (order, np.searchsorted(tick[order], np.arange(count + 1)))
+        timed, events = 0.0, 0
+        for i in range(count):
+            now = first + (i + 1) * step
+            batches = [(s, streams[s][order[bounds[i]:bounds[i + 1]]])
+                       for s, (order, bounds) in cuts.items()]
+            daemon.probes.ingest.batches = batches
+            daemon._drained_at = 0.0                   # every tick drains
+            daemon._next_sweep = daemon._next_exited_sweep = float("inf")   # no /proc sweeps
+            began = time.process_time()
+            daemon.tick(now_ns=now)
+            if i >= warmup * count:
+                timed += time.process_time() - began
+                events += sum(len(b) for _, b in batches)
+        n = count - int(np.ceil(warmup * count))
+        out.append({"span_s": span, "ticks": n, "ms_a_tick": timed / n * 1e3,
+                    "events_a_tick": events / n})
+print(json.dumps(out))
+"""
+
+
+def run_tree(env: dict, args) -> list[dict]:
+    done = subprocess.run([sys.executable, "-c", TICKS, str(args.recording), str(args.seconds),
+                           str(WARMUP), *map(str, args.spans)],
+                          env=env, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise SystemExit(f"bench_ticks: a tree's run failed:\n{done.stderr.strip()}")
+    return json.loads(done.stdout)
+
+
+def fitted(rows: list[dict]) -> tuple[float, float]:
+    """(ms a tick whatever its batch, µs an event): least squares over the spans."""
+    x = np.array([r["events_a_tick"] for r in rows])
+    y = np.array([r["ms_a_tick"] for r in rows])
+    slope, fixed = np.polyfit(x, y, 1)
+    return float(fixed), float(slope * 1e3)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--recording", type=Path, required=True, help="a recording to replay")
+    p.add_argument("--baseline-rev", help="git revision timed beside this tree")
+    p.add_argument("--seconds", type=float, default=60.0, help="of the recording replayed")
+    p.add_argument("--spans", type=float, nargs="+", default=[0.02, 0.25, 1.0],
+                   help="seconds of events a tick (the live daemon's: 0.25)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", type=Path, default=OUT)
+    args = p.parse_args()
+    if not args.recording.is_file():
+        p.error(f"--recording: expected a recording file, got {args.recording}")
+    if args.rounds < 1 or args.seconds <= 0 or len(args.spans) < 2 or min(args.spans) <= 0 \
+            or max(args.spans) * 5 > args.seconds:
+        p.error(f"expected --rounds of 1 or more, two or more --spans over 0 and --seconds "
+                f"of five longest spans or more, got {args.rounds}, {args.spans} and "
+                f"{args.seconds:g}")
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = [("this", dict(os.environ))]
+        if args.baseline_rev:
+            try:
+                env = baseline_env(args.baseline_rev, Path(tmp) / "b")
+            except subprocess.CalledProcessError as exc:
+                raise SystemExit(f"bench_ticks: --baseline-rev {args.baseline_rev}: "
+                                 f"{exc.stderr.decode(errors='replace').strip()}") from None
+            trees.append((args.baseline_rev, env))
+        runs = {name: [] for name, _ in trees}
+        for r in range(args.rounds):
+            for name, env in trees if r % 2 == 0 else trees[::-1]:
+                runs[name].append(run_tree(env, args))
+                print(f"round {r + 1} {name}: " + ", ".join(
+                    f"{row['ms_a_tick']:.2f} ms a {row['span_s']:g} s tick"
+                    for row in runs[name][-1]), flush=True)
+    result = {"recording": str(args.recording), "seconds": args.seconds, "trees": {}}
+    for name, got in runs.items():
+        rows = [{**got[0][k], "ms_a_tick": statistics.median(run[k]["ms_a_tick"] for run in got)}
+                for k in range(len(args.spans))]
+        fixed, per_event = fitted(rows)
+        result["trees"][name] = {"spans": rows, "fixed_ms_a_tick": round(fixed, 3),
+                                 "us_an_event": round(per_event, 4)}
+        print(f"{name:<12} " + ", ".join(f"{r['ms_a_tick']:.2f} ms a {r['span_s']:g} s tick "
+                                         f"({r['events_a_tick']:.0f} events)" for r in rows)
+              + f"; fitted {fixed:.2f} ms a tick + {per_event:.3f} µs an event")
+    if args.baseline_rev:
+        this, base = result["trees"]["this"], result["trees"][args.baseline_rev]
+        result["ratios"] = {str(a["span_s"]): round(a["ms_a_tick"] / b["ms_a_tick"], 3)
+                            for a, b in zip(this["spans"], base["spans"])}
+        print(f"this / {args.baseline_rev}: " + ", ".join(
+            f"{ratio:.2f}x at {span} s" for span, ratio in result["ratios"].items()))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
