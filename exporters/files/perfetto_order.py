@@ -55,9 +55,10 @@ def _copied(sources: list[np.ndarray], source: np.ndarray, starts: np.ndarray,
     starts[i] of sources[source[i]]. The packets of one source and one
     length are moved as items of that many bytes (a view of the source
     with a stride of one byte), each group in one move: packets take a few
-    dozen lengths, and an item move costs a third of a mask over every
-    byte. Where they take too many (a crafted recording's names of every
-    length), each is moved as PIECE-byte items and a shorter tail."""
+    dozen lengths, and moving them so costs half of copying rows as wide as
+    the longest and masking them. Where they take too many (a crafted
+    recording's names of every length), each is moved as PIECE-byte items
+    and a shorter tail."""
     lengths = np.asarray(lengths, np.int64)
     total = int(lengths.sum())
     out = np.empty(total, np.uint8)
