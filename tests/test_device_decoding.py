@@ -218,9 +218,10 @@ def test_chrome_export_places_device_calls_on_their_threads(tmp_path, mmtrace_cl
 
 
 def test_failure_keys_group_failed_calls_as_their_api_and_error_do():
-    """DeviceRows.failure_keys: among failed calls, two keys are equal
-    exactly where the (api, error) the rows show are: by API id and code,
-    and by op too for aclnn launches (one id, named by their op)."""
+    """DeviceRows.failure_keys: among failed calls, the rows of one key
+    show one (api, error): by API id and code, and by op too for aclnn
+    launches (one id, named by their op). Here every id's name is its own,
+    so one (api, error) is one key too."""
     from mmtrace.agent.recording.device_view import DeviceContext, decode
     infos = device.default_infos()
     ids = [next(i for i, info in infos.items() if info.symbol == symbol)

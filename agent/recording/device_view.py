@@ -86,11 +86,13 @@ class DeviceRows:
         return self.error != None  # noqa: E711  (elementwise on an object array)
 
     def failure_keys(self) -> np.ndarray:
-        """An int64 per row, equal among the failed rows where their (api,
-        error) are: (API id, return code), where an id names all its rows
-        alike; else told apart by name too (an aclnn launch is named by
-        its op). Counting by it names each failure once per key, not once
-        per row (detectors/call_failures.py)."""
+        """An int64 per row; among the failed rows, rows of one key show one
+        (api, error): (API id, return code), where an id names all its
+        rows alike; else told apart by name too (an aclnn launch is named
+        by its op). Two ids of one name (cudaLaunchKernel and its _ptsz)
+        keep two keys: a count by key adds them up by name
+        (detectors/call_failures.py), looking names up once per key, not
+        once per row."""
         ev = self.events
         keys = device_stream.api_code_keys(ev["api"], ev["ret"])
         failed = np.flatnonzero(self.failed)
@@ -102,9 +104,12 @@ class DeviceRows:
             if (names == names[0]).all():
                 continue
             # Negative keys: apart from every (id, code) key, which is not.
-            _, by_name = np.unique(names, return_inverse=True)
+            # Names by a dict (hashed in C): a sort of strings is dearer.
+            index: dict = {}
+            by_name = np.fromiter(map(lambda name: index.setdefault(name, len(index)), names),
+                                  np.int64, len(names))
             _, by_code = np.unique(ev["ret"][at], return_inverse=True)
-            _, pair = np.unique(by_code.reshape(-1) * len(at) + by_name.reshape(-1),
+            _, pair = np.unique(by_code.reshape(-1) * len(at) + by_name,
                                 return_inverse=True)
             keys[at] = -(taken + 1 + pair.reshape(-1))
             taken += int(pair.max()) + 1
