@@ -10,9 +10,13 @@ fifth with the host's hour. Here the same events go in the same batches
 every run: each --spans value (seconds of recorded events a tick) is
 timed on its own daemon, its first ticks (WARMUP: 40 %) left out,
 and the ticks' cost is fitted as a fixed part a tick and a part an event
-(least squares over the spans). What the ring drain, the probes and the
-socket cost is not in it (profile_daemon.py sees those); flight
-recordings are left out (bench_flight_dump.py times them).
+(least squares over the spans; work that follows recorded time, such as
+windows closing, goes with the events: in one recording the two grow
+together). A tick takes the events the rings would have handed it: a
+GPU/NPU call comes out when it returns. What the ring drain costs (the
+read, threads' processes, op names learnt from /proc), the probes and the
+socket is not in it (profile_daemon.py sees those); nor are flight
+recordings (bench_flight_dump.py times them) and heap trims.
 
 Each tree runs in a process of its own (the baseline from a `git archive`
 on PYTHONPATH, as bench_recording's baseline_env makes), --rounds times,
@@ -27,6 +31,7 @@ The soak's mix makes a fitting recording (bench_recording.py --mix-s 90
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -43,6 +48,7 @@ from bench_recording import baseline_env  # noqa: E402
 
 OUT = ROOT / "bench" / "out" / "ticks.json"
 WARMUP = 0.4            # of each span's ticks, left out: baselines learnt, tables grown
+MIN_SPAN_S = 0.001      # shorter ticks: more of them than a run is worth
 
 # Run in each tree's own process: replay, tick, print the figures.
 TICKS = r"""
@@ -67,7 +73,10 @@ first = int(min(runq["ts_ns"].min(), device["ts_ns"].min()))
 last = int(max(runq["ts_ns"].max(), device["ts_ns"].max()))
 if first + int(seconds * 1e9) > last:
     sys.exit(f"{path}: expected at least {seconds:g} s of events, got {(last - first) / 1e9:.1f}")
-times = {"cpu": runq["ts_ns"].astype(np.int64), "dev": device["ts_ns"].astype(np.int64)}
+# When each record leaves the rings: a switch-in at its stamp, a GPU/NPU
+# call at its return (stamped at its entry).
+times = {"cpu": runq["ts_ns"].astype(np.int64),
+         "dev": (device["ts_ns"] + device["duration_ns"]).astype(np.int64)}
 streams = {"cpu": runq, "dev": device}
 
 
@@ -92,11 +101,17 @@ class Probes:
 
 out = []
 heap.keep_large_blocks_mapped()
+SET = ("_drained_at", "_next_sweep", "_next_exited_sweep", "_next_trim")
 with tempfile.TemporaryDirectory() as tmp:
     for span in spans:
         cfg = dataclasses.replace(DaemonConfig(), state_dir=Path(tmp) / str(span),
                                   socket=Path(tmp) / "s.sock", metrics_address="off")
         daemon = Daemon(cfg)
+        missing = [f"Daemon.{name}" for name in SET if not hasattr(daemon, name)] + (
+            [] if hasattr(daemon.alarms, "flight_record") else ["Alarms.flight_record"])
+        if missing:
+            sys.exit(f"expected the daemon's {', '.join(SET)} and Alarms.flight_record "
+                     f"(what this bench holds still), got a tree without {', '.join(missing)}")
         daemon.probes = Probes()
         daemon.probes.ingest = Feed(daemon)
         daemon.alarms.flight_record = lambda anomaly: None
@@ -115,7 +130,8 @@ with tempfile.TemporaryDirectory() as tmp:
                        for s, (order, bounds) in cuts.items()]
             daemon.probes.ingest.batches = batches
             daemon._drained_at = 0.0                   # every tick drains
-            daemon._next_sweep = daemon._next_exited_sweep = float("inf")   # no /proc sweeps
+            # No /proc sweeps, no heap trims (due by the wall clock, not the recording's).
+            daemon._next_sweep = daemon._next_exited_sweep = daemon._next_trim = float("inf")
             began = time.process_time()
             daemon.tick(now_ns=now)
             if i >= warmup * count:
@@ -157,11 +173,13 @@ def main():
     args = p.parse_args()
     if not args.recording.is_file():
         p.error(f"--recording: expected a recording file, got {args.recording}")
-    if args.rounds < 1 or args.seconds <= 0 or len(args.spans) < 2 or min(args.spans) <= 0 \
+    steps = {int(span * 1e9) for span in args.spans if math.isfinite(span)}
+    if args.rounds < 1 or not math.isfinite(args.seconds) or len(args.spans) < 2 \
+            or len(steps) < len(args.spans) or min(args.spans) < MIN_SPAN_S \
             or max(args.spans) * 5 > args.seconds:
-        p.error(f"expected --rounds of 1 or more, two or more --spans over 0 and --seconds "
-                f"of five longest spans or more, got {args.rounds}, {args.spans} and "
-                f"{args.seconds:g}")
+        p.error(f"expected --rounds of 1 or more, two or more distinct --spans of "
+                f"{MIN_SPAN_S:g} s or more and --seconds of five longest spans or more, "
+                f"got {args.rounds}, {args.spans} and {args.seconds:g}")
     with tempfile.TemporaryDirectory() as tmp:
         trees = [("this", dict(os.environ))]
         if args.baseline_rev:
