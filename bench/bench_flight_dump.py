@@ -19,17 +19,14 @@ The soak's mix makes a fitting recording (bench_recording.py --mix-s 90
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_recording import baseline_env  # noqa: E402
+from side_by_side import alternating_runs, run_child  # noqa: E402
 
 OUT = ROOT / "bench" / "out" / "flight_dump.json"
 REACH_S = 30.0          # the daemon's ring_seconds: what a dump writes
@@ -92,15 +89,6 @@ print(json.dumps({"ms": [t * 1e3 for t in times], "sha1": digest.hexdigest(),
 """
 
 
-def run_tree(env: dict, args) -> dict:
-    done = subprocess.run([sys.executable, "-c", DUMPS, str(args.recording), str(args.seconds),
-                           str(args.dumps), str(REACH_S), str(STEP_NS)],
-                          env=env, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise SystemExit(f"bench_flight_dump: a tree's run failed:\n{done.stderr.strip()}")
-    return json.loads(done.stdout)
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--recording", type=Path, required=True, help="a recording to fill the rings")
@@ -116,21 +104,11 @@ def main():
     if args.dumps < 1 or args.rounds < 1 or args.seconds <= REACH_S:
         p.error(f"expected --dumps and --rounds of 1 or more and --seconds over {REACH_S:g}, "
                 f"got {args.dumps}, {args.rounds} and {args.seconds:g}")
-    with tempfile.TemporaryDirectory() as tmp:
-        trees = [("this", dict(os.environ))]
-        if args.baseline_rev:
-            try:
-                env = baseline_env(args.baseline_rev, Path(tmp) / "b")
-            except subprocess.CalledProcessError as exc:
-                raise SystemExit(f"bench_flight_dump: --baseline-rev {args.baseline_rev}: "
-                                 f"{exc.stderr.decode(errors='replace').strip()}") from None
-            trees.append((args.baseline_rev, env))
-        runs = {name: [] for name, _ in trees}
-        for r in range(args.rounds):
-            for name, env in trees if r % 2 == 0 else trees[::-1]:
-                runs[name].append(run_tree(env, args))
-                print(f"round {r + 1} {name}: median "
-                      f"{statistics.median(runs[name][-1]['ms']):.1f} ms", flush=True)
+    runs = alternating_runs(
+        "bench_flight_dump", args.baseline_rev, args.rounds,
+        lambda env: run_child("bench_flight_dump", DUMPS, [args.recording, args.seconds,
+                                                            args.dumps, REACH_S, STEP_NS], env),
+        lambda run: f"median {statistics.median(run['ms']):.1f} ms")
     result = {"recording": str(args.recording), "seconds": args.seconds, "trees": {}}
     for name, got in runs.items():
         ms = [m for run in got for m in run["ms"]]

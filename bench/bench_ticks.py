@@ -32,11 +32,8 @@ The soak's mix makes a fitting recording (bench_recording.py --mix-s 90
 import argparse
 import json
 import math
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +41,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_recording import baseline_env  # noqa: E402
+from side_by_side import alternating_runs, run_child  # noqa: E402
 
 OUT = ROOT / "bench" / "out" / "ticks.json"
 WARMUP = 0.4            # of each span's ticks, left out: baselines learnt, tables grown
@@ -144,15 +141,6 @@ print(json.dumps(out))
 """
 
 
-def run_tree(env: dict, args) -> list[dict]:
-    done = subprocess.run([sys.executable, "-c", TICKS, str(args.recording), str(args.seconds),
-                           str(WARMUP), *map(str, args.spans)],
-                          env=env, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise SystemExit(f"bench_ticks: a tree's run failed:\n{done.stderr.strip()}")
-    return json.loads(done.stdout)
-
-
 def fitted(rows: list[dict]) -> tuple[float, float]:
     """(ms a tick whatever its batch, µs an event): least squares over the spans."""
     x = np.array([r["events_a_tick"] for r in rows])
@@ -180,22 +168,12 @@ def main():
         p.error(f"expected --rounds of 1 or more, two or more distinct --spans of "
                 f"{MIN_SPAN_S:g} s or more and --seconds of five longest spans or more, "
                 f"got {args.rounds}, {args.spans} and {args.seconds:g}")
-    with tempfile.TemporaryDirectory() as tmp:
-        trees = [("this", dict(os.environ))]
-        if args.baseline_rev:
-            try:
-                env = baseline_env(args.baseline_rev, Path(tmp) / "b")
-            except subprocess.CalledProcessError as exc:
-                raise SystemExit(f"bench_ticks: --baseline-rev {args.baseline_rev}: "
-                                 f"{exc.stderr.decode(errors='replace').strip()}") from None
-            trees.append((args.baseline_rev, env))
-        runs = {name: [] for name, _ in trees}
-        for r in range(args.rounds):
-            for name, env in trees if r % 2 == 0 else trees[::-1]:
-                runs[name].append(run_tree(env, args))
-                print(f"round {r + 1} {name}: " + ", ".join(
-                    f"{row['ms_a_tick']:.2f} ms a {row['span_s']:g} s tick"
-                    for row in runs[name][-1]), flush=True)
+    runs = alternating_runs(
+        "bench_ticks", args.baseline_rev, args.rounds,
+        lambda env: run_child("bench_ticks", TICKS, [args.recording, args.seconds, WARMUP,
+                                                      *args.spans], env),
+        lambda run: ", ".join(f"{row['ms_a_tick']:.2f} ms a {row['span_s']:g} s tick"
+                              for row in run))
     result = {"recording": str(args.recording), "seconds": args.seconds, "trees": {}}
     for name, got in runs.items():
         rows = [{**got[0][k], "ms_a_tick": statistics.median(run[k]["ms_a_tick"] for run in got)}
