@@ -240,7 +240,7 @@ def test_failure_keys_group_failed_calls_as_their_api_and_error_do():
     rows = decode(ev, DeviceContext.from_meta([{"symbol_names": {
         "1": "aclnnAdd", "2": "aclnnMul", "3": "aclnnMatmul"}}]))
     failed = np.flatnonzero(rows.failed)
-    keys = rows.failure_keys()[failed].tolist()
+    keys = rows.failure_keys[failed].tolist()
     shown = list(zip(rows.api[failed], rows.error[failed]))
     assert len(set(shown)) > len(ids)         # aclnn's ops apart, several codes
     by_key, by_shown = {}, {}

@@ -85,14 +85,16 @@ class DeviceRows:
         """Rows whose call returned an error code."""
         return self.error != None  # noqa: E711  (elementwise on an object array)
 
+    @functools.cached_property
     def failure_keys(self) -> np.ndarray:
         """An int64 per row; among the failed rows, rows of one key show one
-        (api, error): (API id, return code), where an id names all its
-        rows alike; else told apart by name too (an aclnn launch is named
-        by its op). Two ids of one name (cudaLaunchKernel and its _ptsz)
-        keep two keys: a count by key adds them up by name
-        (detectors/call_failures.py), looking names up once per key, not
-        once per row."""
+        (api, error) and one API id: (API id, return code), where an id
+        names all its rows alike; else told apart by name too (an aclnn
+        launch is named by its op). Two ids of one name (cudaLaunchKernel
+        and its _ptsz) keep two keys: a count by key adds them up by name
+        (detectors/call_failures.py, the report's failed calls), looking
+        names up once per key, not once per row. Made once per rows, for
+        every reader (read-only)."""
         ev = self.events
         keys = device_stream.api_code_keys(ev["api"], ev["ret"])
         failed = np.flatnonzero(self.failed)
@@ -113,6 +115,7 @@ class DeviceRows:
                                 return_inverse=True)
             keys[at] = -(taken + 1 + pair.reshape(-1))
             taken += int(pair.max()) + 1
+        keys.flags.writeable = False
         return keys
 
 

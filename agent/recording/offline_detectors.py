@@ -222,7 +222,7 @@ class FailuresReplay:
         # Counted per (api, error) key: a name and an error text looked at
         # once per key, not a Python step per call.
         self.found += self.detector.feed(ev["pid"], ev["ts_ns"], rows.failed, rows.api,
-                                         rows.error, rows.failure_keys())
+                                         rows.error, rows.failure_keys)
         self.last_ns = max(self.last_ns, int(ev["ts_ns"].max()))
 
     def finish(self) -> list[dict]:

@@ -158,28 +158,15 @@ class DeviceSummary:
                 entry[1] += total
 
     def _add_failures(self, rows, by_api: ApiGroups, at: np.ndarray):
-        """Failed calls per (stream, kind, api, error): grouped by API id
-        and code (the error's text is the code's), an API that names rows
-        apart (an aclnn launch names its op) counted row by row."""
-        ids = by_api.inverse[at]
-        apis = rows.api[at]
-        varies = set()
-        for j in np.unique(ids).tolist():
-            mine = apis[ids == j]
-            if not (mine == mine[0]).all():
-                varies.add(j)
-        order, starts = _sorted_runs(device_stream.api_code_keys(ids, rows.events["ret"][at]))
+        """Failed calls per (stream, kind, api, error): grouped by their
+        failure key (DeviceRows.failure_keys: one API id, api and error a
+        key), each group's names read once."""
+        order, starts = _sorted_runs(rows.failure_keys[at])
         sizes = np.diff(np.append(starts, len(order))).tolist()
         firsts = at[order[starts]]
-        for start, n, j, api, error in zip(starts.tolist(), sizes, by_api.inverse[firsts].tolist(),
-                                           rows.api[firsts].tolist(),
-                                           rows.error[firsts].tolist()):
-            head = (by_api.stream[j], by_api.kind[j])
-            if j not in varies:
-                self.failures[head + (api, error)] += n
-                continue
-            for name, calls in Counter(rows.api[at[order[start:start + n]]]).items():
-                self.failures[head + (name, error)] += calls
+        for n, j, api, error in zip(sizes, by_api.inverse[firsts].tolist(),
+                                    rows.api[firsts].tolist(), rows.error[firsts].tolist()):
+            self.failures[(by_api.stream[j], by_api.kind[j], api, error)] += n
 
     def top_ops(self, limit: int = 20) -> list[dict]:
         """Submissions (not syncs, not copies) by (stream, api, op_name), most first."""
