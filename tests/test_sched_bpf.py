@@ -177,6 +177,9 @@ def wait_channels(pid: int) -> dict[str, str]:
     return out
 
 
+SIGINT_AGAIN_S = 3.0
+
+
 class BpftraceRunq:
     """tests/runq_reference.bt under bpftrace: waits per thread name, from
     the scheduler tracepoints' fields only."""
@@ -193,12 +196,20 @@ class BpftraceRunq:
 
     def stop(self) -> tuple[dict, dict]:
         """({comm: waits}, {comm: {runqlat bucket low_us: count}})."""
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            out, err = self.proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"bpftrace did not exit within 60 s of SIGINT; its threads "
-                                 f"wait in: {wait_channels(self.proc.pid)}") from None
+        # Sent again every few seconds: a SIGINT that lands between bpftrace's
+        # check of its exit flag and its next epoll_wait is lost, and with no
+        # output to wake that wait it blocks for good (once in a CI run here).
+        deadline = time.monotonic() + 60
+        while True:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                out, err = self.proc.communicate(timeout=SIGINT_AGAIN_S)
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() >= deadline:
+                    raise AssertionError(
+                        f"bpftrace did not exit within 60 s of SIGINT; its threads wait in: "
+                        f"{wait_channels(self.proc.pid)}") from None
         assert self.proc.returncode == 0, err
         waits, hists = {}, {}
         for line in out.splitlines():
