@@ -237,6 +237,14 @@ def test_batch_numbers_match_python(values):
     v = np.array(values, np.uint64)
     assert Rows(len(v)).varint(v).const(b";").bytes() == b"".join(
         varint(x) + b";" for x in values)
+    # A varint column as the exports use it: rows taken in another order,
+    # and kept only where present (Rows.where).
+    back = np.arange(len(v))[::-1]
+    assert Rows(len(v)).varint(v).const(b";").take(back).bytes() == b"".join(
+        varint(x) + b";" for x in values[::-1])
+    present = v % np.uint64(3) != 0
+    assert Rows(len(v)).const(b"<").where(present, Rows(len(v)).varint(v)).bytes() == b"".join(
+        b"<" + (varint(x) if x % 3 else b"") for x in values)
     assert Rows(len(v), text=True).decimal(v).const(b",\n").bytes() == b"".join(
         b"%d,\n" % x for x in values)
     assert [decimal_lengths(x) for x in v] == [len(b"%d" % x) for x in values]    # one value
