@@ -287,6 +287,33 @@ def test_report_lists_the_anomaly_with_its_evidence(tmp_path):
     assert "p99_drift runq_delay{pid=70} firing" in text and "top threads 77" in text
 
 
+def test_submitters_learn_each_working_thread_once_and_keep_the_highest_past_the_limit():
+    from mmtrace.agent.ingest.latency_series import Submitters
+    kinds = device_stream.KIND_IDS
+
+    def calls(tids, kind="launch"):
+        ev = np.zeros(len(tids), device_stream.DEV_EVENT)
+        ev["tid"], ev["kind"] = tids, kinds[kind]
+        return ev
+
+    known = Submitters(limit=5)
+    known.learn(calls([]))
+    assert known.version == 0 and not len(known.tids)
+    known.learn(calls([9, 3, 9, 3, 9]))         # repeated, unsorted
+    assert known.tids.tolist() == [3, 9] and known.version == 1
+    known.learn(calls([3, 9, 9]))               # nothing new: no change
+    assert known.version == 1
+    known.learn(calls([5, 5], kind="sync"))     # a syncing thread does device work too
+    assert known.tids.tolist() == [3, 5, 9] and known.version == 2
+    work = calls([7, 100, 8, 100])
+    work["kind"][[1, 3]] = 255                  # no kind: not device work
+    known.learn(work)
+    assert known.tids.tolist() == [3, 5, 7, 8, 9] and known.version == 3
+    known.learn(calls([11, 2]))                 # past the limit: the highest stay
+    assert known.tids.tolist() == [5, 7, 8, 9, 11]
+    assert known.mask(np.array([5, 6, 11, 2], np.uint32)).tolist() == [True, False, True, False]
+
+
 def test_series_of_exited_processes_are_dropped(tmp_path):
     from mmtrace.agent.daemon.loop import Daemon
     cfg = config_mod.DaemonConfig(state_dir=tmp_path / "state", socket=tmp_path / "s.sock")

@@ -92,8 +92,8 @@ class Submitters:
         if not len(device_events):
             return
         work = device_stream.in_table(device_events["kind"], DEVICE_WORK)
-        tids = np.unique(device_events["tid"][work])
-        new = tids[~self.mask(tids)]
+        tids = device_events["tid"][work]
+        new = tids[~self.mask(tids)]        # known ones dropped before any sort
         if len(new):        # most batches bring none: the known ones are left as they are
             self._tids = np.union1d(self._tids, new)[-self.limit:]
             self._asked = None
