@@ -108,10 +108,10 @@ class Rows:
 
     def varint(self, values: np.ndarray):
         """Protobuf base-128 varints of non-negative integers. Built a byte
-        position at a time into contiguous rows, laid out as columns by a
-        transposed view: writing each position into a column of the row
-        matrix took a strided pass, and half the time (a varint of 6 or 9
-        bytes: 1.9x)."""
+        position at a time into contiguous planes, laid out as columns by a
+        transposed view: written straight into the columns of the row
+        matrix, each position was a strided pass, and varints of 6 or 9
+        bytes took about twice as long."""
         v = np.asarray(values).astype(np.uint64)       # a copy: shifted in place below
         lengths, shortest, width = _lengths_and_range(v, _VARINT_STEPS)
         planes = np.empty((width, self.n), np.uint8)   # planes[k]: each varint's byte k
