@@ -24,7 +24,7 @@ alternating. Written to bench/out/ticks.json.
 
 Usage:
     .venv/bin/python bench/bench_ticks.py --recording FILE [--baseline-rev REV]
-        [--seconds 60] [--spans 0.02 0.25 1] [--rounds 2]
+        [--seconds 60] [--spans 0.02 0.25 1] [--rounds 2] [--breakdown]
 The soak's mix makes a fitting recording (bench_recording.py --mix-s 90
 --keep).
 """
@@ -58,8 +58,46 @@ from mmtrace.agent.daemon.loop import Daemon
 from mmtrace.agent.recording.file_format import RecordingReader
 
 path, seconds, warmup = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
-spans = [float(s) for s in sys.argv[4:]]
+breakdown = sys.argv[4] == "1"
+spans = [float(s) for s in sys.argv[5:]]
 logging.disable(logging.CRITICAL)
+
+# --breakdown: the process CPU of each of these steps, summed over the
+# measured ticks (inclusive: a step called inside another counts in both).
+STEPS = [("agent.daemon.streams", "Streams.batch"), ("agent.ingest.align", "Aligner.push"),
+         ("agent.ingest.packed_ring", "PackedRing.push"),
+         ("agent.ingest.packed_ring", "PackedRing._seal"),
+         ("agent.daemon.launcher_time", "LauncherTime.on_device"),
+         ("agent.daemon.launcher_time", "LauncherTime.on_runq"),
+         ("agent.daemon.launcher_time", "LauncherTime.tick"),
+         ("detectors.p99_drift", "P99Drift.observe"), ("detectors.p99_drift", "P99Drift.advance"),
+         ("exporters.live.event_counts", "EventCounts.on_device"),
+         ("exporters.live.event_counts", "EventCounts.on_runq"),
+         ("detectors.call_failures", "CallFailures.feed"),
+         ("agent.ingest.latency_series", "Submitters.learn"),
+         ("agent.daemon.memory_watch", "MemoryWatch.on_device")]
+spent = {}
+
+
+def timed(cls, name, label):
+    inner = getattr(cls, name)
+
+    def step(*args, **kwargs):
+        began = time.process_time()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[label] = spent.get(label, 0.0) + time.process_time() - began
+    setattr(cls, name, step)
+
+
+if breakdown:
+    import importlib
+    for module, step in STEPS:     # a tree without the step: left out
+        cls_name, _, method = step.partition(".")
+        cls = getattr(importlib.import_module("mmtrace." + module), cls_name, None)
+        if cls is not None and hasattr(cls, method):
+            timed(cls, method, step)
 with RecordingReader(path) as rec:
     runq, device = (list(rec.pieces(s)) for s in ("cpu.runq", "dev.event"))
 if not runq or not device:
@@ -129,6 +167,8 @@ with tempfile.TemporaryDirectory() as tmp:
             daemon._drained_at = 0.0                   # every tick drains
             # No /proc sweeps, no heap trims (due by the wall clock, not the recording's).
             daemon._next_sweep = daemon._next_exited_sweep = daemon._next_trim = float("inf")
+            if i == int(np.ceil(warmup * count)):
+                spent.clear()
             began = time.process_time()
             daemon.tick(now_ns=now)
             if i >= warmup * count:
@@ -136,7 +176,9 @@ with tempfile.TemporaryDirectory() as tmp:
                 events += sum(len(b) for _, b in batches)
         n = count - int(np.ceil(warmup * count))
         out.append({"span_s": span, "ticks": n, "ms_a_tick": timed / n * 1e3,
-                    "events_a_tick": events / n})
+                    "events_a_tick": events / n,
+                    "steps_ms_a_tick": {k: v / n * 1e3 for k, v in spent.items()}})
+        spent.clear()
 print(json.dumps(out))
 """
 
@@ -157,6 +199,9 @@ def main():
     p.add_argument("--spans", type=float, nargs="+", default=[0.02, 0.25, 1.0],
                    help="seconds of events a tick (the live daemon's: 0.25)")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time the sinks' main steps (Aligner.push, PackedRing.push, ...): "
+                        "ms a tick each, inclusive, printed for each span")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args()
     if not args.recording.is_file():
@@ -171,12 +216,15 @@ def main():
     runs = alternating_runs(
         "bench_ticks", args.baseline_rev, args.rounds,
         lambda env: run_child("bench_ticks", TICKS, [args.recording, args.seconds, WARMUP,
-                                                      *args.spans], env),
+                                                      int(args.breakdown), *args.spans], env),
         lambda run: ", ".join(f"{row['ms_a_tick']:.2f} ms a {row['span_s']:g} s tick"
                               for row in run))
     result = {"recording": str(args.recording), "seconds": args.seconds, "trees": {}}
     for name, got in runs.items():
-        rows = [{**got[0][k], "ms_a_tick": statistics.median(run[k]["ms_a_tick"] for run in got)}
+        rows = [{**got[0][k], "ms_a_tick": statistics.median(run[k]["ms_a_tick"] for run in got),
+                 "steps_ms_a_tick": {step: statistics.median(run[k]["steps_ms_a_tick"][step]
+                                                             for run in got)
+                                     for step in got[0][k].get("steps_ms_a_tick", {})}}
                 for k in range(len(args.spans))]
         fixed, per_event = fitted(rows)
         result["trees"][name] = {"spans": rows, "fixed_ms_a_tick": round(fixed, 3),
@@ -184,6 +232,10 @@ def main():
         print(f"{name:<12} " + ", ".join(f"{r['ms_a_tick']:.2f} ms a {r['span_s']:g} s tick "
                                          f"({r['events_a_tick']:.0f} events)" for r in rows)
               + f"; fitted {fixed:.2f} ms a tick + {per_event:.3f} µs an event")
+        for r in rows if args.breakdown else ():
+            steps = sorted(r["steps_ms_a_tick"].items(), key=lambda kv: -kv[1])
+            print(f"  {r['span_s']:g} s ticks, ms a tick (inclusive): " + ", ".join(
+                f"{step} {ms:.3f} ({100 * ms / r['ms_a_tick']:.0f} %)" for step, ms in steps))
     if args.baseline_rev:
         this, base = result["trees"]["this"], result["trees"][args.baseline_rev]
         result["ratios"] = {str(a["span_s"]): round(a["ms_a_tick"] / b["ms_a_tick"], 3)
