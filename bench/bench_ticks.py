@@ -18,6 +18,10 @@ read, threads' processes, op names learnt from /proc), the probes and the
 socket is not in it (profile_daemon.py sees those); nor are flight
 recordings (bench_flight_dump.py times them) and heap trims.
 
+With --breakdown, the sinks' main steps (STEPS: Aligner.push, PackedRing.push,
+P99Drift.observe...) are timed too, each inclusive of what it calls, in ms a
+tick: where a tick's fixed part and its part an event go.
+
 Each tree runs in a process of its own (the baseline from a `git archive`
 on PYTHONPATH, as bench_recording's baseline_env makes), --rounds times,
 alternating. Written to bench/out/ticks.json.
