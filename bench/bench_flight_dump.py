@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from side_by_side import alternating_runs, run_child  # noqa: E402
+from side_by_side import RECORDED_STREAMS, alternating_runs, run_child  # noqa: E402
 
 OUT = ROOT / "bench" / "out" / "flight_dump.json"
 REACH_S = 30.0          # the daemon's ring_seconds: what a dump writes
@@ -47,17 +47,7 @@ from mmtrace.bpf.sched import RUNQ_EVENT
 
 path, seconds, dumps, reach_s, step = (sys.argv[1], float(sys.argv[2]), int(sys.argv[3]),
                                        float(sys.argv[4]), int(sys.argv[5]))
-with RecordingReader(path) as rec:
-    runq, device = (list(rec.pieces(s)) for s in ("cpu.runq", "dev.event"))
-if not runq or not device:
-    sys.exit(f"{path}: expected run-queue and GPU/NPU events, got "
-             f"{sum(map(len, runq))} and {sum(map(len, device))}")
-runq, device = np.concatenate(runq), np.concatenate(device)
-first = int(min(runq["ts_ns"].min(), device["ts_ns"].min()))
-end = first + int(seconds * 1e9)
-last = int(max(runq["ts_ns"].max(), device["ts_ns"].max()))
-if end > last:
-    sys.exit(f"{path}: expected at least {seconds:g} s of events, got {(last - first) / 1e9:.1f}")
+""" + RECORDED_STREAMS + r"""end = first + int(seconds * 1e9)
 age = int(reach_s * 1e9)
 ring = PackedRing(RUNQ_EVENT, 1 << 22, age)
 aligner = Aligner(ApiRoles.from_infos(default_infos()), capacity=1 << 21, max_age_ns=age,

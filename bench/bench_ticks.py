@@ -45,7 +45,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from side_by_side import alternating_runs, run_child  # noqa: E402
+from side_by_side import RECORDED_STREAMS, alternating_runs, run_child  # noqa: E402
 
 OUT = ROOT / "bench" / "out" / "ticks.json"
 WARMUP = 0.4            # of each span's ticks, left out: baselines learnt, tables grown
@@ -102,17 +102,7 @@ if breakdown:
         cls = getattr(importlib.import_module("mmtrace." + module), cls_name, None)
         if cls is not None and hasattr(cls, method):
             timed(cls, method, step)
-with RecordingReader(path) as rec:
-    runq, device = (list(rec.pieces(s)) for s in ("cpu.runq", "dev.event"))
-if not runq or not device:
-    sys.exit(f"{path}: expected run-queue and GPU/NPU events, got "
-             f"{sum(map(len, runq))} and {sum(map(len, device))}")
-runq, device = np.concatenate(runq), np.concatenate(device)
-first = int(min(runq["ts_ns"].min(), device["ts_ns"].min()))
-last = int(max(runq["ts_ns"].max(), device["ts_ns"].max()))
-if first + int(seconds * 1e9) > last:
-    sys.exit(f"{path}: expected at least {seconds:g} s of events, got {(last - first) / 1e9:.1f}")
-# When each record leaves the rings: a switch-in at its stamp, a GPU/NPU
+""" + RECORDED_STREAMS + r"""# When each record leaves the rings: a switch-in at its stamp, a GPU/NPU
 # call at its return (stamped at its entry).
 times = {"cpu": runq["ts_ns"].astype(np.int64),
          "dev": (device["ts_ns"] + device["duration_ns"]).astype(np.int64)}

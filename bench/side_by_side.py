@@ -13,6 +13,23 @@ from pathlib import Path
 
 from bench_recording import baseline_env
 
+# A child script's part that reads a recording whole, given `path` and
+# `seconds` (and sys, numpy as np, RecordingReader imported): its run-queue
+# and GPU/NPU records (runq, device) and their earliest and latest stamps
+# (first, last); it exits unless both streams are there and span `seconds`.
+RECORDED_STREAMS = r"""
+with RecordingReader(path) as rec:
+    runq, device = (list(rec.pieces(s)) for s in ("cpu.runq", "dev.event"))
+if not runq or not device:
+    sys.exit(f"{path}: expected run-queue and GPU/NPU events, got "
+             f"{sum(map(len, runq))} and {sum(map(len, device))}")
+runq, device = np.concatenate(runq), np.concatenate(device)
+first = int(min(runq["ts_ns"].min(), device["ts_ns"].min()))
+last = int(max(runq["ts_ns"].max(), device["ts_ns"].max()))
+if first + int(seconds * 1e9) > last:
+    sys.exit(f"{path}: expected at least {seconds:g} s of events, got {(last - first) / 1e9:.1f}")
+"""
+
 
 def run_child(bench: str, script: str, argv: list, env: dict):
     """`script` run by this Python with `argv` in `env`: what it printed, as JSON."""
