@@ -254,6 +254,36 @@ def test_batch_numbers_match_python(values):
         b"%d.%03d" % (x // 1000, x % 1000) for x in small.tolist())
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([None, "alpha", "beta", "cudaLaunchKernel"]),
+                          st.sampled_from(["gpu", "npu"])), max_size=60),
+       st.booleans())
+@example([("alpha", "gpu"), ("beta", "gpu"), ("alpha", "npu")] * 3, True)
+def test_codes_of_object_columns_are_those_of_their_values_whatever_objects_hold_them(
+        pairs, copies):
+    from mmtrace.exporters.files.rowtext import codes, object_codes, row_codes
+    # `copies`: equal values held by distinct objects, as a decoder may give.
+    own = (lambda v: None if v is None else v[:1] + v[1:]) if copies else (lambda v: v)
+    first = np.array([own(a) for a, _ in pairs] or [], object)
+    second = np.array([own(b) for _, b in pairs] or [], object)
+    expected_codes, expected = codes(list(zip(first.tolist(), second.tolist())))
+    found, distinct = row_codes(first, second)
+    assert distinct == expected and found.tolist() == expected_codes.tolist()
+    one_codes, one = codes(first.tolist())
+    found, distinct = object_codes(first)
+    assert distinct == one and found.tolist() == one_codes.tolist()
+
+
+def test_codes_of_many_distinct_objects_survive_hash_collisions():
+    from mmtrace.exporters.files.rowtext import object_codes
+    from mmtrace.exporters.files.rowtext import _firsts, _addresses
+    values = np.array([f"kernel_{i % 5000}" for i in range(20000)], object)
+    assert _firsts(_addresses(values)[:, None]) is None     # 20 000 objects share slots
+    found, distinct = object_codes(values)
+    assert distinct == [f"kernel_{i}" for i in range(5000)]
+    assert found.tolist() == [i % 5000 for i in range(20000)]
+
+
 @st.composite
 def runq_batches(draw):
     n = draw(st.integers(1, 40))

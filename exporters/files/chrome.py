@@ -14,7 +14,7 @@ from mmtrace.bpf import device as device_stream
 from mmtrace.bpf.sched import wait_start_ns
 
 from mmtrace.exporters.files.rowtext import (NO_LINES, Rows, first_per_thread, device_lines,
-                                             json_texts, write_merged)
+                                             json_texts, json_value, row_codes, write_merged)
 
 
 def _runq_rows(runq: np.ndarray) -> Rows:
@@ -32,12 +32,15 @@ def device_rows(rows) -> Rows:
     else by API."""
     ev = rows.events
     n = len(ev)
-    names = [op or api for op, api in zip(rows.op_name, rows.api)]
-    categories = [f"{s}.{k}" for s, k in zip(rows.stream, rows.kind)]
-    copy = np.array([d is not None for d in rows.direction], bool)
+    # Named and filed per distinct (op, api) and (stream, kind), not per row.
+    name_codes, names = row_codes(rows.op_name, rows.api)
+    category_codes, categories = row_codes(rows.stream, rows.kind)
+    copy = rows.direction != None  # noqa: E711  (elementwise on an object array)
     returned = (ev["flags"] & device_stream.FLAG_RETURNED) != 0
-    return (Rows(n, text=True).const(b',{"name":').table(*json_texts(names))
-            .const(b',"cat":').table(*json_texts(categories))
+    return (Rows(n, text=True).const(b',{"name":')
+            .table(name_codes, [json_value(op or api) for op, api in names])
+            .const(b',"cat":').table(category_codes,
+                                     [json_value(f"{s}.{k}") for s, k in categories])
             .const(b',"pid":').decimal(ev["pid"]).const(b',"tid":').decimal(ev["tid"])
             .const(b',"ts":').fixed3(ev["ts_ns"])
             .const(b',"args":{"api":').table(*json_texts(rows.api))

@@ -40,7 +40,7 @@ def outcome_texts(rows) -> tuple[list[str], np.ndarray]:
     found = np.where(device_stream.returned(rows.events), 0, 1)
     failed = rows.failed
     if failed.any():
-        codes, errors = rowtext_codes(list(rows.error[failed]))
+        codes, errors = rowtext_codes(rows.error[failed])
         found[failed] = codes + len(texts)
         texts += [f"failed: {e}" for e in errors]
     return texts, found
@@ -82,7 +82,7 @@ def call_fields(rows):
     by_api = rows.api_groups()
     ev, p = rows.events, _present(rows, by_api)
     handles, streams = np.unique(ev["stream_handle"], return_inverse=True)
-    return [("api", _by_value(list(rows.api)), None, TEXT),
+    return [("api", _by_value(rows.api), None, TEXT),
             ("stream", ([hex(h) for h in handles.tolist()], streams.reshape(-1)), None, TEXT),
             ("sched_delay_ns", ev["sched_delay_ns"], None, INT),
             ("op_id", ev["op_id"], p["op_id"], INT),

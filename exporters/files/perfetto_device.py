@@ -18,8 +18,7 @@ from mmtrace.exporters.files.perfetto_rows import (counter_rows, event_rows, fix
                                                    slice_rows_apart)
 from mmtrace.exporters.files.perfetto_tracks import flow_ids, stream_uuids, thread_uuid, thread_uuids
 from mmtrace.exporters.files.protowire import field_bytes, field_varint, varint
-from mmtrace.exporters.files.rowtext import Rows, records_at
-from mmtrace.exporters.files.rowtext import codes as rowtext_codes
+from mmtrace.exporters.files.rowtext import Rows, records_at, row_codes
 
 MAX_PENDING_FLOWS = 1 << 16     # submissions awaiting their sync at once
 WIDE_FLOWS = 8                  # a sync that ends more is encoded on its own
@@ -129,7 +128,7 @@ class DeviceEncoder:
         time in flight; 4: the bytes its process has copied)."""
         ev = rows.events
         n = len(ev)
-        codes, keys = rowtext_codes(list(zip(rows.stream, rows.kind, rows.op_name, rows.api)))
+        codes, keys = row_codes(rows.stream, rows.kind, rows.op_name, rows.api)
         entries = [labels(f"{s}.{k}", op or api) for s, k, op, api in keys]
         by_api = rows.api_groups()
         submission = by_api.of_kinds(*SUBMISSION_KINDS)
