@@ -6,11 +6,13 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from mmtrace.bpf import device as device_stream
 from mmtrace.bpf.sched import RUNQ_EVENT
 from mmtrace.detectors.diagnosis import DiagnosisRules, diagnose, window_shares
-from mmtrace.detectors.starvation import Starvation
+from mmtrace.detectors.starvation import Starvation, sorted_median, sorted_quantile
 from mmtrace.detectors.time_split import ThreadInfo, TimeSplit, split_intervals
 
 from mmtrace.agent.config.settings import DiagnosisSettings
@@ -210,6 +212,20 @@ def test_slices_coarsen_past_their_bound_and_the_shares_hold():
     assert rows <= 64
     shares = diagnose(split, 0, 100 * S)["processes"][0]["shares"]
     assert shares["runnable"] == pytest.approx(0.3, abs=0.02)
+
+
+@given(st.lists(st.one_of(st.floats(0, 1), st.sampled_from([0.0, 0.1, 1 / 3, 0.5, 1e-9])),
+                min_size=1, max_size=70),
+       st.one_of(st.sampled_from([0.0, 0.5, 0.9, 0.95, 1.0]), st.floats(0, 1)))
+@example([0.1, 0.2], 0.5)
+@example([0.3], 0.9)
+@example([0.1, float("nan"), 0.2], 0.9)
+@example([0.3, float("nan"), 0.1, 0.2, 0.05], 0.5)
+def test_a_watchs_baseline_and_noise_are_numpys_median_and_quantile_to_the_bit(values, q):
+    ordered = sorted(values)
+    same = np.testing.assert_array_equal     # NaN equals NaN
+    same(sorted_median(ordered), float(np.median(values)))
+    same(sorted_quantile(ordered, q), float(np.quantile(values, q)))
 
 
 def test_a_starved_window_fires_after_consecutive_ones_and_a_noisy_baseline_cannot_blind_it():
