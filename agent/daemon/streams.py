@@ -111,10 +111,8 @@ class Streams:
         self.launchers.on_device(aligned)
         self.memory.on_device(aligned)
         self.act(self.failures.feed(*ls.failure_calls(aligned, self.infos)))
-        # One intake for both, as a recording's replay does (a batch's fixed
-        # cost paid once): their series are apart, so nothing else changes.
-        self.observe(ls.concat([ls.sync_series(self.series_id, aligned),
-                                ls.retire_series(self.series_id, self.aligner.last_retired)]))
+        self.observe(ls.sync_series(self.series_id, aligned))
+        self.observe(ls.retire_series(self.series_id, self.aligner.last_retired))
         if self.otlp is not None:
             self.otlp.submissions(self.aligner.last_retired)
 
