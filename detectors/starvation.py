@@ -56,7 +56,8 @@ from mmtrace.detectors.diagnosis import rise_level
 
 
 def sorted_median(ordered: list[float]) -> float:
-    """np.median of these values (sorted, at least one), to the bit: a
+    """np.median of these values (sorted, at least one), to the bit for
+    the finite shares a watch holds (numpy's -0.0 and inf cases aside): a
     closing window asks each launcher's baselines of every watch, and
     numpy's set-up cost 15-20 us a call for a few dozen values (a
     millisecond a second on a host of ten launchers)."""
@@ -69,7 +70,8 @@ def sorted_median(ordered: list[float]) -> float:
 
 def sorted_quantile(ordered: list[float], q: float) -> float:
     """np.quantile(values, q) (the default, linear method) of these values
-    (sorted, at least one), to the bit, as numpy interpolates."""
+    (sorted, at least one), as numpy interpolates: to the bit for finite
+    values (numpy gives NaN where it interpolates inf - inf)."""
     if any(v != v for v in ordered):
         return float(np.quantile(ordered, q))
     n = len(ordered)

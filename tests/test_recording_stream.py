@@ -261,17 +261,21 @@ def test_batch_numbers_match_python(values):
 @example([("alpha", "gpu"), ("beta", "gpu"), ("alpha", "npu")] * 3, True)
 def test_codes_of_object_columns_are_those_of_their_values_whatever_objects_hold_them(
         pairs, copies):
-    from mmtrace.exporters.files.rowtext import codes, object_codes, row_codes
+    from mmtrace.exporters.files.rowtext import FEW_ROWS, codes, object_codes, row_codes
     # `copies`: equal values held by distinct objects, as a decoder may give.
     own = (lambda v: None if v is None else v[:1] + v[1:]) if copies else (lambda v: v)
     first = np.array([own(a) for a, _ in pairs] or [], object)
     second = np.array([own(b) for _, b in pairs] or [], object)
-    expected_codes, expected = codes(list(zip(first.tolist(), second.tolist())))
-    found, distinct = row_codes(first, second)
-    assert distinct == expected and found.tolist() == expected_codes.tolist()
-    one_codes, one = codes(first.tolist())
-    found, distinct = object_codes(first)
-    assert distinct == one and found.tolist() == one_codes.tolist()
+    # Short columns are hashed row by row; long ones (the same rows again
+    # and again) by the objects they hold.
+    for times in (1, -(-FEW_ROWS // max(len(pairs), 1))):
+        left, right = np.tile(first, times), np.tile(second, times)
+        expected_codes, expected = codes(list(zip(left.tolist(), right.tolist())))
+        found, distinct = row_codes(left, right)
+        assert distinct == expected and found.tolist() == expected_codes.tolist()
+        one_codes, one = codes(left.tolist())
+        found, distinct = object_codes(left)
+        assert distinct == one and found.tolist() == one_codes.tolist()
 
 
 def test_codes_of_many_distinct_objects_survive_hash_collisions():

@@ -329,6 +329,9 @@ def codes(values) -> tuple[np.ndarray, list]:
     return np.fromiter(map(index.__getitem__, values), np.int64, len(values)), distinct
 
 
+FEW_ROWS = 256
+
+
 def object_codes(values: np.ndarray) -> tuple[np.ndarray, list]:
     """codes() of a 1-d object array (row_codes of one column)."""
     found, distinct = row_codes(values)
@@ -342,10 +345,17 @@ def row_codes(*columns: np.ndarray) -> tuple[np.ndarray, list[tuple]]:
     grouped by the objects they hold, read as integers from the arrays'
     own buffers and hashed (_distinct_words), and one row of each group is
     hashed by value, which merges equal values held by distinct objects.
-    A hash of each row's values cost 3-5 times more."""
+    A hash of each row's values cost 3-5 times more; below FEW_ROWS rows
+    (a batch's failed calls) the hash tables' set-up costs more than it
+    saves, and the values are hashed row by row."""
     n = len(columns[0])
-    if not n:
-        return np.zeros(0, np.int64), []
+    if any(len(c) != n for c in columns):
+        raise ValueError(f"expected columns of one length, got {[len(c) for c in columns]}")
+    if n < FEW_ROWS:
+        rows = list(zip(*(np.asarray(c, object).tolist() for c in columns)))
+        index: dict = {}
+        found = np.fromiter((index.setdefault(row, len(index)) for row in rows), np.int64, n)
+        return found, list(index)
     held = [np.ascontiguousarray(np.asarray(c, object)) for c in columns]
     found, firsts = _distinct_words(np.stack([_addresses(c) for c in held], axis=1))
     index: dict = {}
