@@ -352,17 +352,11 @@ def row_codes(*columns: np.ndarray) -> tuple[np.ndarray, list[tuple]]:
     if any(len(c) != n for c in columns):
         raise ValueError(f"expected columns of one length, got {[len(c) for c in columns]}")
     if n < FEW_ROWS:
-        rows = list(zip(*(np.asarray(c, object).tolist() for c in columns)))
-        index: dict = {}
-        found = np.fromiter((index.setdefault(row, len(index)) for row in rows), np.int64, n)
-        return found, list(index)
+        return codes(list(zip(*(np.asarray(c, object).tolist() for c in columns))))
     held = [np.ascontiguousarray(np.asarray(c, object)) for c in columns]
     found, firsts = _distinct_words(np.stack([_addresses(c) for c in held], axis=1))
-    index: dict = {}
-    merged = np.fromiter((index.setdefault(row, len(index))
-                          for row in zip(*(c[firsts].tolist() for c in held))),
-                         np.int64, len(firsts))
-    return merged[found], list(index)
+    merged, distinct = codes(list(zip(*(c[firsts].tolist() for c in held))))
+    return merged[found], distinct
 
 
 def _addresses(values: np.ndarray) -> np.ndarray:
